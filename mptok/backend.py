@@ -24,8 +24,11 @@ the tail's first segment is tokenized with it.
 from __future__ import annotations
 
 import json
+import itertools
 import logging
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,33 @@ def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
     raise SlowTokenizerError(f"{type(tokenizer).__name__} has no Rust tokenizers backend")
 
 
+# Backends kept per process, one per distinct tokenizer object. Building one
+# copies the Rust tokenizer through JSON: ~0.5 s for a 128k vocabulary, ~3 s
+# for Qwen's 248k. Every cache in the process shares them.
+MAX_BACKENDS = 8
+_backends: OrderedDict[int, tuple[Any, TokenizerBackend]] = OrderedDict()
+_backends_lock = threading.Lock()
+
+
+def backend_for(tokenizer: Any) -> TokenizerBackend:
+    """The process-wide ``TokenizerBackend`` of ``tokenizer``, built on first use.
+
+    Holds ``tokenizer`` (so its id cannot be reused) until ``MAX_BACKENDS``
+    newer tokenizers have been seen. Raises ``SlowTokenizerError``.
+    """
+    with _backends_lock:
+        known = _backends.get(id(tokenizer))
+        if known is not None and known[0] is tokenizer:
+            _backends.move_to_end(id(tokenizer))
+            return known[1]
+    backend = TokenizerBackend(tokenizer)  # slow: outside the lock
+    with _backends_lock:
+        _backends[id(tokenizer)] = (tokenizer, backend)
+        while len(_backends) > MAX_BACKENDS:
+            _backends.popitem(last=False)
+    return backend
+
+
 @dataclass(frozen=True)
 class TokenSpans:
     """Ids of a piece of text with what the seam logic needs to know of each token.
@@ -118,7 +148,11 @@ class TokenizerBackend:
     they are.
     """
 
+    _serials = itertools.count()
+
     def __init__(self, tokenizer: Any):
+        # Never reused, unlike id(): caches key their entries by it.
+        self.serial = next(self._serials)
         rust = rust_tokenizer_of(tokenizer)
         spec = json.loads(rust.to_str())
         spec["truncation"] = None
@@ -133,6 +167,7 @@ class TokenizerBackend:
             _build(continuation_spec, split_special) if continuation_spec != spec else None
         )
         self._added_ids = frozenset(rust.get_added_tokens_decoder())
+        self._opens_word, self._closes_word = _space_marker_ids(spec, self._full)
         self._full_normalizer = self._full.normalizer
         self._continuation_normalizer = (self._continuation or self._full).normalizer
 
@@ -151,14 +186,14 @@ class TokenizerBackend:
         """
         if self._continuation is None:
             full = self.encode(text)
-            return spans_of(full, 0, len(full))
+            return self.spans(full, 0, len(full))
         cont = _encode(self._continuation, text)
         cont_ids = cont.ids
         first_added = next(
             (i for i, token_id in enumerate(cont_ids) if token_id in self._added_ids), None
         )
         if first_added is None:
-            return spans_of(cont, 0, len(cont))
+            return self.spans(cont, 0, len(cont))
         # From the first added token on, every segment starts a segment of
         # the full prompt too, so the plain tokenizer's ids are the right
         # ones there. Both encodings must agree on where that token is.
@@ -175,14 +210,43 @@ class TokenizerBackend:
         )
         if match is None:
             return None
-        head = spans_of(cont, 0, first_added)
-        rest = spans_of(full, match, len(full))
+        head = self.spans(cont, 0, first_added)
+        rest = self.spans(full, match, len(full))
         return TokenSpans(
             head.ids + rest.ids,
             head.starts + rest.starts,
             head.ends + rest.ends,
             head.word_starts + rest.word_starts,
         )
+
+    def spans(self, encoding: Encoding, begin: int, end: int) -> TokenSpans:
+        """Token spans of ``encoding[begin:end]``, read token by token.
+
+        Reading ``Encoding.offsets`` whole costs about a sixth of the encode
+        itself on a 200k-token prompt; the cache only ever needs a window.
+        A token begins a word where the pre-tokenizer split, and also where
+        a space marker follows a non-space (see ``_space_marker_ids``).
+        """
+        all_ids = encoding.ids
+        ids = all_ids[begin:end]
+        starts: list[int] = []
+        ends: list[int] = []
+        word_starts: list[bool] = []
+        previous_word = encoding.token_to_word(begin - 1) if begin > 0 else None
+        opens, closes = self._opens_word, self._closes_word
+        for i in range(begin, end):
+            start, stop = encoding.token_to_chars(i)
+            word = encoding.token_to_word(i)
+            starts.append(start)
+            ends.append(stop)
+            word_starts.append(
+                i == 0
+                or word is None
+                or word != previous_word
+                or (all_ids[i] in opens and all_ids[i - 1] not in closes)
+            )
+            previous_word = word
+        return TokenSpans(ids, starts, ends, word_starts)
 
     def normalizes_apart(self, left: str, right: str) -> bool:
         """Whether normalizing ``left + right`` equals normalizing each apart.
@@ -199,32 +263,35 @@ class TokenizerBackend:
         return whole == head + tail
 
 
-def spans_of(encoding: Encoding, begin: int, end: int) -> TokenSpans:
-    """Token spans of ``encoding[begin:end]``, read token by token.
-
-    Reading ``Encoding.offsets`` whole costs about a sixth of the encode
-    itself on a 200k-token prompt; the cache only ever needs a window.
-    """
-    ids = encoding.ids[begin:end]
-    starts: list[int] = []
-    ends: list[int] = []
-    word_starts: list[bool] = []
-    previous_word = encoding.token_to_word(begin - 1) if begin > 0 else None
-    for i in range(begin, end):
-        start, stop = encoding.token_to_chars(i)
-        word = encoding.token_to_word(i)
-        starts.append(start)
-        ends.append(stop)
-        word_starts.append(i == 0 or word is None or word != previous_word)
-        previous_word = word
-    return TokenSpans(ids, starts, ends, word_starts)
-
-
 def _encode(tokenizer: Tokenizer, text: str) -> Encoding:
     try:
         return tokenizer.encode(text, add_special_tokens=False)
     except Exception as e:
         raise TokenizerRefused(str(e)) from e
+
+
+def _space_marker_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[frozenset[int], frozenset[int]]:
+    """Ids that open a word, and ids that end in the space marker, where the
+    marker makes word boundaries that no pre-tokenizer marks.
+
+    The legacy SentencePiece layout has no pre-tokenizer: BPE runs over a
+    whole segment. But if no token of the vocabulary holds the space marker
+    ``▁`` right after another character, no token can span the point before
+    a ``▁`` that follows a non-``▁``. BPE and Unigram then tokenize the two
+    sides of that point independently, exactly as if a pre-tokenizer had
+    split there. Returns two empty sets when that does not hold.
+    """
+    marker = "\u2581"
+    if spec.get("model", {}).get("type") not in ("BPE", "Unigram"):
+        return frozenset(), frozenset()
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    for piece in vocab:
+        for i in range(1, len(piece)):
+            if piece[i] == marker and piece[i - 1] != marker:
+                return frozenset(), frozenset()
+    opens = frozenset(i for piece, i in vocab.items() if piece.startswith(marker))
+    closes = frozenset(i for piece, i in vocab.items() if piece.endswith(marker))
+    return opens, closes
 
 
 def _build(spec: dict[str, Any], split_special: bool) -> Tokenizer:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused
+from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
 from mptok.config import CacheConfig
 from mptok.errors import RouteFailed
 from mptok.prefix_index import PrefixIndex
@@ -31,11 +31,6 @@ from mptok.seam import CachedPrompt, extend_prompt, tokenize_prompt
 logger = logging.getLogger(__name__)
 
 Route = Callable[[str, str], "list[int] | None"]
-
-# Backends kept, one per distinct tokenizer object seen. A server uses one;
-# the bound keeps a caller that builds tokenizers in a loop from growing it.
-MAX_TOKENIZERS = 8
-
 
 class PrefixTokenCache:
     """Exact prefix-tokenization cache, safe to share between threads.
@@ -58,7 +53,6 @@ class PrefixTokenCache:
         self._entries: OrderedDict[Hashable, CachedPrompt] = OrderedDict()
         self._cached_chars = 0
         self._by_content = PrefixIndex()
-        self._backends: OrderedDict[int, tuple[Any, TokenizerBackend]] = OrderedDict()
         self._anonymous = itertools.count()
         self._disabled = False
         self._warned_slow = False
@@ -134,7 +128,7 @@ class PrefixTokenCache:
         if not text:
             return []
         try:
-            backend = self._backend_for(tokenizer)
+            backend = backend_for(tokenizer)
         except SlowTokenizerError:
             self._warn_slow(tokenizer)
             return _call_tokenizer(tokenizer, text)
@@ -154,13 +148,13 @@ class PrefixTokenCache:
     def _encode_cached(
         self, backend: TokenizerBackend, tokenizer: Any, text: str, key: str | None
     ) -> list[int]:
-        holder: Hashable = (id(backend), key) if key is not None else None
+        holder: Hashable = (backend.serial, key) if key is not None else None
         with self._lock:
             if key is None:
                 holder = self._by_content.longest_prefix_of(text)
                 base = self._entries.get(holder) if holder is not None else None
-                if base is None or holder[0] != id(backend):
-                    holder = (id(backend), None, next(self._anonymous))
+                if base is None or holder[0] != backend.serial:
+                    holder = (backend.serial, None, next(self._anonymous))
                     base = None
             else:
                 base = self._entries.get(holder)
@@ -206,26 +200,6 @@ class PrefixTokenCache:
             return backend.encode(text).ids
         except TokenizerRefused:
             return _call_tokenizer(tokenizer, text)
-
-    def _backend_for(self, tokenizer: Any) -> TokenizerBackend:
-        with self._lock:
-            known = self._backends.get(id(tokenizer))
-            if known is not None and known[0] is tokenizer:
-                self._backends.move_to_end(id(tokenizer))
-                return known[1]
-        backend = TokenizerBackend(tokenizer)  # a few ms: outside the lock
-        with self._lock:
-            # The tokenizer object is held so that its id cannot be reused.
-            self._backends[id(tokenizer)] = (tokenizer, backend)
-            while len(self._backends) > MAX_TOKENIZERS:
-                _, (_, dropped) = self._backends.popitem(last=False)
-                self._drop_entries_of(dropped)
-        return backend
-
-    def _drop_entries_of(self, backend: TokenizerBackend) -> None:
-        for holder in [h for h in self._entries if h[0] == id(backend)]:
-            self._cached_chars -= len(self._entries.pop(holder).text)
-            self._by_content.discard(holder)
 
     def _count(self, name: str) -> None:
         with self._lock:

@@ -34,7 +34,7 @@ import unicodedata
 from array import array
 from dataclasses import dataclass
 
-from mptok.backend import TokenizerBackend, spans_of
+from mptok.backend import TokenizerBackend
 
 # Characters on each side of a seam handed to the normalizer check. Wider
 # than any normalizer rule seen in real tokenizers (NFC works on one
@@ -66,7 +66,7 @@ def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) ->
     encoding = backend.encode(text)
     ids = encoding.ids
     first = max(0, len(ids) - window_tokens)
-    spans = spans_of(encoding, first, len(ids))
+    spans = backend.spans(encoding, first, len(ids))
     return CachedPrompt(
         text,
         ids,

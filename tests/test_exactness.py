@@ -1,0 +1,159 @@
+"""Every id list the cache returns equals full tokenization, on every family.
+
+Real tokenizers of eight families (tests/families.py), conversations whose
+seams fall where splicing is hardest (tests/conversations.py), and both the
+Rust tokenizer and its transformers wrapper as the caller's tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conversations import ADVERSARIAL_PIECES, adversarial_delta, chat_turns, plain_delta
+from families import CHAT_MARKERS, FAMILIES, load_family, load_family_hf
+from mptok import CacheConfig, PrefixTokenCache
+
+
+def reference_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def every_turn_cache() -> PrefixTokenCache:
+    return PrefixTokenCache(CacheConfig(min_chars=0))
+
+
+@st.composite
+def conversations(draw, family: str) -> list[str]:
+    """Prompts of one conversation: each extends the last, sometimes after
+    cutting its tail back (a rewritten generation prompt, an edit)."""
+    start, end = CHAT_MARKERS[family]
+    alphabet = st.sampled_from(ADVERSARIAL_PIECES + (start, end, start + "assistant\n"))
+    piece_runs = st.lists(alphabet, max_size=12).map("".join)
+    text = draw(piece_runs)
+    prompts = [text]
+    for _ in range(draw(st.integers(1, 6))):
+        if text and draw(st.booleans()):
+            text = text[: draw(st.integers(0, len(text)))]
+        text += draw(piece_runs)
+        prompts.append(text)
+    return prompts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adversarial_conversations_are_exact(family):
+    tokenizer = load_family(family)
+
+    @settings(
+        max_examples=60,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        derandomize=True,
+    )
+    @given(prompts=conversations(family))
+    def check(prompts):
+        cache = every_turn_cache()
+        for prompt in prompts:
+            assert cache.encode(tokenizer, prompt, key="c") == reference_ids(tokenizer, prompt)
+
+    check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_wrapper_is_exact_and_untouched(family):
+    """The cache drives its own copy of the Rust tokenizer; the caller's
+    transformers tokenizer answers exactly as before, and as the cache."""
+    hf = load_family_hf(family)
+    rng = random.Random(family)
+    cache = every_turn_cache()
+    text = ""
+    for _ in range(12):
+        text += adversarial_delta(rng, CHAT_MARKERS[family], pieces=15)
+        assert cache.encode(hf, text, key="c") == hf(text, add_special_tokens=False)["input_ids"]
+    assert cache.stats()["hits"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_adversarial_conversations_hit_and_stay_exact(family):
+    """Turns that each append an adversarial delta to a long history: every
+    result exact, and the cache splices on nearly every turn."""
+    tokenizer = load_family(family)
+    start, end = CHAT_MARKERS[family]
+    rng = random.Random(1)
+    cache = PrefixTokenCache()
+    text = plain_delta(rng, 400)
+    turns = 40
+    for _ in range(turns):
+        text += f"{start}user\n" + adversarial_delta(rng, (start, end), pieces=60) + end
+        assert cache.encode(tokenizer, text, key="c") == reference_ids(tokenizer, text)
+    stats = cache.stats()
+    assert stats["hits"] >= 0.95 * (turns - 1), stats
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_template_rewrites_still_hit(family):
+    """The next turn replaces the last prompt's generation prompt; the
+    common prefix is still reused."""
+    tokenizer = load_family(family)
+    start, end = CHAT_MARKERS[family]
+    cache = PrefixTokenCache()
+    prompts = chat_turns(random.Random(2), start, end, turns=30)
+    for prompt in prompts:
+        assert cache.encode(tokenizer, prompt, key="chat") == reference_ids(tokenizer, prompt)
+    stats = cache.stats()
+    assert stats["hits"] >= 0.95 * (len(prompts) - 1), stats
+
+
+@pytest.mark.parametrize("family", ["deepseek", "qwen", "legacy_sp", "metaspace_first"])
+def test_plain_growing_conversation_always_hits(family):
+    tokenizer = load_family(family)
+    rng = random.Random(3)
+    cache = PrefixTokenCache()
+    text = plain_delta(rng, 300)
+    cache.encode(tokenizer, text, key="plain")
+    for _ in range(25):
+        text += plain_delta(rng, 60)
+        assert cache.encode(tokenizer, text, key="plain") == reference_ids(tokenizer, text)
+    assert cache.stats()["hits"] == 25
+    assert cache.stats()["misses"] == 1
+
+
+@pytest.mark.parametrize("family", ["qwen", "legacy_sp", "metaspace_first", "wordpiece"])
+def test_seams_inside_combining_mark_runs(family):
+    """NFC composes a mark with a base far back; a long run of marks leaves
+    no clean seam near the end, and the result is still exact."""
+    tokenizer = load_family(family)
+    cache = every_turn_cache()
+    text = "word " * 50 + "e"
+    for mark in "\u0301\u0323\u0308\u0304\u0301\u0327" * 5:
+        text += mark
+        assert cache.encode(tokenizer, text, key="marks") == reference_ids(tokenizer, text)
+    text += " after"
+    assert cache.encode(tokenizer, text, key="marks") == reference_ids(tokenizer, text)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_without_key_extend_longest_cached_prefix(family):
+    tokenizer = load_family(family)
+    start, end = CHAT_MARKERS[family]
+    rng = random.Random(4)
+    cache = PrefixTokenCache()
+
+    def message() -> str:
+        return f"{start}user\n{plain_delta(rng, 50)}{end}"
+
+    base = plain_delta(rng, 2000) + message() + message()
+    other = plain_delta(rng, 2000) + message()
+    assert cache.encode(tokenizer, base) == reference_ids(tokenizer, base)
+    assert cache.encode(tokenizer, other) == reference_ids(tokenizer, other)
+    longer = base + message()
+    assert cache.encode(tokenizer, longer) == reference_ids(tokenizer, longer)
+    longest = longer + message()
+    assert cache.encode(tokenizer, longest) == reference_ids(tokenizer, longest)
+    stats = cache.stats()
+    assert stats["hits"] == 2 and stats["misses"] == 2
+    # The keyless conversation advanced in place: one entry each.
+    assert stats["entries"] == 2
