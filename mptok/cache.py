@@ -176,7 +176,7 @@ class PrefixTokenCache:
         else:
             self._count("hits")
         self._keep(holder, prompt, by_content=key is None)
-        return list(prompt.ids)
+        return prompt.ids.to_list()
 
     def _keep(self, holder: Hashable, prompt: CachedPrompt, *, by_content: bool) -> None:
         with self._lock:

@@ -45,16 +45,78 @@ NORMALIZER_CONTEXT = 16
 MAX_CANDIDATES = 64
 
 
+# Pieces a prompt's ids may be held in before they are joined into one list.
+MAX_ID_PIECES = 32
+
+
+@dataclass(frozen=True)
+class IdPieces:
+    """Token ids held as prefixes of lists that are never mutated.
+
+    Extending a conversation shares the previous prompt's lists instead of
+    copying them, so a 200k-token prompt is copied once per turn (into the
+    caller's list) rather than twice.
+    """
+
+    pieces: tuple[tuple[list[int], int], ...]
+    length: int
+
+    @classmethod
+    def of(cls, ids: list[int]) -> IdPieces:
+        """Wrap ``ids``, which the caller hands over and must not mutate."""
+        return cls(((ids, len(ids)),), len(ids))
+
+    def to_list(self) -> list[int]:
+        """A new list of all the ids."""
+        if not self.pieces:
+            return []
+        (first, used), *rest = self.pieces
+        out = first[:used]
+        for ids, used in rest:
+            out += ids[:used]
+        return out
+
+    def slice(self, start: int, stop: int) -> list[int]:
+        """``ids[start:stop]`` as a new list."""
+        out: list[int] = []
+        offset = 0
+        for ids, used in self.pieces:
+            if offset >= stop:
+                break
+            low, high = max(start - offset, 0), min(stop - offset, used)
+            if low < high:
+                out += ids[low:high]
+            offset += used
+        return out
+
+    def spliced(self, keep: int, tail: list[int]) -> IdPieces:
+        """The first ``keep`` ids followed by ``tail`` (handed over)."""
+        pieces = []
+        offset = 0
+        for ids, used in self.pieces:
+            if offset >= keep:
+                break
+            take = min(used, keep - offset)
+            pieces.append((ids, take))
+            offset += take
+        if tail:
+            pieces.append((tail, len(tail)))
+        result = IdPieces(tuple(pieces), keep + len(tail))
+        if len(pieces) > MAX_ID_PIECES:
+            return IdPieces.of(result.to_list())
+        return result
+
+
 @dataclass(frozen=True)
 class CachedPrompt:
     """A prompt with its ids and the offsets of its last tokens.
 
-    ``ids`` is never handed to callers (they get copies). ``starts``,
-    ``ends`` and ``word_starts`` describe ``ids[window_first:]``.
+    ``starts``, ``ends`` and ``word_starts`` describe the tokens from index
+    ``window_first`` on.
     """
 
     text: str
-    ids: list[int]
+    ids: IdPieces
     window_first: int
     starts: array
     ends: array
@@ -69,7 +131,7 @@ def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) ->
     spans = backend.spans(encoding, first, len(ids))
     return CachedPrompt(
         text,
-        ids,
+        IdPieces.of(ids),
         first,
         array("q", spans.starts),
         array("q", spans.ends),
@@ -183,15 +245,14 @@ def _splice(
     seam_index = cached.window_first + seam_local
     limit = cached.starts[limit_local]
     if (
-        tail.ids[:checked] != cached.ids[seam_index : seam_index + checked]
+        tail.ids[:checked] != cached.ids.slice(seam_index, seam_index + checked)
         or tail.starts[checked] + seam != limit
         or bytes(tail.word_starts[:checked]) != cached.word_starts[seam_local:limit_local]
         or [s + seam for s in tail.starts[:checked]] != cached.starts[seam_local:limit_local].tolist()
         or [e + seam for e in tail.ends[:checked]] != cached.ends[seam_local:limit_local].tolist()
     ):
         return None
-    ids = cached.ids[:seam_index]
-    ids.extend(tail.ids)
+    ids = cached.ids.spliced(seam_index, tail.ids)
     starts = cached.starts[:seam_local]
     starts.extend(s + seam for s in tail.starts)
     ends = cached.ends[:seam_local]
