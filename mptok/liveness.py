@@ -1,0 +1,258 @@
+"""Decide in microseconds whether a peer frontend is worth asking.
+
+A call to an owner that is dead, stopped or stuck costs a timeout, seconds,
+while tokenizing locally costs milliseconds. So each owner publishes who it
+is (``{pid, create_time, address}``) in the ipc dir once it listens, and
+before each call a peer checks that process with psutil: an owner that is
+gone, a zombie, stopped (SIGSTOP, a debugger), or whose pid now names another
+process is skipped at once.
+
+psutil cannot see an owner that is alive but stuck (holding the GIL in a long
+native call, say): only a timeout can. An owner that timed out is therefore
+skipped for a back-off period, so a stuck owner costs one timeout, not one
+per call.
+
+The published record is cached: a check costs one ``stat`` of the record and
+one psutil status read, about 30 us. The record is re-read when the file
+changes (a restarted owner replaces it) or after a failed call, and the
+owner's identity (pid plus create_time) is re-verified every
+``revalidate_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+RECORD_NAME = "owner-{}.json"
+
+# Why a check said to skip an owner.
+NOT_PUBLISHED = "not_published"
+DEAD = "dead"
+ZOMBIE = "zombie"
+STOPPED = "stopped"
+PID_REUSED = "pid_reused"
+BACKOFF = "backoff"
+SKIP_REASONS = (NOT_PUBLISHED, DEAD, ZOMBIE, STOPPED, PID_REUSED, BACKOFF)
+
+_STATUS_REASONS = {
+    psutil.STATUS_ZOMBIE: ZOMBIE,
+    psutil.STATUS_DEAD: DEAD,
+    psutil.STATUS_STOPPED: STOPPED,
+    psutil.STATUS_TRACING_STOP: STOPPED,
+}
+# create_time is computed from clock ticks (10 ms) since boot.
+_CREATE_TIME_TOLERANCE_S = 0.05
+
+
+@dataclass(frozen=True)
+class OwnerRecord:
+    """Who serves a frontend id: its process, and where it listens.
+
+    ``nonce`` tells apart two owners that one process ran one after another.
+    """
+
+    pid: int
+    create_time: float
+    address: str
+    nonce: str
+
+    @property
+    def incarnation(self) -> tuple[int, float, str]:
+        """Equal for two records of the same serving owner, and only then."""
+        return (self.pid, self.create_time, self.nonce)
+
+
+def record_path(ipc_dir: str, frontend_id: int) -> str:
+    return os.path.join(ipc_dir, RECORD_NAME.format(frontend_id))
+
+
+def publish(ipc_dir: str, frontend_id: int, address: str) -> OwnerRecord:
+    """Publish this process as ``frontend_id``'s owner, listening at ``address``.
+
+    Atomic: a reader sees the previous record or this one, never part of one.
+    """
+    record = OwnerRecord(os.getpid(), psutil.Process().create_time(), address, secrets.token_hex(8))
+    path = record_path(ipc_dir, frontend_id)
+    tmp = f"{path}.{record.pid}.{record.nonce}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(record), f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return record
+
+
+def unpublish(ipc_dir: str, frontend_id: int, record: OwnerRecord) -> None:
+    """Remove ``frontend_id``'s record if it is still ``record``.
+
+    Only one owner of a frontend id serves at a time (``mptok.transport``
+    holds a lock while it does), and it unpublishes before it stops serving,
+    so the check and the unlink cannot race with a successor's publish.
+    """
+    path = record_path(ipc_dir, frontend_id)
+    current = read_record(path)
+    if current is not None and current.incarnation == record.incarnation:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def read_record(path: str) -> OwnerRecord | None:
+    """The record at ``path``, or None if there is none or it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+        return OwnerRecord(
+            pid=int(fields["pid"]),
+            create_time=float(fields["create_time"]),
+            address=str(fields["address"]),
+            nonce=str(fields["nonce"]),
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("ignoring unreadable owner record %s: %r", path, e)
+        return None
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What reading one version of a record concluded."""
+
+    stamp: tuple[int, int, int]
+    record: OwnerRecord | None
+    process: psutil.Process | None
+    reason: str | None
+    verified_at: float
+
+
+class _OwnerWatch:
+    """What this process knows about one owner: its record, its process, its back-off.
+
+    The fast path reads only immutable ``_Verdict`` snapshots; re-reading a
+    record takes a lock so that concurrent callers do it once.
+    """
+
+    def __init__(self, path: str, backoff_s: float, revalidate_s: float):
+        self._path = path
+        self._backoff_s = backoff_s
+        self._revalidate_s = revalidate_s
+        self._lock = threading.Lock()
+        self._verdict: _Verdict | None = None
+        self._backoff_until = 0.0
+        self._backoff_incarnation: tuple | None = None
+
+    def check(self) -> tuple[OwnerRecord | None, str | None]:
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return None, NOT_PUBLISHED
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        now = time.monotonic()
+        verdict = self._verdict
+        if verdict is None or verdict.stamp != stamp or self._stale(verdict, now):
+            verdict = self._reload(stamp, now)
+        if verdict.reason is not None:
+            return verdict.record, verdict.reason
+        assert verdict.record is not None and verdict.process is not None
+        if now < self._backoff_until and verdict.record.incarnation == self._backoff_incarnation:
+            return verdict.record, BACKOFF
+        try:
+            status = verdict.process.status()
+        except psutil.NoSuchProcess:
+            self.forget()  # the next check caches the verdict
+            return verdict.record, DEAD
+        except psutil.Error as e:
+            logger.debug("cannot read the status of owner pid %d: %r", verdict.record.pid, e)
+            return verdict.record, None
+        return verdict.record, _STATUS_REASONS.get(status)
+
+    def timed_out(self, record: OwnerRecord) -> None:
+        self._backoff_incarnation = record.incarnation
+        self._backoff_until = time.monotonic() + self._backoff_s
+        self.forget()
+
+    def forget(self) -> None:
+        """Re-read the record and re-verify the owner at the next check."""
+        self._verdict = None
+
+    def _stale(self, verdict: _Verdict, now: float) -> bool:
+        # A dead or reused pid stays so for this record; only a live owner's
+        # identity needs re-verifying.
+        return verdict.reason is None and now - verdict.verified_at > self._revalidate_s
+
+    def _reload(self, stamp: tuple[int, int, int], now: float) -> _Verdict:
+        with self._lock:
+            verdict = self._verdict
+            if verdict is not None and verdict.stamp == stamp and not self._stale(verdict, now):
+                return verdict
+            verdict = _verify(self._path, stamp, now)
+            self._verdict = verdict
+            return verdict
+
+
+def _verify(path: str, stamp: tuple[int, int, int], now: float) -> _Verdict:
+    record = read_record(path)
+    if record is None:
+        return _Verdict(stamp, None, None, NOT_PUBLISHED, now)
+    try:
+        proc = psutil.Process(record.pid)
+        create_time = proc.create_time()
+    except psutil.NoSuchProcess:
+        return _Verdict(stamp, record, None, DEAD, now)
+    if abs(create_time - record.create_time) > _CREATE_TIME_TOLERANCE_S:
+        return _Verdict(stamp, record, None, PID_REUSED, now)
+    return _Verdict(stamp, record, proc, None, now)
+
+
+class OwnerLiveness:
+    """This process's view of the owners it calls, one ``_OwnerWatch`` per frontend id.
+
+    ``check(frontend_id)`` returns ``(record, None)`` when the owner is worth
+    calling, else ``(record or None, reason)`` with a reason from
+    ``SKIP_REASONS``. Report a timed-out call with ``timed_out(id, record)``
+    (the owner is then skipped for ``backoff_s``, unless it is replaced
+    meanwhile) and any other failed call with ``failed(id)``.
+    """
+
+    def __init__(self, ipc_dir: str, *, backoff_s: float = 10.0, revalidate_s: float = 1.0):
+        if backoff_s < 0 or revalidate_s < 0:
+            raise ValueError("backoff_s and revalidate_s must be >= 0")
+        self._ipc_dir = ipc_dir
+        self._backoff_s = backoff_s
+        self._revalidate_s = revalidate_s
+        self._watches: dict[int, _OwnerWatch] = {}
+        self._lock = threading.Lock()
+
+    def check(self, frontend_id: int) -> tuple[OwnerRecord | None, str | None]:
+        return self._watch(frontend_id).check()
+
+    def timed_out(self, frontend_id: int, record: OwnerRecord) -> None:
+        self._watch(frontend_id).timed_out(record)
+
+    def failed(self, frontend_id: int) -> None:
+        self._watch(frontend_id).forget()
+
+    def _watch(self, frontend_id: int) -> _OwnerWatch:
+        watch = self._watches.get(frontend_id)
+        if watch is None:
+            with self._lock:
+                watch = self._watches.setdefault(
+                    frontend_id,
+                    _OwnerWatch(record_path(self._ipc_dir, frontend_id), self._backoff_s, self._revalidate_s),
+                )
+        return watch

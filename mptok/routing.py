@@ -1,0 +1,235 @@
+"""Tokenize each conversation in the frontend process whose cache holds it.
+
+With several frontends behind one port, the kernel hands each connection to
+any of them, so consecutive turns of a conversation land in different
+processes, each with its own ``PrefixTokenCache``, and a turn finds its
+conversation cached only one time in F. Every frontend therefore serves its
+cache to the others (``mptok.transport``) and sends each keyed prompt to the
+conversation's owner: the first live frontend in the conversation's
+rendezvous order, which every process computes alike. While an owner is
+down, every process sends its conversations to the same next frontend in
+their order, whose cache then holds them; when the owner is back, they go
+back to it. A prompt that no owner tokenizes in time is tokenized where it
+arrived: routing changes where the work is done, never the ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import sys
+import threading
+from types import TracebackType
+from typing import Any
+
+from mptok.errors import RouteFailed
+from mptok.liveness import OwnerLiveness, OwnerRecord, publish, unpublish
+from mptok.transport import (
+    Counters,
+    EncodeProxy,
+    OwnerAlreadyServing,
+    OwnerError,
+    OwnerTimeout,
+    OwnerUnreachable,
+    ServerLimits,
+    TransportError,
+    secure_ipc_dir,
+    serve_encode,
+    socket_path,
+)
+
+__all__ = [
+    "FALLBACK_REASONS",
+    "OwnerAlreadyServing",
+    "ServerLimits",
+    "TokenizationOwners",
+    "owner_of",
+    "owner_order",
+]
+
+# Why a prompt was not tokenized by its conversation's owner: the owner was
+# skipped without a call (the first six), or the call failed.
+FALLBACK_REASONS = ("not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "error")
+
+_ROUTE_COUNTERS = ("routed", "owned_here", "taken_over_here", "route_failures") + tuple(
+    f"fallback_{reason}" for reason in FALLBACK_REASONS
+)
+_HASH_PERSON = b"mptok-route-v1"
+
+
+def owner_order(key: str, num_frontends: int) -> list[int]:
+    """Frontend ids in the order they serve conversation ``key``; the first is its owner.
+
+    Rendezvous (highest random weight) hashing over blake2b: the same in
+    every process and every run, whatever PYTHONHASHSEED is. While a
+    frontend is down, each of its conversations moves to the next frontend in
+    that conversation's own order, so the load of a dead frontend spreads
+    over the others and nothing else moves.
+    """
+    if num_frontends < 1:
+        raise ValueError(f"num_frontends must be >= 1, got {num_frontends}")
+    base = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8, person=_HASH_PERSON)
+    scored = []
+    for frontend in range(num_frontends):
+        h = base.copy()
+        h.update(frontend.to_bytes(4, "big"))
+        scored.append((h.digest(), frontend))
+    scored.sort(reverse=True)
+    return [frontend for _, frontend in scored]
+
+
+def owner_of(key: str, num_frontends: int) -> int:
+    """The frontend that tokenizes conversation ``key`` while it is up."""
+    return owner_order(key, num_frontends)[0]
+
+
+class TokenizationOwners:
+    """Serve this frontend's cache to its peers and route keyed prompts to their owners.
+
+    Starting binds ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
+    ``OwnerAlreadyServing`` while a live process serves this frontend id, and
+    ``PermissionError`` for an ipc dir that other users can enter), publishes
+    this process as the owner, and installs ``cache.route``. From then on
+    ``cache.encode(tokenizer, text, key)`` may be answered by another
+    frontend, with the same ids. A call that fails or takes more than
+    ``timeout_s`` makes the cache tokenize locally; an owner that timed out
+    is skipped for ``backoff_s``.
+
+    ``close()`` (or leaving the ``with`` block) uninstalls the route,
+    unpublishes this owner, closes the connections to peers and stops
+    serving; no socket file and no thread remain. It is idempotent.
+
+    The serving threads share this process's GIL: while the frontend runs
+    Python code, a peer's call waits for the GIL in steps of the switch
+    interval, once per blocking call it makes (a tiny call took 16 ms at the
+    default 5 ms, about 1 ms at 1 ms; a routed 38k-token hit takes about
+    4 ms instead of 2.5 ms at 1 ms: scripts/bench_routing.py). Unless
+    ``switch_interval_s`` is None, the process-wide ``sys.setswitchinterval``
+    is lowered to it (never raised) and stays so.
+    """
+
+    def __init__(
+        self,
+        ipc_dir: str,
+        frontend_id: int,
+        num_frontends: int,
+        cache: Any,
+        tokenizer: Any,
+        *,
+        authkey: bytes,
+        timeout_s: float = 5.0,
+        backoff_s: float = 10.0,
+        switch_interval_s: float | None = 0.001,
+        limits: ServerLimits | None = None,
+    ):
+        if not 0 <= frontend_id < num_frontends:
+            raise ValueError(f"frontend_id {frontend_id} is not in range({num_frontends})")
+        self._frontend_id = frontend_id
+        self._num_frontends = num_frontends
+        self._ipc_dir = secure_ipc_dir(ipc_dir)
+        self._cache = cache
+        self._counters = Counters(_ROUTE_COUNTERS)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        # Everything that validates arguments comes before serving starts.
+        self._liveness = OwnerLiveness(self._ipc_dir, backoff_s=backoff_s)
+        self._proxies = {
+            peer: EncodeProxy(socket_path(self._ipc_dir, peer), authkey, timeout_s)
+            for peer in range(num_frontends)
+            if peer != frontend_id
+        }
+        if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
+            sys.setswitchinterval(switch_interval_s)
+        address = socket_path(self._ipc_dir, frontend_id)
+        self._manager = serve_encode(
+            address,
+            functools.partial(cache.encode_local, tokenizer),
+            authkey,
+            limits,
+            name=f"mptok-owner-{frontend_id}",
+        )
+        try:
+            self._record: OwnerRecord = publish(self._ipc_dir, frontend_id, address)
+        except BaseException:
+            self._manager.shutdown()
+            raise
+        cache.route = self._route
+
+    @property
+    def frontend_id(self) -> int:
+        return self._frontend_id
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start, for /metrics.
+
+        routed: prompts a peer tokenized. owned_here: prompts whose owner is
+        this frontend. taken_over_here: prompts tokenized here because every
+        frontend before this one in their order was skipped.
+        route_failures: calls that failed (each also counts as
+        fallback_timeout or fallback_error). fallback_<reason>: owners
+        skipped or failed, by reason. served, serve_errors,
+        active_connections, accepted, refused, handshake_failures,
+        refused_requests: this frontend as an owner.
+        """
+        return {**self._counters.snapshot(), **self._manager.stats()}
+
+    def close(self) -> None:
+        """Stop routing and serving. There is no finalizer: call it (or use ``with``)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        # Run last to first, each even if an earlier one raised: new prompts
+        # stay here, peers stop choosing this owner, calls to peers fail
+        # fast, then serving stops.
+        with contextlib.ExitStack() as steps:
+            steps.callback(self._manager.shutdown)
+            for proxy in self._proxies.values():
+                steps.callback(proxy.close)
+            steps.callback(unpublish, self._ipc_dir, self._frontend_id, self._record)
+            if getattr(self._cache, "route", None) == self._route:
+                self._cache.route = None
+
+    def __enter__(self) -> TokenizationOwners:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _route(self, key: str, text: str) -> list[int] | None:
+        order = owner_order(key, self._num_frontends)
+        for frontend in order:
+            if frontend == self._frontend_id:
+                self._counters.add("owned_here" if frontend == order[0] else "taken_over_here")
+                return None
+            record, reason = self._liveness.check(frontend)
+            if reason is None:
+                assert record is not None
+                return self._ask(frontend, record, key, text)
+            self._counters.add(f"fallback_{reason}")
+        raise AssertionError("this frontend is in every order")
+
+    def _ask(self, frontend: int, record: OwnerRecord, key: str, text: str) -> list[int]:
+        try:
+            ids = self._proxies[frontend].encode(text, key, incarnation=record.incarnation)
+        except OwnerTimeout as e:
+            self._liveness.timed_out(frontend, record)
+            raise self._failed("timeout", frontend, e) from e
+        except OwnerUnreachable as e:
+            self._liveness.failed(frontend)
+            raise self._failed("error", frontend, e) from e
+        except OwnerError as e:
+            raise self._failed("error", frontend, e) from e
+        self._counters.add("routed")
+        return ids
+
+    def _failed(self, reason: str, frontend: int, error: TransportError) -> RouteFailed:
+        self._counters.add(f"fallback_{reason}")
+        self._counters.add("route_failures")
+        return RouteFailed(f"frontend {frontend} did not tokenize the prompt: {error}")

@@ -1,0 +1,319 @@
+"""Measure what routing a conversation to its owner costs, against what it saves.
+
+Rows, each a median over repeated runs, with ratios against baselines measured
+in the same run (the machine is noisy; read the ratios):
+
+* a routed hit (the prompt tokenized by the owner's cache, in another
+  process) vs a local hit (this process's cache) vs full tokenization, for
+  conversations of about 38k and 200k tokens growing about 300 tokens a turn;
+* the transport round trip of ``EncodeProxy`` (150k characters in, 38k ids
+  out) vs a plain length-prefixed AF_UNIX socket (the protocol of the
+  reference module), both served by another process with the same work;
+* a routed hit while the owner's main thread runs Python code, which shares
+  the owner's GIL with its serving threads;
+* the per-call cost of choosing and checking the owner.
+
+Usage: python scripts/bench_routing.py [--runs 5] [--turns 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import multiprocessing
+import os
+import random
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Callable
+
+import mptok
+from mptok.liveness import OwnerLiveness
+from mptok.routing import TokenizationOwners, owner_of, owner_order
+from mptok.transport import EncodeProxy, _pack_int32, serve_encode
+
+# The conversations of the tests: prose in several scripts, each prompt ending
+# in a generation prompt that the next turn rewrites, as chat templates do.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+from helpers_procs import conversation  # noqa: E402
+
+AUTHKEY = os.urandom(16)
+TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
+_LENGTH = struct.Struct("!q")
+
+
+# -- the other process: an owner frontend, and two round-trip servers ----------
+
+
+def _serve_raw(listener: socket.socket, ids: list[int]) -> None:
+    """The baseline: length-prefixed text in, length-prefixed int32 ids out."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_answer_raw, args=(conn, ids), daemon=True).start()
+
+
+def _answer_raw(conn: socket.socket, ids: list[int]) -> None:
+    with conn:
+        while True:
+            header = _recv_exactly(conn, _LENGTH.size)
+            if header is None:
+                return
+            (size,) = _LENGTH.unpack(header)
+            text = _recv_exactly(conn, size)
+            assert text is not None
+            text.decode(errors="surrogatepass")
+            # The same list-to-int32 conversion as the owner's, so that the
+            # row compares the transports.
+            reply = _pack_int32(ids)
+            conn.sendall(_LENGTH.pack(len(ids)) + reply)
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytearray | None:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    while view:
+        n = conn.recv_into(view)
+        if n == 0:
+            return None
+        view = view[n:]
+    return buf
+
+
+def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None:
+    tokenizer = mptok.load_tokenizer()
+    cache = mptok.PrefixTokenCache()
+    owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
+    cache.encode_local(tokenizer, "warm up")
+    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), lambda text, key: fixed_ids, authkey)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.bind(os.path.join(ipc_dir, "raw.sock"))
+    raw.listen(socket.SOMAXCONN)
+    threading.Thread(target=_serve_raw, args=(raw, fixed_ids), daemon=True).start()
+    busy = threading.Event()
+    conn.send("ready")
+    while True:
+        command = conn.recv()
+        if command == "busy":
+            busy.set()
+            conn.send("ok")
+            # Python-bound work on the main thread, as a serving frontend does.
+            while busy.is_set() and not conn.poll():
+                sum(i * i for i in range(2000))
+            busy.clear()
+        elif command == "exit":
+            break
+    raw.close()
+    manager.shutdown()
+    owners.close()
+
+
+# -- measuring -----------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def conversation_run(
+    tokenizer, routed_cache, local_cache, owners, seed: int, first_chars: int, turns: int, full_reps: int
+) -> dict[str, float]:
+    """Median seconds per turn of a routed hit, a local hit, and full tokenization."""
+    routed_before = owners.stats()["routed"]
+    prompts = conversation(seed, turns + 1, first_chars=first_chars, turn_chars=TURN_CHARS)
+    routed_key = _key_owned_by(0, f"routed-{seed}")
+    local_key = f"local-{seed}"
+    # Turn 0 fills both caches (a miss); the measured turns are hits.
+    routed_cache.encode(tokenizer, prompts[0], key=routed_key)
+    local_cache.encode(tokenizer, prompts[0], key=local_key)
+    routed, local = [], []
+    for text in prompts[1:]:
+        routed.append(timed(functools.partial(routed_cache.encode, tokenizer, text, key=routed_key)))
+        local.append(timed(functools.partial(local_cache.encode, tokenizer, text, key=local_key)))
+    last = prompts[-1]
+    want = tokenizer(last, add_special_tokens=False)["input_ids"]
+    if routed_cache.encode(tokenizer, last, key=routed_key) != want or local_cache.encode(
+        tokenizer, last, key=local_key
+    ) != want:
+        raise SystemExit("a cached result differs from full tokenization")
+    if owners.stats()["routed"] - routed_before != turns + 2:
+        raise SystemExit(f"routed calls fell back to local tokenization: {owners.stats()}")
+    full = [timed(lambda: tokenizer(last, add_special_tokens=False)) for _ in range(full_reps)]
+    return {
+        "routed": statistics.median(routed),
+        "local": statistics.median(local),
+        "full": statistics.median(full),
+        "tokens": len(want),
+    }
+
+
+def _key_owned_by(owner: int, prefix: str) -> str:
+    i = 0
+    while owner_of(f"{prefix}-{i}", 2) != owner:
+        i += 1
+    return f"{prefix}-{i}"
+
+
+class RawClient:
+    """The baseline client: one persistent length-prefixed connection."""
+
+    def __init__(self, path: str):
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode(errors="surrogatepass")
+        self._sock.sendall(_LENGTH.pack(len(data)) + data)
+        header = _recv_exactly(self._sock, _LENGTH.size)
+        assert header is not None
+        (count,) = _LENGTH.unpack(header)
+        body = _recv_exactly(self._sock, count * 4)
+        assert body is not None
+        ids = array("i")
+        ids.frombytes(body)
+        return ids.tolist()
+
+
+def round_trip_run(proxy: EncodeProxy, raw: RawClient, text: str, calls: int) -> dict[str, float]:
+    manager_times, raw_times = [], []
+    for _ in range(calls):  # interleaved, so both see the same noise
+        manager_times.append(timed(lambda: proxy.encode(text)))
+        raw_times.append(timed(lambda: raw.encode(text)))
+    return {"manager": statistics.median(manager_times), "raw": statistics.median(raw_times)}
+
+
+def per_call_overhead(ipc_dir: str) -> dict[str, float]:
+    live = OwnerLiveness(ipc_dir)
+    live.check(0)
+    n = 2000
+    check = timed(lambda: [live.check(0) for _ in range(n)]) / n
+    order = timed(lambda: [owner_order(f"conversation-{i}", 8) for i in range(n)]) / n
+    return {"check": check, "order": order}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="repeated runs per row (default 5)")
+    parser.add_argument("--turns", type=int, default=12, help="measured turns per conversation (default 12)")
+    args = parser.parse_args()
+
+    tokenizer = mptok.load_tokenizer()
+    rng = random.Random(1)
+    fixed_ids = [rng.randrange(128_000) for _ in range(38_000)]
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="mptok-bench-") as ipc_dir:
+        parent, child = ctx.Pipe()
+        owner = ctx.Process(target=owner_main, args=(child, ipc_dir, AUTHKEY, fixed_ids), daemon=True)
+        owner.start()
+        try:
+            if not parent.poll(120) or parent.recv() != "ready":
+                raise SystemExit("the owner process did not start")
+            routed_cache = mptok.PrefixTokenCache()
+            local_cache = mptok.PrefixTokenCache()
+            local_cache.encode_local(tokenizer, "warm up")
+            with TokenizationOwners(ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY) as owners:
+                rows = measure(args, tokenizer, routed_cache, local_cache, owners, parent, ipc_dir)
+            parent.send("exit")
+        finally:
+            owner.join(30)
+            if owner.is_alive():
+                owner.kill()
+                owner.join(10)
+    print_table(rows, args)
+
+
+def measure(args, tokenizer, routed_cache, local_cache, owners, owner_conn, ipc_dir: str) -> list[tuple]:
+    rows = []
+    for label, first_chars, full_reps in (("38k", 137_000, 7), ("200k", 720_000, 3)):
+        runs = [
+            conversation_run(
+                tokenizer, routed_cache, local_cache, owners, 100 * r + len(label), first_chars, args.turns, full_reps
+            )
+            for r in range(args.runs)
+        ]
+        routed = statistics.median(r["routed"] for r in runs)
+        local = statistics.median(r["local"] for r in runs)
+        full = statistics.median(r["full"] for r in runs)
+        speedup = statistics.median(r["full"] / r["routed"] for r in runs)
+        vs_local = statistics.median(r["routed"] / r["local"] for r in runs)
+        tokens = int(statistics.median(r["tokens"] for r in runs))
+        target = label == "38k"
+        rows += [
+            (f"full tokenization, {tokens} tokens", full, "baseline", "", None),
+            (f"local hit, {tokens} tokens", local, f"{full / local:.0f}x faster than full", "", None),
+            (
+                f"routed hit, {tokens} tokens",
+                routed,
+                f"{speedup:.0f}x faster than full; {vs_local:.2f}x a local hit",
+                ">= 40x faster; <= 1.5x local" if target else "",
+                (speedup >= 40 and vs_local <= 1.5) if target else None,
+            ),
+        ]
+
+    text = conversation(2, 1, first_chars=150_000)[0][:150_000]
+    proxy = EncodeProxy(os.path.join(ipc_dir, "roundtrip.sock"), AUTHKEY, timeout_s=10)
+    raw = RawClient(os.path.join(ipc_dir, "raw.sock"))
+    for _ in range(20):  # connections made, caches warm
+        proxy.encode(text)
+        raw.encode(text)
+    runs = [round_trip_run(proxy, raw, text, 100) for _ in range(args.runs)]
+    manager = statistics.median(r["manager"] for r in runs)
+    raw_s = statistics.median(r["raw"] for r in runs)
+    ratio = statistics.median(r["manager"] / r["raw"] for r in runs)
+    rows += [
+        ("raw length-prefixed socket, 150k chars -> 38k ids", raw_s, "baseline", "", None),
+        ("EncodeProxy round trip, 150k chars -> 38k ids", manager, f"{ratio:.2f}x raw", "<= 1.3x raw", ratio <= 1.3),
+    ]
+    proxy.close()
+
+    owner_conn.send("busy")
+    owner_conn.recv()
+    try:
+        busy = [
+            conversation_run(tokenizer, routed_cache, local_cache, owners, 9000 + r, 137_000, args.turns, 1)
+            for r in range(max(1, args.runs // 2))
+        ]
+    finally:
+        owner_conn.send("stop")
+    busy_routed = statistics.median(r["routed"] for r in busy)
+    busy_vs_local = statistics.median(r["routed"] / r["local"] for r in busy)
+    rows.append(
+        (
+            "routed hit, 38k tokens, owner's main thread busy in Python",
+            busy_routed,
+            f"{busy_vs_local:.2f}x a local hit (switch interval {sys.getswitchinterval() * 1e3:.0f} ms)",
+            "",
+            None,
+        )
+    )
+    overhead = per_call_overhead(ipc_dir)
+    rows += [
+        ("liveness check of an owner (stat + psutil status)", overhead["check"], "per routed call", "", None),
+        ("owner_order over 8 frontends", overhead["order"], "per routed call", "", None),
+    ]
+    return rows
+
+
+def print_table(rows: list[tuple], args) -> None:
+    python = sys.version.split()[0]
+    print(f"\nmptok routing benchmark: medians over {args.runs} runs, {args.turns} turns each; Python {python}\n")
+    print("| measurement | median | vs baseline (same run) | target | met |")
+    print("| --- | ---: | --- | --- | --- |")
+    for name, seconds, versus, target, met in rows:
+        shown = f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+        verdict = "" if met is None else ("yes" if met else "**no**")
+        print(f"| {name} | {shown} | {versus} | {target} | {verdict} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Real frontend processes for the routing and fault tests, and the texts they tokenize.
+
+Each child (spawn context) runs ``TokenizationOwners`` over the real
+``PrefixTokenCache`` and the embedded tokenizer, and obeys commands the test
+sends over a pipe. ``FrontendPool`` kills whatever it started on teardown
+(SIGCONT first, so that a stopped child can die), so a failing test leaves
+no process behind. Every wait on a child is bounded by ``HANG_GUARD_S``: a
+broken test fails instead of hanging; no test asserts on durations.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+AUTHKEY = b"mptok-test-authkey"
+HANG_GUARD_S = 120.0
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from or have an at not "
+    "model token cache prefix frontend process socket owner conversation turn prompt tokenizer "
+    "request latency throughput server thread kernel memory queue answer question result value "
+    "however therefore because although function return class import error timeout retry "
+    "naïve café Zürich 東京 数据 🙂 🚀 — “quoted” e\u0301 x²"
+).split()
+
+
+def conversation(seed: int, turns: int, *, first_chars: int = 2000, turn_chars: int = 1200) -> list[str]:
+    """Prompts of one conversation: each is the last plus about 300 tokens.
+
+    Like a chat template, each prompt ends with a generation prompt that the
+    next turn rewrites, so prompts do not extend each other literally.
+    """
+    rng = random.Random(seed)
+
+    def prose(chars: int) -> str:
+        out: list[str] = []
+        size = 0
+        while size < chars:
+            word = rng.choice(_WORDS)
+            sep = rng.choice((" ", " ", " ", " ", ", ", ". ", "\n", "  "))
+            out.append(word + sep)
+            size += len(word) + len(sep)
+        return "".join(out)
+
+    history = "<|begin▁of▁sentence|>You are a helpful assistant.\n" + prose(first_chars)
+    prompts = []
+    for _ in range(turns):
+        prompts.append(history + "<|Assistant|><think>\n")
+        history += "<|Assistant|>" + prose(turn_chars // 2) + "<|User|>" + prose(turn_chars // 2)
+    return prompts
+
+
+def expected_ids(tokenizer: Any, text: str) -> list[int]:
+    """What every path must return: the tokenizer's own ids."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = HANG_GUARD_S) -> None:
+    """Poll ``predicate`` until it holds; fail (never hang) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.005)
+
+
+def key_owned_by(owner: int, num_frontends: int, prefix: str, *, then: int | None = None) -> str:
+    """A conversation key whose owner is ``owner`` (and whose next frontend is ``then``)."""
+    from mptok.routing import owner_order
+
+    for i in range(100_000):
+        key = f"{prefix}-{i}"
+        order = owner_order(key, num_frontends)
+        if order[0] == owner and (then is None or order[1] == then):
+            return key
+    raise AssertionError("no such key")
+
+
+def _run_encode(cache: Any, tokenizer: Any, key: str | None, text: str) -> tuple:
+    try:
+        return ("ok", cache.encode(tokenizer, text, key=key))
+    except Exception as e:
+        return ("raised", type(e).__name__, str(e))
+
+
+def _run_encode_together(barrier: threading.Barrier, cache: Any, tokenizer: Any, key: str | None, text: str) -> tuple:
+    barrier.wait(HANG_GUARD_S)
+    return _run_encode(cache, tokenizer, key, text)
+
+
+def _reply_when_done(reply: Callable[[Any], None], futures: list[concurrent.futures.Future]) -> None:
+    reply(("done", [f.result() for f in futures]))
+
+
+def _hold_gil(seconds: int) -> None:
+    # ctypes.PyDLL keeps the GIL during the call: like a long native call
+    # that never releases it.
+    ctypes.PyDLL(None).sleep(seconds)
+
+
+def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int, options: dict) -> None:
+    """Body of a frontend child: serve, route, and answer the test's commands."""
+    import mptok
+    from mptok.routing import ServerLimits, TokenizationOwners
+
+    tokenizer = mptok.load_tokenizer()
+    cache = mptok.PrefixTokenCache()
+    limits = ServerLimits(**options.pop("limits", {}))
+    try:
+        owners = TokenizationOwners(
+            ipc_dir, frontend_id, num_frontends, cache, tokenizer, authkey=AUTHKEY, limits=limits, **options
+        )
+    except Exception as e:
+        conn.send(("failed", type(e).__name__, str(e)))
+        return
+    # The cache builds its tokenizer backend on first use (about a second):
+    # before "ready", or a test's first routed call could time out on it.
+    cache.encode_local(tokenizer, "warm up")
+    send_lock = threading.Lock()
+
+    def reply(message: Any) -> None:
+        with send_lock:
+            conn.send(message)
+
+    reply(("ready", os.getpid()))
+    pool = concurrent.futures.ThreadPoolExecutor(64)
+    while True:
+        try:
+            command, *args = conn.recv()
+        except EOFError:
+            break
+        if command == "encode":
+            reply(_run_encode(cache, tokenizer, *args))
+        elif command == "encode_many":
+            items, threads = args
+            barrier = threading.Barrier(min(threads, len(items)))
+            with concurrent.futures.ThreadPoolExecutor(threads) as batch:
+                futures = [batch.submit(_run_encode_together, barrier, cache, tokenizer, *item) for item in items]
+                reply([f.result() for f in futures])
+        elif command == "encode_async":
+            # Answered later with ("done", results), while the loop goes on.
+            futures = [pool.submit(_run_encode, cache, tokenizer, *item) for item in args[0]]
+            pool.submit(_reply_when_done, reply, futures)
+        elif command == "stats":
+            reply({"routing": owners.stats(), "cache": cache.stats()})
+        elif command == "hold_gil":
+            reply("holding")
+            _hold_gil(args[0])
+        elif command == "close":
+            owners.close()
+            reply(
+                {
+                    "threads": [t.name for t in threading.enumerate() if t.name.startswith("mptok")],
+                    "socket_exists": os.path.exists(os.path.join(ipc_dir, f"tokenize-{frontend_id}.sock")),
+                }
+            )
+        elif command == "exit":
+            break
+    owners.close()
+    pool.shutdown(wait=False)
+
+
+class Frontend:
+    """The test's handle on one frontend child."""
+
+    def __init__(self, ctx: Any, ipc_dir: str, frontend_id: int, num_frontends: int, options: dict):
+        self.frontend_id = frontend_id
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=frontend_main,
+            args=(child_conn, ipc_dir, frontend_id, num_frontends, options),
+            name=f"frontend-{frontend_id}",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self.pid: int | None = None
+
+    def wait_ready(self) -> None:
+        reply = self.recv()
+        if reply[0] != "ready":
+            raise RuntimeError(f"frontend {self.frontend_id} did not start: {reply}")
+        self.pid = reply[1]
+
+    def send(self, *command: Any) -> None:
+        self._conn.send(command)
+
+    def recv(self, timeout_s: float = HANG_GUARD_S) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"frontend {self.frontend_id} did not answer in {timeout_s} s")
+        return self._conn.recv()
+
+    def call(self, *command: Any, timeout_s: float = HANG_GUARD_S) -> Any:
+        self.send(*command)
+        return self.recv(timeout_s)
+
+    def encode(self, key: str | None, text: str) -> list[int]:
+        reply = self.call("encode", key, text)
+        if reply[0] != "ok":
+            raise AssertionError(f"frontend {self.frontend_id} raised {reply}")
+        return reply[1]
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(self.process.pid, signum)
+                except ProcessLookupError:
+                    break
+        self.process.join(10)
+        self._conn.close()
+
+
+class FrontendPool:
+    """Starts frontends in one ipc dir and kills them all at ``close()``."""
+
+    def __init__(self, ipc_dir: str):
+        os.makedirs(ipc_dir, mode=0o700, exist_ok=True)
+        self.ipc_dir = ipc_dir
+        self._ctx = multiprocessing.get_context("spawn")
+        self._started: list[Frontend] = []
+
+    def start(self, ids: list[int], num_frontends: int, **options: Any) -> list[Frontend]:
+        frontends = [Frontend(self._ctx, self.ipc_dir, i, num_frontends, dict(options)) for i in ids]
+        self._started.extend(frontends)
+        for frontend in frontends:
+            frontend.wait_ready()
+        return frontends
+
+    def start_failing(self, frontend_id: int, num_frontends: int, **options: Any) -> tuple:
+        """Start a frontend expected to fail at start-up; returns its error reply."""
+        frontend = Frontend(self._ctx, self.ipc_dir, frontend_id, num_frontends, dict(options))
+        self._started.append(frontend)
+        return frontend.recv()
+
+    def close(self) -> None:
+        for frontend in self._started:
+            frontend.kill()

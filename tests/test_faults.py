@@ -1,0 +1,331 @@
+"""Owners that die, stop, hang, restart, close, or meet hostile clients; and liveness.
+
+Every test runs real frontend processes (see helpers_procs) with the real
+cache and tokenizer and checks exact ids. What a fault cost is asserted
+through the fallback counters, never through wall-clock time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+
+import psutil
+import pytest
+from helpers_procs import HANG_GUARD_S, FrontendPool, conversation, key_owned_by, wait_until
+from helpers_procs import expected_ids as expected
+
+import mptok
+from mptok.liveness import OwnerLiveness, publish, read_record, record_path, unpublish
+from mptok.transport import socket_path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mptok.load_tokenizer()
+
+
+@pytest.fixture
+def pool(tmp_path):
+    frontends = FrontendPool(str(tmp_path / "ipc"))
+    try:
+        yield frontends
+    finally:
+        frontends.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Owner 0 and asker 1, shared by the tests that leave both running."""
+    frontends = FrontendPool(str(tmp_path_factory.mktemp("pair") / "ipc"))
+    try:
+        owner, asker = frontends.start(
+            [0, 1], 2, timeout_s=0.5, backoff_s=1.0, limits={"handshake_timeout_s": 0.5}
+        )
+        yield frontends, owner, asker
+    finally:
+        frontends.close()
+
+
+def changes(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+
+def routing(frontend) -> dict[str, int]:
+    return frontend.stats()["routing"]
+
+
+def status_of(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def owned_prompts(owner: int, n: int, count: int, prefix: str, **sizes) -> list[tuple[str, str]]:
+    """First prompts of ``count`` conversations that ``owner`` owns."""
+    return [
+        (key_owned_by(owner, n, f"{prefix}-{i}"), conversation(zlib.crc32(f"{prefix}-{i}".encode()), 1, **sizes)[0])
+        for i in range(count)
+    ]
+
+
+def assert_exact(tokenizer, items, results) -> None:
+    for (key, text), result in zip(items, results, strict=True):
+        assert result == ("ok", expected(tokenizer, text)), (key, result[:2])
+
+
+def test_owner_sigkilled_in_the_middle_of_calls(pool, tokenizer):
+    owner, asker = pool.start([0, 1], 2)
+    items = owned_prompts(0, 2, 32, "killed", first_chars=60_000)
+    asker.send("encode_async", items)
+    wait_until(lambda: routing(asker)["routed"] >= 2, "the owner to answer some calls")
+    owner.signal(signal.SIGKILL)
+    owner.process.join(HANG_GUARD_S)
+    kind, results = asker.recv()
+    assert kind == "done"
+    assert_exact(tokenizer, items, results)
+    stats = routing(asker)
+    assert stats["routed"] >= 2
+    assert stats["fallback_error"] + stats["fallback_dead"] >= 1
+    assert stats["fallback_timeout"] == 0
+    # From now on the dead owner is skipped without a call.
+    key, text = owned_prompts(0, 2, 1, "after-kill")[0]
+    assert asker.encode(key, text) == expected(tokenizer, text)
+    after = routing(asker)
+    assert after["fallback_dead"] == stats["fallback_dead"] + 1
+    assert after["fallback_error"] == stats["fallback_error"]
+
+
+def test_sigstopped_owner_is_skipped_at_once(pair, tokenizer):
+    _, owner, asker = pair
+    key, text = owned_prompts(0, 2, 1, "warm")[0]
+    assert asker.encode(key, text) == expected(tokenizer, text)
+    before = routing(asker)
+    owner.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: status_of(owner.pid) == "stopped", "the owner to stop")
+        items = owned_prompts(0, 2, 5, "stopped")
+        assert_exact(tokenizer, items, asker.call("encode_many", items, 5))
+    finally:
+        owner.signal(signal.SIGCONT)
+    # Skipped without a call: no timeout, no error.
+    assert changes(before, routing(asker)) == {"fallback_stopped": 5, "taken_over_here": 5}
+    wait_until(lambda: status_of(owner.pid) != "stopped", "the owner to resume")
+    assert_exact(tokenizer, items[:1], asker.call("encode_many", items[:1], 1))
+    assert routing(asker)["routed"] == before["routed"] + 1
+
+
+def test_owner_holding_the_gil_costs_one_timeout_then_backs_off(pair, tokenizer):
+    _, owner, asker = pair
+    key, text = owned_prompts(0, 2, 1, "warm")[0]
+    assert asker.encode(key, text) == expected(tokenizer, text)
+    before = routing(asker)
+    # Longer than the timeout (0.5 s) plus the back-off (1 s).
+    assert owner.call("hold_gil", 2) == "holding"
+    items = owned_prompts(0, 2, 4, "gil")
+    # One after another: the first call times out, the rest skip the owner.
+    assert_exact(tokenizer, items, asker.call("encode_many", items, 1))
+    assert changes(before, routing(asker)) == {
+        "fallback_timeout": 1,
+        "route_failures": 1,
+        "fallback_backoff": 3,
+        "taken_over_here": 3,
+    }
+    # Once the owner runs again (it answers) and the back-off is over, it is
+    # asked again, on a new connection.
+    owner.stats()
+    assert_exact(tokenizer, items[:1], asker.call("encode_many", items[:1], 1))
+    assert routing(asker)["routed"] == before["routed"] + 1
+
+
+def test_garbage_and_silent_clients_do_not_disturb_service(pair, tokenizer):
+    pool, owner, asker = pair
+    address = socket_path(pool.ipc_dir, 0)
+    key, text = owned_prompts(0, 2, 1, "meanwhile")[0]
+    assert asker.encode(key, text) == expected(tokenizer, text)
+    before = routing(owner)
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(HANG_GUARD_S)
+        s.connect(address)
+        return s
+
+    silent = connect()
+    garbage = connect()
+    garbage.sendall(random.Random(1).randbytes(4096))
+    huge = connect()
+    huge.sendall((2**31 - 1).to_bytes(4, "big") + b"x" * 100)
+    for s in (garbage, huge):
+        with contextlib.suppress(ConnectionResetError):
+            while s.recv(65536):
+                pass  # the server's challenge, then EOF
+    assert asker.encode(key, text + " more") == expected(tokenizer, text + " more")
+    # The silent client's handshake times out (0.5 s): its thread is freed
+    # while the client still holds its socket open.
+    wait_until(
+        lambda: routing(owner)["handshake_failures"] == before["handshake_failures"] + 3,
+        "the silent client to be dropped",
+    )
+    assert routing(owner)["active_connections"] == before["active_connections"]
+    assert silent.recv(4096)  # the challenge it never answered...
+    assert silent.recv(4096) == b""  # ...then EOF
+    for s in (silent, garbage, huge):
+        s.close()
+    assert routing(owner)["served"] == before["served"] + 1
+
+
+def test_restarted_owner_takes_its_conversations_back(pool, tokenizer):
+    f0, f1, f2 = pool.start([0, 1, 2], 3)
+    key = key_owned_by(0, 3, "comeback", then=1)
+    turns = conversation(5, 5)
+
+    assert f2.encode(key, turns[0]) == expected(tokenizer, turns[0])
+    assert routing(f2)["routed"] == 1
+    # A second owner for id 0 is refused while the first lives...
+    failure = pool.start_failing(0, 3)
+    assert failure[:2] == ("failed", "OwnerAlreadyServing") and f"pid {f0.pid}" in failure[2]
+    assert f2.encode(key, turns[0]) == expected(tokenizer, turns[0])
+    assert routing(f0)["served"] == 2
+    # ...and SIGKILL leaves the socket file behind, for the next owner to replace.
+    f0.signal(signal.SIGKILL)
+    f0.process.join(HANG_GUARD_S)
+    assert os.path.exists(socket_path(pool.ipc_dir, 0))
+
+    # While 0 is down, every frontend sends the conversation to 1, whose
+    # cache then holds it: the second turn arriving there is a hit.
+    hits_before = f1.stats()["cache"]["hits"]
+    assert f2.encode(key, turns[1]) == expected(tokenizer, turns[1])
+    assert f1.encode(key, turns[2]) == expected(tokenizer, turns[2])
+    assert f1.stats()["cache"]["hits"] == hits_before + 1
+    assert routing(f2)["fallback_dead"] == 1 and routing(f1)["taken_over_here"] == 1
+
+    (g0,) = pool.start([0], 3)
+    assert f2.encode(key, turns[3]) == expected(tokenizer, turns[3])
+    assert f1.encode(key, turns[4]) == expected(tokenizer, turns[4])
+    assert routing(g0)["served"] == 2
+    assert g0.stats()["cache"]["hits"] == 1
+    assert routing(f2)["routed"] == 4 and routing(f1)["routed"] == 1
+
+
+def test_close_with_peers_blocked_on_the_owner(pool, tokenizer):
+    owner, asker = pool.start([0, 1], 2, timeout_s=60.0)
+    items = owned_prompts(0, 2, 8, "closing", first_chars=150_000)
+    asker.send("encode_async", items)
+    wait_until(lambda: routing(owner)["served"] >= 1, "the owner to serve a call")
+    closed = owner.call("close")
+    assert closed == {"threads": [], "socket_exists": False}
+    kind, results = asker.recv()
+    assert kind == "done"
+    assert_exact(tokenizer, items, results)
+    stats = routing(asker)
+    assert stats["fallback_timeout"] == 0
+    assert stats["routed"] + stats["fallback_error"] + stats["fallback_not_published"] == 8
+    assert not os.path.exists(socket_path(pool.ipc_dir, 0))
+
+
+# -- liveness, against real processes ----------------------------------------
+
+
+@pytest.fixture
+def child():
+    procs = []
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        for signum in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
+        proc.wait(10)
+
+
+def write_record(ipc_dir: str, frontend_id: int, pid: int, create_time: float) -> None:
+    path = record_path(ipc_dir, frontend_id)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f'{{"pid": {pid}, "create_time": {create_time}, "address": "x", "nonce": "{time.time_ns()}"}}')
+    os.replace(tmp, path)
+
+
+def test_liveness_names_each_reason_to_skip(tmp_path, child):
+    ipc_dir = str(tmp_path)
+    live = OwnerLiveness(ipc_dir, backoff_s=60.0)
+    assert live.check(0) == (None, "not_published")
+
+    record = publish(ipc_dir, 0, "/some/address")
+    assert read_record(record_path(ipc_dir, 0)) == record
+    assert live.check(0) == (record, None)
+
+    stopped = child()
+    write_record(ipc_dir, 1, stopped.pid, psutil.Process(stopped.pid).create_time())
+    assert live.check(1)[1] is None
+    os.kill(stopped.pid, signal.SIGSTOP)
+    wait_until(lambda: status_of(stopped.pid) == "stopped", "the child to stop")
+    assert live.check(1)[1] == "stopped"
+
+    zombie = child()
+    write_record(ipc_dir, 2, zombie.pid, psutil.Process(zombie.pid).create_time())
+    os.kill(zombie.pid, signal.SIGKILL)  # not reaped: a zombie
+    wait_until(lambda: status_of(zombie.pid) == "zombie", "the child to die")
+    assert live.check(2)[1] == "zombie"
+    zombie.wait()
+    assert live.check(2)[1] == "dead"
+
+    reused = child()
+    write_record(ipc_dir, 3, reused.pid, psutil.Process(reused.pid).create_time() - 100)
+    assert live.check(3)[1] == "pid_reused"
+
+    # A timed-out owner is skipped until it is replaced by a new one.
+    live.timed_out(0, record)
+    assert live.check(0)[1] == "backoff"
+    unpublish(ipc_dir, 0, record)
+    assert live.check(0)[1] == "not_published"
+    replacement = publish(ipc_dir, 0, "/some/address")
+    assert live.check(0) == (replacement, None)
+    # unpublish leaves a successor's record alone.
+    unpublish(ipc_dir, 0, record)
+    assert read_record(record_path(ipc_dir, 0)) == replacement
+    assert sorted(os.listdir(ipc_dir)) == [f"owner-{i}.json" for i in range(4)]
+
+
+@pytest.mark.slow
+def test_soak_frontends_killed_stopped_and_restarted_while_serving(pool, tokenizer):
+    """Twelve rounds of random kills and stops under load; every id must stay exact."""
+    n = 3
+    frontends = dict(enumerate(pool.start(list(range(n)), n, timeout_s=1.0, backoff_s=0.5)))
+    rng = random.Random(7)
+    convs = {f"soak-{i}": conversation(300 + i, 12, first_chars=4000) for i in range(12)}
+    end = time.monotonic() + 60
+    turn = 0
+    while time.monotonic() < end and turn < 12:
+        victim = rng.randrange(n)
+        action = rng.choice(("kill", "stop", "none"))
+        if action == "kill":
+            frontends[victim].signal(signal.SIGKILL)
+            frontends[victim].process.join(HANG_GUARD_S)
+        elif action == "stop":
+            frontends[victim].signal(signal.SIGSTOP)
+        askers = [f for i, f in frontends.items() if not (i == victim and action != "none")]
+        items = [(key, c[turn]) for key, c in convs.items()]
+        for f in askers:
+            f.send("encode_many", items, 12)
+        for f in askers:
+            assert_exact(tokenizer, items, f.recv())
+        if action == "kill":
+            (frontends[victim],) = pool.start([victim], n, timeout_s=1.0, backoff_s=0.5)
+        elif action == "stop":
+            frontends[victim].signal(signal.SIGCONT)
+        turn += 1

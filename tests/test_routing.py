@@ -1,0 +1,225 @@
+"""Routing across real frontend processes: owners, exact ids, concurrency, refusals."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from collections import Counter
+from multiprocessing import connection, managers
+
+import pytest
+from helpers_procs import AUTHKEY, FrontendPool, conversation, key_owned_by
+from helpers_procs import expected_ids as expected
+
+import mptok
+from mptok.routing import FALLBACK_REASONS, TokenizationOwners, owner_of, owner_order
+from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
+
+N = 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mptok.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pool = FrontendPool(str(tmp_path_factory.mktemp("cluster") / "ipc"))
+    try:
+        yield pool, pool.start(list(range(N)), N)
+    finally:
+        pool.close()
+
+
+def fallbacks(stats: dict) -> dict[str, int]:
+    return {reason: stats["routing"][f"fallback_{reason}"] for reason in FALLBACK_REASONS}
+
+
+NO_FALLBACKS = dict.fromkeys(FALLBACK_REASONS, 0)
+
+
+# -- owner_order -------------------------------------------------------------
+
+
+def test_owner_order_is_pinned_across_runs():
+    # Pinned values: a change here would move every conversation of a
+    # running fleet during a rolling upgrade.
+    assert owner_order("conversation-1", 8) == [7, 1, 5, 6, 4, 0, 2, 3]
+    assert owner_order("conv-🙂", 3) == [2, 1, 0]
+    assert owner_order("x\ud800y", 8) == [6, 5, 4, 2, 1, 0, 3, 7]
+    assert owner_of("conversation-1", 8) == 7
+    assert owner_order("anything", 1) == [0]
+    with pytest.raises(ValueError):
+        owner_order("k", 0)
+
+
+def test_owner_order_is_the_same_in_another_process_with_another_hash_seed():
+    keys = [f"key-{i}" for i in range(50)]
+    code = "import sys; from mptok.routing import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run(
+        [sys.executable, "-c", code, *keys], env=env, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip() == str([owner_order(k, 5) for k in keys])
+
+
+def test_a_down_frontend_moves_only_its_own_conversations_and_spreads_them():
+    keys = [f"conversation-{i}" for i in range(3000)]
+    orders = {k: owner_order(k, 5) for k in keys}
+    assert all(sorted(order) == list(range(5)) for order in orders.values())
+    owners = Counter(order[0] for order in orders.values())
+    assert all(450 <= n <= 750 for n in owners.values()), owners
+    down = 2
+    moved = Counter()
+    for order in orders.values():
+        live = [f for f in order if f != down]
+        if order[0] != down:
+            assert live[0] == order[0]
+        else:
+            moved[live[0]] += 1
+    # The dead frontend's conversations spread over all the others.
+    assert sorted(moved) == [0, 1, 3, 4] and min(moved.values()) > 60, moved
+
+
+# -- a running cluster -------------------------------------------------------
+
+
+def test_prompts_sent_to_any_frontend_get_exact_ids_from_their_owner(cluster, tokenizer):
+    _, frontends = cluster
+    before = [f.stats() for f in frontends]
+    keys = [f"exact-{i}" for i in range(6)]
+    convs = {key: conversation(seed, 5) for seed, key in enumerate(keys)}
+    for turn in range(5):
+        for i, key in enumerate(keys):
+            frontend = frontends[(turn + i) % N]
+            text = convs[key][turn]
+            assert frontend.encode(key, text) == expected(tokenizer, text)
+    after = [f.stats() for f in frontends]
+    routed = sum(a["routing"]["routed"] - b["routing"]["routed"] for a, b in zip(after, before, strict=True))
+    owned = sum(a["routing"]["owned_here"] - b["routing"]["owned_here"] for a, b in zip(after, before, strict=True))
+    assert routed + owned == 30 and routed >= 15
+    # Every turn after the first reached its conversation's cache.
+    hits = sum(a["cache"]["hits"] - b["cache"]["hits"] for a, b in zip(after, before, strict=True))
+    assert hits == 6 * 4
+    assert all(fallbacks(s) == NO_FALLBACKS for s in after)
+
+
+def test_64_threads_in_each_frontend_at_once(cluster, tokenizer):
+    _, frontends = cluster
+    work = {}
+    for f in frontends:
+        convs = [conversation(1000 + 100 * f.frontend_id + i, 2, first_chars=600) for i in range(32)]
+        # Two turns of 32 conversations: first turns and cache hits at once.
+        work[f.frontend_id] = [(f"many-{f.frontend_id}-{i}", c[t]) for i, c in enumerate(convs) for t in (0, 1)]
+    for f in frontends:
+        f.send("encode_many", work[f.frontend_id], 64)
+    for f in frontends:
+        results = f.recv()
+        for (key, text), result in zip(work[f.frontend_id], results, strict=True):
+            assert result == ("ok", expected(tokenizer, text)), (key, result[:2])
+    for f in frontends:
+        stats = f.stats()
+        assert fallbacks(stats) == NO_FALLBACKS
+        assert stats["routing"]["refused"] == 0 and stats["routing"]["handshake_failures"] == 0
+
+
+def test_text_the_owner_cannot_tokenize_fails_with_the_askers_own_error(cluster, tokenizer):
+    _, frontends = cluster
+    asker = frontends[0]
+    key = key_owned_by(1, N, "surrogate")
+    text = "a lone surrogate \ud800 in a long prompt " * 20
+    with pytest.raises(Exception) as local:
+        tokenizer(text, add_special_tokens=False)
+    owner_before, asker_before = frontends[1].stats(), asker.stats()
+    reply = asker.call("encode", key, text)
+    assert reply[:2] == ("raised", type(local.value).__name__)
+    # The text reached the owner intact and failed there; the asker counted it.
+    assert frontends[1].stats()["routing"]["serve_errors"] == owner_before["routing"]["serve_errors"] + 1
+    assert asker.stats()["routing"]["fallback_error"] == asker_before["routing"]["fallback_error"] + 1
+
+
+def test_wrong_authkey_is_refused_without_disturbing_service(cluster, tokenizer):
+    pool, frontends = cluster
+    address = socket_path(pool.ipc_dir, 2)
+    before = frontends[2].stats()["routing"]
+    intruder = EncodeProxy(address, b"not-the-key", timeout_s=5)
+    with pytest.raises(OwnerUnreachable, match="authkey"):
+        intruder.encode("x" * 300)
+    key = key_owned_by(2, N, "after-intruder")
+    text = conversation(77, 1)[0]
+    assert frontends[0].encode(key, text) == expected(tokenizer, text)
+    after = frontends[2].stats()["routing"]
+    assert after["handshake_failures"] == before["handshake_failures"] + 1
+    assert after["served"] == before["served"] + 1
+
+
+def test_peers_can_call_encode_and_nothing_else(cluster, tmp_path):
+    pool, frontends = cluster
+    address = socket_path(pool.ipc_dir, 1)
+    before = frontends[1].stats()["routing"]
+
+    # The stock client's connect() asks for 'dummy'; create, shutdown and
+    # debug_info would create objects, stop the server or read its state.
+    with pytest.raises(managers.RemoteError, match="refused"):
+        managers.BaseManager(address=address, authkey=AUTHKEY).connect()
+    for name, args in [("create", (ENCODE_TYPEID,)), ("shutdown", ()), ("debug_info", ()), ("serve_client", ())]:
+        conn = connection.Client(address, authkey=AUTHKEY)
+        with pytest.raises(managers.RemoteError, match="refused"):
+            managers.dispatch(conn, None, name, args)
+        conn.close()
+
+    # On an accepted connection, only the exposed 'encode' of the service.
+    conn = connection.Client(address, authkey=AUTHKEY)
+    managers.dispatch(conn, None, "accept_connection", ("peer",))
+    refused = [(ENCODE_TYPEID, "#GETVALUE"), (ENCODE_TYPEID, "__reduce__"), (ENCODE_TYPEID, "_encode"), ("0", "encode")]
+    for ident, method in refused:
+        conn.send((ident, method, (), {}))
+        kind, _ = conn.recv()
+        assert kind == "#TRACEBACK", (ident, method)
+
+    # A request whose unpickling would call a function is refused unread.
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    conn.send_bytes(pickle.dumps((ENCODE_TYPEID, "encode", (Payload(),), {})))
+    kind, message = conn.recv()
+    assert kind == "#TRACEBACK" and "refused to load global" in message
+    assert not marker.exists()
+    conn.send((ENCODE_TYPEID, "encode", ("still serving " * 30, None), {}))
+    kind, ids = conn.recv()
+    assert kind == "#RETURN" and isinstance(ids, bytes) and len(ids) > 0
+    conn.close()
+
+    after = frontends[1].stats()["routing"]
+    assert after["refused_requests"] == before["refused_requests"] + 5
+
+
+def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenizer):
+    ipc_dir = str(tmp_path / "ipc")
+    caches = [mptok.PrefixTokenCache() for _ in range(3)]
+    owners = []
+    try:
+        for i in range(3):
+            owners.append(TokenizationOwners(ipc_dir, i, 3, caches[i], tokenizer, authkey=AUTHKEY))
+        managers_ = [o._manager for o in owners]
+        registries = {id(type(m)._registry) for m in managers_}
+        assert len(registries) == 3
+        for owner in (0, 1):
+            for text in conversation(owner, 3):
+                key = key_owned_by(owner, 3, f"in-process-{owner}")
+                assert caches[2].encode(tokenizer, text, key=key) == expected(tokenizer, text)
+        served = [o.stats()["served"] for o in owners]
+        assert served == [3, 3, 0]
+        # Each owner's cache holds only its own conversation.
+        assert [c.stats()["entries"] for c in caches] == [1, 1, 0]
+        assert owners[2].stats()["routed"] == 6
+    finally:
+        for o in owners:
+            o.close()
+    assert not [p for p in os.listdir(ipc_dir) if p.endswith((".sock", ".json"))]

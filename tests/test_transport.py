@@ -1,0 +1,316 @@
+"""The owner's manager server and the peers' proxy, on real Unix sockets.
+
+These tests run both ends in one process (the server's threads and the
+proxy's threads); the frontends-in-processes tests are in test_routing and
+test_faults. Where the thing under test is the transport itself, the served
+``encode`` is a small function whose answer shows what reached the owner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from multiprocessing import connection
+
+import pytest
+from helpers_procs import wait_until
+
+import mptok
+from mptok.transport import (
+    EncodeProxy,
+    OwnerAlreadyServing,
+    OwnerError,
+    OwnerTimeout,
+    OwnerUnreachable,
+    ServerLimits,
+    TokenizeManager,
+    secure_ipc_dir,
+    serve_encode,
+    socket_path,
+)
+
+KEY = b"transport-test-key"
+HANG_GUARD_S = 60.0
+
+
+def echo(text: str, key: str | None) -> list[int]:
+    return [ord(c) for c in text] + ([] if key is None else [-1] + [ord(c) for c in key])
+
+
+@pytest.fixture
+def ipc_dir(tmp_path):
+    return secure_ipc_dir(str(tmp_path / "ipc"))
+
+
+@pytest.fixture
+def serve(ipc_dir):
+    """serve(encode, frontend_id=0, **limits) -> (manager, address); all shut down after the test."""
+    started = []
+
+    def start(encode, frontend_id: int = 0, **limits) -> tuple[TokenizeManager, str]:
+        address = socket_path(ipc_dir, frontend_id)
+        manager = serve_encode(address, encode, KEY, ServerLimits(**limits), name=f"mptok-test-{frontend_id}")
+        started.append(manager)
+        return manager, address
+
+    yield start
+    for manager in started:
+        assert manager.shutdown()
+
+
+def mptok_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("mptok")]
+
+
+def test_text_and_key_with_lone_surrogates_cross_intact(serve):
+    _, address = serve(echo)
+    proxy = EncodeProxy(address, KEY)
+    text = "a\ud800b\udfff 🙂 \x00 é\r\n" * 5000
+    assert proxy.encode(text, "k\udc80") == echo(text, "k\udc80")
+    assert proxy.encode("", None) == []
+
+
+def test_the_handshake_is_this_pythons_own(serve, monkeypatch):
+    # 3.12 added digest negotiation ("{sha256}" challenges); 3.11 sends a
+    # bare HMAC-MD5 challenge. Both ends run the stdlib's handshake over the
+    # deadline-bounded connection, so both versions work.
+    challenges: list[bytes] = []
+    deliver = connection.deliver_challenge
+
+    def spy(conn, authkey, *args, **kwargs):
+        send_bytes = conn.send_bytes
+        conn.send_bytes = lambda buf: (challenges.append(bytes(buf)), send_bytes(buf))[1]
+        try:
+            return deliver(conn, authkey, *args, **kwargs)
+        finally:
+            del conn.send_bytes
+
+    monkeypatch.setattr(connection, "deliver_challenge", spy)
+    _, address = serve(echo)
+    assert EncodeProxy(address, KEY).encode("hi") == echo("hi", None)
+    sent = [c for c in challenges if c.startswith(b"#CHALLENGE#")]
+    assert len(sent) == 2  # the owner's, and the peer's to the owner
+    assert all(c.startswith(b"#CHALLENGE#{sha256}") == (sys.version_info >= (3, 12)) for c in sent)
+
+
+def test_a_real_cache_answers_exactly_and_reports_what_it_cannot_tokenize(serve):
+    tokenizer = mptok.load_tokenizer()
+    cache = mptok.PrefixTokenCache()
+    manager, address = serve(functools.partial(cache.encode_local, tokenizer))
+    proxy = EncodeProxy(address, KEY, timeout_s=30)
+    text = "Routed prompts come back exact, emoji 🙂 and all. " * 3000
+    assert proxy.encode(text, "conversation") == tokenizer(text, add_special_tokens=False)["input_ids"]
+    with pytest.raises(OwnerError, match="could not tokenize"):
+        proxy.encode("lone \ud800 surrogate " * 20, "other")
+    # The failure was the tokenizer's, on a healthy connection.
+    assert proxy.encode(text + " more", "conversation")[-1] == tokenizer(" more")["input_ids"][-1]
+    stats = manager.stats()
+    assert (stats["served"], stats["serve_errors"], stats["accepted"]) == (2, 1, 1)
+    assert cache.stats()["hits"] == 1
+
+
+def test_a_timed_out_call_drops_its_connection_so_its_late_reply_is_never_read(serve):
+    release = threading.Event()
+
+    def slow_echo(text, key):
+        if text == "slow":
+            release.wait(HANG_GUARD_S)
+        return echo(text, key)
+
+    manager, address = serve(slow_echo)
+    proxy = EncodeProxy(address, KEY, timeout_s=0.3)
+    with pytest.raises(OwnerTimeout):
+        proxy.encode("slow")
+    release.set()
+    assert proxy.encode("fast") == echo("fast", None)
+    assert manager.stats()["accepted"] == 2
+
+
+def test_reconnects_transparently_after_the_owner_restarts_on_the_same_path(serve):
+    first, address = serve(echo)
+    proxy = EncodeProxy(address, KEY)
+    assert proxy.encode("before") == echo("before", None)
+    assert first.shutdown()
+    second, _ = serve(lambda text, key: [42])
+    # The thread's connection to the first owner is dead; the call replaces it.
+    assert proxy.encode("after") == [42]
+    assert second.stats()["accepted"] == 1
+
+
+def test_idle_connections_are_closed_and_peers_reconnect(serve):
+    manager, address = serve(echo, idle_timeout_s=0.2)
+    proxy = EncodeProxy(address, KEY)
+    assert proxy.encode("one") == echo("one", None)
+    wait_until(lambda: manager.stats()["active_connections"] == 0, "the idle connection to close")
+    assert proxy.encode("two") == echo("two", None)
+    assert manager.stats()["accepted"] == 2
+
+
+def test_connections_beyond_the_cap_are_refused_at_once(serve):
+    manager, address = serve(echo, max_connections=2)
+    proxies = [EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S) for _ in range(3)]
+    assert proxies[0].encode("a") == echo("a", None)
+    assert proxies[1].encode("b") == echo("b", None)
+    with pytest.raises(OwnerUnreachable):
+        proxies[2].encode("c")
+    assert manager.stats()["refused"] == 1
+    proxies[0].close()
+    wait_until(lambda: manager.stats()["active_connections"] == 1, "a slot to free")
+    assert proxies[2].encode("c") == echo("c", None)
+
+
+def test_64_threads_connecting_at_once_all_get_through(serve):
+    manager, address = serve(echo)
+    proxy = EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S)
+    barrier = threading.Barrier(64)
+    results: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        barrier.wait(HANG_GUARD_S)
+        try:
+            results[i] = proxy.encode(f"thread {i}")
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_GUARD_S)
+    assert results == {i: echo(f"thread {i}", None) for i in range(64)}
+    assert (manager.stats()["accepted"], manager.stats()["refused"]) == (64, 0)
+
+
+def test_shutdown_wakes_idle_and_busy_peers_joins_every_thread_and_removes_the_socket(serve):
+    entered = threading.Event()
+
+    def busy_echo(text, key):
+        if text == "busy":
+            entered.set()
+            time.sleep(0.3)
+        return echo(text, key)
+
+    manager, address = serve(busy_echo)
+    idle = EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S)
+    assert idle.encode("idle") == echo("idle", None)
+    busy = EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S)
+    outcome: list[BaseException] = []
+
+    def call_busy() -> None:
+        try:
+            busy.encode("busy")
+        except BaseException as e:
+            outcome.append(e)
+
+    caller = threading.Thread(target=call_busy)
+    caller.start()
+    assert entered.wait(HANG_GUARD_S)
+    assert manager.shutdown() is True
+    caller.join(HANG_GUARD_S)
+    # The peer blocked on the owner was woken by the shutdown (EOF).
+    assert len(outcome) == 1 and isinstance(outcome[0], OwnerUnreachable)
+    assert mptok_threads() == []
+    assert not os.path.exists(address)
+    with pytest.raises(OwnerUnreachable):
+        idle.encode("after")
+    assert manager.shutdown() is True  # idempotent
+
+
+def test_proxy_close_fails_later_calls_at_once_and_frees_the_owners_threads(serve):
+    manager, address = serve(echo)
+    proxy = EncodeProxy(address, KEY)
+    assert proxy.encode("x") == echo("x", None)
+    proxy.close()
+    with pytest.raises(OwnerUnreachable, match="closed"):
+        proxy.encode("y")
+    wait_until(lambda: manager.stats()["active_connections"] == 0, "the owner to see the close")
+
+
+def listening(address: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(8)
+    return listener
+
+
+def test_every_step_of_a_call_is_bounded_against_a_server_that_never_answers(ipc_dir):
+    # Never accepts: the connect succeeds, the handshake never comes.
+    with listening(socket_path(ipc_dir, 7)) as mute, pytest.raises(OwnerTimeout):
+        EncodeProxy(mute.getsockname(), KEY, timeout_s=0.2).encode("anyone there?")
+
+
+def test_a_server_that_is_not_an_owner_fails_the_handshake(ipc_dir):
+    with listening(socket_path(ipc_dir, 8)) as bogus:
+
+        def answer_with_nonsense() -> None:
+            conn, _ = bogus.accept()
+            with conn:
+                conn.sendall(b"\x00\x00\x00\x05hello")
+
+        server = threading.Thread(target=answer_with_nonsense)
+        server.start()
+        with pytest.raises(OwnerUnreachable, match="connection with"):
+            EncodeProxy(bogus.getsockname(), KEY, timeout_s=HANG_GUARD_S).encode("hello?")
+        server.join(HANG_GUARD_S)
+
+
+def test_a_live_path_is_refused_and_a_stale_socket_file_is_replaced(serve, ipc_dir):
+    _, address = serve(echo)
+    with pytest.raises(OwnerAlreadyServing, match=f"pid {os.getpid()}"):
+        serve_encode(address, echo, KEY)
+    assert EncodeProxy(address, KEY).encode("still here") == echo("still here", None)
+    # A socket file whose owner went away without removing it.
+    stale = socket_path(ipc_dir, 3)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(stale)
+    dead.close()
+    _, address3 = serve(echo, frontend_id=3)
+    assert address3 == stale
+    assert EncodeProxy(stale, KEY).encode("new") == echo("new", None)
+    assert stat.S_IMODE(os.stat(stale).st_mode) == 0o600
+
+
+def test_each_owner_in_a_process_has_its_own_registry_and_answers_for_itself(serve):
+    first, a = serve(echo, frontend_id=0)
+    second, b = serve(lambda text, key: [len(text)], frontend_id=1)
+    assert EncodeProxy(a, KEY).encode("abc") == echo("abc", None)
+    assert EncodeProxy(b, KEY).encode("abc") == [3]
+    assert type(first) is not type(second)
+    assert type(first)._registry is not type(second)._registry
+    assert TokenizeManager._registry == {}
+
+
+def test_the_ipc_dir_must_belong_to_this_user_and_be_closed_to_others(tmp_path):
+    created = secure_ipc_dir(str(tmp_path / "new" / "ipc"))
+    assert stat.S_IMODE(os.stat(created).st_mode) == 0o700
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o711)
+    with pytest.raises(PermissionError, match="chmod 700"):
+        secure_ipc_dir(str(open_dir))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(NotADirectoryError):
+        secure_ipc_dir(str(not_a_dir))
+    if os.geteuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        with pytest.raises(PermissionError, match="belongs to uid 65534"):
+            secure_ipc_dir(str(foreign))
+
+
+def test_limits_and_keys_are_validated():
+    with pytest.raises(ValueError):
+        ServerLimits(max_connections=0)
+    with pytest.raises(ValueError):
+        ServerLimits(handshake_timeout_s=0)
+    with pytest.raises(ValueError):
+        EncodeProxy("/nowhere", b"")
+    with pytest.raises(ValueError):
+        TokenizeManager.for_owner()("/nowhere", "not bytes")  # type: ignore[arg-type]
