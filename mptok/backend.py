@@ -41,7 +41,8 @@ DEFAULT_TOKENIZER_NAME = "deepseek (embedded)"
 
 
 class SlowTokenizerError(TypeError):
-    """The tokenizer has no Rust backend, so the cache cannot drive it."""
+    """The cache cannot drive this tokenizer: it has no Rust backend, or its
+    Rust tokenizer could not be copied. The caller's tokenizer is used as is."""
 
 
 class TokenizerRefused(Exception):
@@ -95,14 +96,14 @@ def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(rust, Tokenizer) and getattr(tokenizer, "is_fast", True):
         return rust
-    raise SlowTokenizerError(f"{type(tokenizer).__name__} has no Rust tokenizers backend")
+    raise SlowTokenizerError(f"{type(tokenizer).__name__} is a slow tokenizer, with no Rust backend")
 
 
 # Backends kept per process, one per distinct tokenizer object. Building one
 # copies the Rust tokenizer through JSON: ~0.5 s for a 128k vocabulary, ~3 s
 # for Qwen's 248k. Every cache in the process shares them.
 MAX_BACKENDS = 8
-_backends: OrderedDict[int, tuple[Any, TokenizerBackend]] = OrderedDict()
+_backends: OrderedDict[int, tuple[Any, TokenizerBackend | SlowTokenizerError]] = OrderedDict()
 _backends_lock = threading.Lock()
 
 
@@ -116,12 +117,22 @@ def backend_for(tokenizer: Any) -> TokenizerBackend:
         known = _backends.get(id(tokenizer))
         if known is not None and known[0] is tokenizer:
             _backends.move_to_end(id(tokenizer))
+            if isinstance(known[1], SlowTokenizerError):
+                raise known[1]
             return known[1]
-    backend = TokenizerBackend(tokenizer)  # slow: outside the lock
+    try:
+        backend: TokenizerBackend | SlowTokenizerError = TokenizerBackend(tokenizer)  # slow: unlocked
+    except SlowTokenizerError as e:
+        backend = e
+    except Exception as e:
+        # Remembered, so that the next call does not pay for the attempt again.
+        backend = SlowTokenizerError(f"cannot copy {type(tokenizer).__name__}'s Rust tokenizer: {e!r}")
     with _backends_lock:
         _backends[id(tokenizer)] = (tokenizer, backend)
         while len(_backends) > MAX_BACKENDS:
             _backends.popitem(last=False)
+    if isinstance(backend, SlowTokenizerError):
+        raise backend
     return backend
 
 

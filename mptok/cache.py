@@ -129,8 +129,8 @@ class PrefixTokenCache:
             return []
         try:
             backend = backend_for(tokenizer)
-        except SlowTokenizerError:
-            self._warn_slow(tokenizer)
+        except SlowTokenizerError as e:
+            self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
         if not self._keeps(text):
             self._count("uncached")
@@ -218,12 +218,12 @@ class PrefixTokenCache:
             exc_info=True,
         )
 
-    def _warn_slow(self, tokenizer: Any) -> None:
+    def _warn_slow(self, tokenizer: Any, reason: SlowTokenizerError) -> None:
         if not self._warned_slow:
             self._warned_slow = True
             warnings.warn(
-                f"{type(tokenizer).__name__} is a slow (Python) tokenizer; "
-                "mptok tokenizes every prompt in full with it",
+                f"mptok cannot cache for {type(tokenizer).__name__} ({reason}); "
+                "it tokenizes every prompt in full with the tokenizer itself",
                 stacklevel=4,
             )
 
