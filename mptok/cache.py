@@ -16,21 +16,52 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
 from mptok.config import CacheConfig
 from mptok.errors import RouteFailed
 from mptok.prefix_index import PrefixIndex
-from mptok.seam import CachedPrompt, extend_prompt, tokenize_prompt
+from mptok.seam import CachedPrompt, IdPieces, common_prefix_length, extend_prompt, tokenize_prompt
 
 logger = logging.getLogger(__name__)
 
 Route = Callable[[str, str], "list[int] | None"]
+
+# Earlier versions of a conversation whose ids an owner remembers, so that a
+# peer holding one of them gets only the ids that changed (``encode_for_peer``).
+PEER_HISTORY = 8
+
+
+@dataclass(frozen=True)
+class PeerReply:
+    """An owner's answer to ``encode_for_peer``.
+
+    The prompt's ids are the first ``reused`` ids of the version the peer
+    named, followed by ``ids``. ``version`` names the prompt just kept (0 if
+    it was not kept), for the peer's next request.
+    """
+
+    version: int
+    reused: int
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A kept prompt, its version, and what the owner remembers of the
+    versions before it: ``(version, ids, chars shared with this prompt)``."""
+
+    prompt: CachedPrompt
+    version: int
+    history: tuple[tuple[int, IdPieces, int], ...]
+
 
 class PrefixTokenCache:
     """Exact prefix-tokenization cache, safe to share between threads.
@@ -54,6 +85,9 @@ class PrefixTokenCache:
         self._cached_chars = 0
         self._by_content = PrefixIndex()
         self._anonymous = itertools.count()
+        # Versions start at a random number: a peer that names a version of a
+        # previous run of this frontend must not find it here.
+        self._versions = itertools.count(secrets.randbits(62) + 1)
         self._disabled = False
         self._warned_slow = False
         self._counts = dict.fromkeys(
@@ -81,6 +115,51 @@ class PrefixTokenCache:
         """Like ``encode``, but never routes: what an owner runs for its peers."""
         _check_input(text, key)
         return self._encode_here(tokenizer, text, key)
+
+    def encode_for_peer(
+        self,
+        tokenizer: Any,
+        key: str,
+        text: str,
+        *,
+        since: int | None = None,
+        shared_chars: int = 0,
+    ) -> PeerReply | None:
+        """Tokenize a prompt of conversation ``key`` for a peer; never routes.
+
+        Without ``since``, ``text`` is the whole prompt and the reply holds
+        all its ids. With ``since``, the peer holds the ids of this
+        conversation's prompt version ``since``, and ``text`` holds only the
+        characters after the first ``shared_chars``, which the new prompt
+        shares with that version. Returns None when this cache cannot rebuild
+        the prompt (it does not remember that version, or not that many of
+        its characters); the peer then sends the whole text.
+        """
+        _check_input(text, key)
+        if key is None:
+            raise TypeError("encode_for_peer needs a conversation key")
+        try:
+            backend = backend_for(tokenizer)
+        except SlowTokenizerError:
+            return None if since is not None else PeerReply(0, 0, self.encode_local(tokenizer, text, key))
+        old_ids = None
+        if since is not None:
+            with self._lock:
+                entry = self._entries.get((backend.serial, key))
+            known = _version_in(entry, since) if entry is not None else None
+            if known is None or not 0 <= shared_chars <= known[1]:
+                return None
+            old_ids = known[0]
+            text = entry.prompt.text[:shared_chars] + text
+        try:
+            entry = self._entry_here(backend, text, key)
+        except TokenizerRefused:
+            return PeerReply(0, 0, _call_tokenizer(tokenizer, text))
+        if entry is None:  # not kept
+            return PeerReply(0, 0, self._encode_full(backend, tokenizer, text))
+        ids = entry.prompt.ids
+        reused = old_ids.common_prefix(ids) if old_ids is not None else 0
+        return PeerReply(entry.version, reused, ids.slice(reused, ids.length))
 
     def stats(self) -> dict[str, int]:
         """Counters since creation, and the current size of the cache."""
@@ -132,38 +211,49 @@ class PrefixTokenCache:
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
-        if not self._keeps(text):
-            self._count("uncached")
-            return self._encode_full(backend, tokenizer, text)
         try:
-            return self._encode_cached(backend, tokenizer, text, key)
+            entry = self._entry_here(backend, text, key)
         except TokenizerRefused:
             # Exactly what the tokenizer itself does with this text: its ids
             # or its error. Nothing is kept.
             return _call_tokenizer(tokenizer, text)
+        if entry is None:
+            return self._encode_full(backend, tokenizer, text)
+        return entry.prompt.ids.to_list()
+
+    def _entry_here(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry | None:
+        """The entry kept for ``text``, made here; None if the text is not kept.
+
+        Raises ``TokenizerRefused`` for text the Rust tokenizer refuses.
+        """
+        if not self._keeps(text):
+            self._count("uncached")
+            return None
+        try:
+            return self._encode_cached(backend, text, key)
+        except TokenizerRefused:
+            raise
         except Exception:
             self._disable()
-            return self._encode_full(backend, tokenizer, text)
+            return None
 
-    def _encode_cached(
-        self, backend: TokenizerBackend, tokenizer: Any, text: str, key: str | None
-    ) -> list[int]:
+    def _encode_cached(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry:
         holder: Hashable = (backend.serial, key) if key is not None else None
         with self._lock:
             if key is None:
                 holder = self._by_content.longest_prefix_of(text)
-                base = self._entries.get(holder) if holder is not None else None
-                if base is None or holder[0] != backend.serial:
+                known = self._entries.get(holder) if holder is not None else None
+                if known is None or holder[0] != backend.serial:
                     holder = (backend.serial, None, next(self._anonymous))
-                    base = None
+                    known = None
             else:
-                base = self._entries.get(holder)
+                known = self._entries.get(holder)
         config = self.config
         prompt = None
-        if base is not None:
+        if known is not None:
             prompt = extend_prompt(
                 backend,
-                base,
+                known.prompt,
                 text,
                 window_tokens=config.seam_window_tokens,
                 max_attempts=config.max_seam_attempts,
@@ -175,24 +265,25 @@ class PrefixTokenCache:
             self._count("misses")
         else:
             self._count("hits")
-        self._keep(holder, prompt, by_content=key is None)
-        return prompt.ids.to_list()
+        entry = _Entry(prompt, next(self._versions), _history_after(known, text))
+        self._keep(holder, entry, by_content=key is None)
+        return entry
 
-    def _keep(self, holder: Hashable, prompt: CachedPrompt, *, by_content: bool) -> None:
+    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool) -> None:
         with self._lock:
             old = self._entries.pop(holder, None)
             if old is not None:
-                self._cached_chars -= len(old.text)
-            self._entries[holder] = prompt
-            self._cached_chars += len(prompt.text)
+                self._cached_chars -= len(old.prompt.text)
+            self._entries[holder] = entry
+            self._cached_chars += len(entry.prompt.text)
             if by_content:
-                self._by_content.add(holder, prompt.text)
+                self._by_content.add(holder, entry.prompt.text)
             while (
                 len(self._entries) > self.config.max_entries
                 or self._cached_chars > self.config.max_cached_chars
             ):
                 evicted_holder, evicted = self._entries.popitem(last=False)
-                self._cached_chars -= len(evicted.text)
+                self._cached_chars -= len(evicted.prompt.text)
                 self._by_content.discard(evicted_holder)
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
@@ -226,6 +317,28 @@ class PrefixTokenCache:
                 "it tokenizes every prompt in full with the tokenizer itself",
                 stacklevel=4,
             )
+
+
+def _history_after(known: _Entry | None, text: str) -> tuple[tuple[int, IdPieces, int], ...]:
+    """The history of the entry that replaces ``known`` with ``text``."""
+    if known is None:
+        return ()
+    shared = common_prefix_length(known.prompt.text, text)
+    history = ((known.version, known.prompt.ids, shared),) + tuple(
+        (version, ids, min(chars, shared)) for version, ids, chars in known.history
+    )
+    return history[:PEER_HISTORY]
+
+
+def _version_in(entry: _Entry, version: int) -> tuple[IdPieces, int] | None:
+    """The ids of ``version`` of ``entry``'s conversation, and how many of its
+    characters ``entry``'s prompt shares; None if it is not remembered."""
+    if entry.version == version:
+        return entry.prompt.ids, len(entry.prompt.text)
+    for known, ids, shared in entry.history:
+        if known == version:
+            return ids, shared
+    return None
 
 
 def _check_input(text: object, key: object) -> None:

@@ -89,6 +89,27 @@ class IdPieces:
             offset += used
         return out
 
+    def common_prefix(self, other: IdPieces) -> int:
+        """How many leading ids ``self`` and ``other`` share.
+
+        Pieces that both hold (the same list, as a conversation's turns
+        share them) are skipped whole; only the rest is compared by value.
+        """
+        mine, theirs = list(self.pieces), list(other.pieces)
+        shared = 0
+        while mine and theirs and mine[0][0] is theirs[0][0]:
+            used, other_used = mine[0][1], theirs[0][1]
+            shared += min(used, other_used)
+            if used != other_used:
+                break
+            mine.pop(0)
+            theirs.pop(0)
+        rest = min(self.length, other.length) - shared
+        a, b = self.slice(shared, shared + rest), other.slice(shared, shared + rest)
+        if a == b:
+            return shared + rest
+        return shared + next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
     def spliced(self, keep: int, tail: list[int]) -> IdPieces:
         """The first ``keep`` ids followed by ``tail`` (handed over)."""
         pieces = []

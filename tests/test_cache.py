@@ -367,3 +367,71 @@ def test_rust_tokenizer_works_directly():
     longer = text + json.dumps({"more": [1, 2, 3]})
     assert cache.encode(rust, longer, key="k") == rust.encode(longer, add_special_tokens=False).ids
     assert cache.stats()["hits"] == 1
+
+
+# -- answering peers with what changed -------------------------------------------------
+
+
+def test_peer_gets_only_the_ids_after_its_version(tokenizer):
+    """Peers hold different, older versions of one conversation; each gets
+    the prompt's ids as a prefix of its version's ids plus the rest."""
+    from conversations import chat_turns
+
+    cache = PrefixTokenCache()
+    prompts = chat_turns(random.Random(13), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=12)
+    held: dict[str, tuple[int, str, list[int]]] = {}  # peer -> (version, text, ids)
+    peers = ["a", "b", "c"]
+    small_replies = 0
+    for turn, text in enumerate(prompts):
+        peer = peers[turn * 7 % 3]
+        if peer in held:
+            version, old_text, old_ids = held[peer]
+            from mptok.seam import common_prefix_length
+
+            shared = common_prefix_length(old_text, text)
+            reply = cache.encode_for_peer(
+                tokenizer, "conv", text[shared:], since=version, shared_chars=shared
+            )
+            assert reply is not None
+            ids = old_ids[: reply.reused] + reply.ids
+            # Everything but the rewritten generation prompt is reused.
+            small_replies += reply.reused >= len(old_ids) - 20
+        else:
+            reply = cache.encode_for_peer(tokenizer, "conv", text)
+            assert reply.reused == 0
+            ids = reply.ids
+        assert ids == full_ids(tokenizer, text)
+        held[peer] = (reply.version, text, ids)
+    assert small_replies >= 8
+    assert cache.stats()["hits"] == len(prompts) - 1
+
+
+def test_peer_naming_an_unknown_version_is_asked_for_the_whole_text(tokenizer):
+    cache = PrefixTokenCache()
+    rng = random.Random(14)
+    text = prompt(rng, 300)
+    first = cache.encode_for_peer(tokenizer, "conv", text)
+    longer = text + prompt(rng, 20)
+    assert cache.encode_for_peer(tokenizer, "conv", longer, since=first.version + 1) is None
+    assert cache.encode_for_peer(tokenizer, "other", longer, since=first.version) is None
+    # More characters than that version had: not rebuilt from it.
+    assert (
+        cache.encode_for_peer(
+            tokenizer, "conv", "x", since=first.version, shared_chars=len(text) + 1
+        )
+        is None
+    )
+    whole = cache.encode_for_peer(tokenizer, "conv", longer)
+    assert whole.ids == full_ids(tokenizer, longer) and whole.reused == 0
+    assert whole.version != first.version
+
+
+def test_peer_versions_are_forgotten_past_the_history(tokenizer):
+    cache = PrefixTokenCache()
+    rng = random.Random(15)
+    text = prompt(rng, 300)
+    first = cache.encode_for_peer(tokenizer, "conv", text)
+    for _ in range(mptok.cache.PEER_HISTORY + 1):
+        text += prompt(rng, 10)
+        cache.encode_for_peer(tokenizer, "conv", text)
+    assert cache.encode_for_peer(tokenizer, "conv", "more", since=first.version, shared_chars=10) is None
