@@ -276,7 +276,10 @@ class TokenizerBackend:
 
 def _encode(tokenizer: Tokenizer, text: str) -> Encoding:
     try:
-        return tokenizer.encode(text, add_special_tokens=False)
+        # encode() holds the GIL for the whole call (0.5 s for a 200k-token
+        # prompt, stalling the frontend's event loop and its owner threads);
+        # encode_batch() releases it and gives the same encoding.
+        return tokenizer.encode_batch([text], add_special_tokens=False)[0]
     except Exception as e:
         raise TokenizerRefused(str(e)) from e
 

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import threading
+import time
 import warnings
 
 import pytest
@@ -435,3 +436,29 @@ def test_peer_versions_are_forgotten_past_the_history(tokenizer):
         text += prompt(rng, 10)
         cache.encode_for_peer(tokenizer, "conv", text)
     assert cache.encode_for_peer(tokenizer, "conv", "more", since=first.version, shared_chars=10) is None
+
+
+def test_long_tokenization_lets_other_threads_run(tokenizer):
+    """A frontend's event loop and owner threads keep running while a long
+    prompt is tokenized in full (Tokenizer.encode would hold the GIL)."""
+    cache = PrefixTokenCache()
+    text = prompt(random.Random(16), 60_000)
+    ticks = 0
+    stop = threading.Event()
+
+    def ticker():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        ids = cache.encode(tokenizer, text, key="long")
+    finally:
+        stop.set()
+        thread.join()
+    assert ids == full_ids(tokenizer, text)
+    # Holding the GIL throughout, the ticker would get one or two turns.
+    assert ticks >= 20, ticks
