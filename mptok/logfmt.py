@@ -1,0 +1,78 @@
+"""One log line per event, in key=value form, for the supervisor and its frontends.
+
+``mptok serve`` runs several processes that write to the same stderr. An
+operator reading it at 3 a.m. must see, on every line, when it happened,
+which process said it (role, frontend id, pid) and what happened (``event=``)
+with its details as ``key=value`` pairs that grep and awk can pick apart.
+Lines from libraries (uvicorn, transformers) get the same prefix and their
+text as ``msg="..."``; a traceback is folded into the same line (``exc=``) so
+that one event stays one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any, TextIO
+
+_FIELDS_ATTR = "mptok_fields"
+
+
+def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
+    """Log ``event`` with ``fields``; rendered as ``event=<event> k=v ...``."""
+    logger.log(level, event, extra={_FIELDS_ATTR: fields})
+
+
+def quote(value: Any) -> str:
+    """``value`` as a logfmt value: bare when it is one plain word, else double-quoted."""
+    text = value if isinstance(value, str) else str(value)
+    if text and not any(c in text for c in ' "=\\\n\r\t') and text.isprintable():
+        return text
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return '"' + escaped.replace("\t", "\\t") + '"'
+
+
+class KeyValueFormatter(logging.Formatter):
+    """``<UTC time> level=<L> role=<R> [frontend=<id>] pid=<pid> event=<E> k=v ...``."""
+
+    def __init__(self, role: str, frontend_id: int | None = None):
+        super().__init__()
+        prefix = f"role={role}"
+        if frontend_id is not None:
+            prefix += f" frontend={frontend_id}"
+        self._prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        parts = [
+            f"{stamp}.{int(record.msecs):03d}Z level={record.levelname} {self._prefix} pid={record.process}"
+        ]
+        fields = getattr(record, _FIELDS_ATTR, None)
+        if fields is None:
+            parts.append(f"event=log logger={record.name} msg={quote(record.getMessage())}")
+        else:
+            parts.append(f"event={record.msg}")
+            parts.extend(f"{key}={quote(value)}" for key, value in fields.items())
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            parts.append(f"error={quote(f'{type(error).__name__}: {error}')}")
+            parts.append(f"traceback={quote(''.join(traceback.format_exception(*record.exc_info)))}")
+        return " ".join(parts)
+
+
+def configure_logging(role: str, frontend_id: int | None = None, stream: TextIO | None = None) -> None:
+    """Send every logger of this process, as key=value lines, to ``stream`` (stderr).
+
+    Replaces the root logger's handlers; ``MPTOK_LOG_LEVEL`` (default INFO)
+    sets the level.
+    """
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(KeyValueFormatter(role, frontend_id))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("MPTOK_LOG_LEVEL", "INFO").upper())

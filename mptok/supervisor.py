@@ -1,0 +1,418 @@
+"""``mptok serve``: start N frontends on one port, keep them running, stop them cleanly.
+
+The supervisor owns everything the frontends share: the private ipc
+directory (mode 0700, removed at exit) and the authkey (32 random bytes,
+handed to each child as a spawn-context Process argument, which travels over
+a pipe: never argv, environment, logs or a file). It checks the port before
+starting anything (a plain bind without SO_REUSEPORT, since an SO_REUSEPORT
+bind would quietly share a port another server of this user holds), starts
+the frontends (``mptok.frontend``), and logs ``ready`` once every one has
+reported over its pipe that its port listens and it serves its peers.
+
+While serving, a frontend that dies is restarted under the same id, after a
+back-off that doubles with each recent crash. More than ``max_restarts``
+exits within ``restart_window_s`` is a crash loop: that frontend id is given
+up, loudly, and the others keep serving (its conversations move to the next
+frontend in their order); when every frontend has been given up the
+supervisor exits with status 3.
+
+SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
+its in-flight requests within ``graceful_timeout_s``, and exits; stragglers
+are SIGKILLed after a further ``_EXIT_MARGIN_S``; then the ipc directory is
+removed. Every wait in here has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from mptok.chat_template import ChatTemplateError, check_template_source
+from mptok.frontend import FrontendSettings, frontend_main, tcp_socket
+from mptok.logfmt import log_event
+from mptok.metrics import SUPERVISOR_SNAPSHOT, SnapshotDir
+
+logger = logging.getLogger("mptok.supervisor")
+
+EXIT_OK = 0
+EXIT_CANNOT_START = 2
+EXIT_ALL_GIVEN_UP = 3
+
+# A frontend that has not exited this long after its graceful timeout is killed.
+_EXIT_MARGIN_S = 5.0
+_JOIN_AFTER_KILL_S = 5.0
+
+
+class StartupError(Exception):
+    """The server cannot start; the message is one line, for the operator."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``mptok serve`` is told on its command line."""
+
+    frontends: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer: str | None = None
+    chat_template_file: str | None = None
+    max_prompt_chars: int = 4_000_000
+    threads: int = 4
+    route_timeout_s: float = 5.0
+    route_backoff_s: float = 10.0
+    graceful_timeout_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    restart_delay_s: float = 0.25
+
+
+class RestartPolicy:
+    """Back-off and crash-loop limit for one frontend id.
+
+    ``delay_after_exit(now)`` gives the seconds to wait before restarting,
+    doubling from ``first_delay_s`` with each exit in the window (at most
+    ``max_delay_s``), or None once more than ``max_restarts`` exits fell
+    within ``window_s``: a crash loop.
+    """
+
+    def __init__(self, max_restarts: int, window_s: float, first_delay_s: float, max_delay_s: float = 8.0):
+        self._max_restarts = max_restarts
+        self._window_s = window_s
+        self._first_delay_s = first_delay_s
+        self._max_delay_s = max_delay_s
+        self._exits: deque[float] = deque()
+
+    def delay_after_exit(self, now: float) -> float | None:
+        self._exits.append(now)
+        while self._exits and self._exits[0] < now - self._window_s:
+            self._exits.popleft()
+        if len(self._exits) > self._max_restarts:
+            return None
+        return min(self._first_delay_s * 2 ** (len(self._exits) - 1), self._max_delay_s)
+
+    @property
+    def recent_exits(self) -> int:
+        return len(self._exits)
+
+
+@dataclass
+class _Slot:
+    """One frontend id: its current process (if any) and its history."""
+
+    frontend_id: int
+    policy: RestartPolicy
+    process: Any = None
+    conn: Any = None
+    pid: int | None = None
+    ready: bool = False
+    failure: str | None = None  # what the process said when it could not start
+    restarts: int = 0
+    restart_at: float | None = None
+    given_up: bool = False
+    exits: list[int] = field(default_factory=list)
+
+
+class _Signals:
+    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    @property
+    def waitable(self) -> socket.socket:
+        return self._reader
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._reader.recv(512):
+                pass
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+        self._reader.close()
+        self._writer.close()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+
+
+class Supervisor:
+    """Runs one ``mptok serve``: ``run()`` returns the process exit status."""
+
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        self._ctx = multiprocessing.get_context("spawn")
+        self._authkey = secrets.token_bytes(32)
+        self._slots = [
+            _Slot(i, RestartPolicy(options.max_restarts, options.restart_window_s, options.restart_delay_s))
+            for i in range(options.frontends)
+        ]
+        self._ipc_dir: str | None = None
+        self._snapshots: SnapshotDir | None = None
+        self._signals: _Signals | None = None
+        self._port = options.port
+        self._template_source: str | None = None
+        self._serving = False  # after start-up: exits are restarted, not fatal
+
+    def run(self) -> int:
+        """Start, serve until a signal (or every frontend is given up), stop.
+
+        Raises ``StartupError`` when it cannot start; everything it started
+        is stopped and removed first.
+        """
+        with contextlib.ExitStack() as cleanup:
+            self._signals = _Signals()
+            cleanup.callback(self._signals.close)
+            self._preflight()
+            self._ipc_dir = tempfile.mkdtemp(prefix="mptok-serve-")  # mode 0700
+            cleanup.callback(shutil.rmtree, self._ipc_dir, True)
+            log_event(
+                logger,
+                logging.INFO,
+                "starting",
+                frontends=self.options.frontends,
+                host=self.options.host,
+                port=self._port,
+                ipc_dir=self._ipc_dir,
+            )
+            self._snapshots = SnapshotDir(self._ipc_dir)
+            cleanup.callback(self._stop_all)
+            self._start_all()
+            return self._serve()
+
+    # -- start-up ------------------------------------------------------------
+
+    def _preflight(self) -> None:
+        options = self.options
+        if options.frontends < 1:
+            raise StartupError(f"--frontends must be at least 1, got {options.frontends}")
+        if options.tokenizer is not None and not os.path.exists(options.tokenizer):
+            raise StartupError(f"--tokenizer {options.tokenizer}: no such file or directory")
+        if options.chat_template_file is not None:
+            try:
+                with open(options.chat_template_file, encoding="utf-8") as f:
+                    self._template_source = f.read()
+                check_template_source(self._template_source)
+            except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
+                raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
+        try:
+            probe = tcp_socket(options.host, options.port, reuse_port=False)
+        except OSError as e:
+            raise StartupError(f"cannot bind {options.host}:{options.port}: {e.strerror or e}") from None
+        with probe:
+            probe.listen(1)  # a bound-only probe would not see a listener that set SO_REUSEADDR
+            self._port = probe.getsockname()[1]
+
+    def _start_all(self) -> None:
+        for slot in self._slots:
+            self._spawn(slot)
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while not all(slot.ready for slot in self._slots):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = [s.frontend_id for s in self._slots if not s.ready]
+                raise StartupError(f"frontends {late} not ready after --startup-timeout {self.options.startup_timeout_s:g} s")
+            self._wait(min(remaining, 1.0))
+            if self._signals.received:
+                raise StartupError(f"stopped by signal {signal.Signals(self._signals.received[0]).name} during start-up")
+            for slot in self._slots:
+                if slot.process is None:
+                    reason = slot.failure or f"exited with {_describe_exit(slot.exits[-1])}"
+                    raise StartupError(f"frontend {slot.frontend_id} failed to start: {reason}")
+        self._serving = True
+        url = f"http://{self.options.host}:{self._port}"
+        log_event(
+            logger,
+            logging.INFO,
+            "ready",
+            msg=f"ready: {len(self._slots)} frontends on {url}",
+            url=url,
+            pids=",".join(str(s.pid) for s in self._slots),
+            ipc_dir=self._ipc_dir,
+        )
+
+    def _spawn(self, slot: _Slot) -> None:
+        options = self.options
+        settings = FrontendSettings(
+            frontend_id=slot.frontend_id,
+            num_frontends=options.frontends,
+            host=options.host,
+            port=self._port,
+            ipc_dir=self._ipc_dir,
+            tokenizer=options.tokenizer,
+            chat_template=self._template_source,
+            max_prompt_chars=options.max_prompt_chars,
+            threads=options.threads,
+            route_timeout_s=options.route_timeout_s,
+            route_backoff_s=options.route_backoff_s,
+            graceful_timeout_s=options.graceful_timeout_s,
+        )
+        parent_conn, child_conn = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(
+            target=frontend_main,
+            args=(settings, self._authkey, child_conn),
+            name=f"mptok-frontend-{slot.frontend_id}",
+        )
+        process.start()
+        child_conn.close()
+        slot.process, slot.conn, slot.pid = process, parent_conn, process.pid
+        slot.ready, slot.failure, slot.restart_at = False, None, None
+        log_event(logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts)
+        self._publish()
+
+    # -- serving -------------------------------------------------------------
+
+    def _serve(self) -> int:
+        while not self._signals.received:
+            if all(slot.given_up for slot in self._slots):
+                log_event(logger, logging.CRITICAL, "all_frontends_given_up", action="exiting", status=EXIT_ALL_GIVEN_UP)
+                return EXIT_ALL_GIVEN_UP
+            now = time.monotonic()
+            for slot in self._slots:
+                if slot.restart_at is not None and slot.restart_at <= now:
+                    slot.restarts += 1
+                    self._spawn(slot)
+            pending = [s.restart_at for s in self._slots if s.restart_at is not None]
+            self._wait(min([1.0, *(max(0.0, t - now) for t in pending)]))
+        log_event(logger, logging.INFO, "stopping", signal=signal.Signals(self._signals.received[0]).name)
+        return EXIT_OK
+
+    def _wait(self, timeout_s: float) -> None:
+        """Wait for a signal, a message from a child, or a child's exit; handle what came."""
+        waitables: list[Any] = [self._signals.waitable]
+        by_object: dict[Any, tuple[str, _Slot]] = {}
+        for slot in self._slots:
+            if slot.process is None:
+                continue
+            by_object[slot.process.sentinel] = ("exit", slot)
+            if not slot.ready and slot.conn is not None:
+                by_object[slot.conn] = ("message", slot)
+        waitables.extend(by_object)
+        for ready in multiprocessing.connection.wait(waitables, timeout_s):
+            if ready is self._signals.waitable:
+                self._signals.drain()
+                continue
+            what, slot = by_object[ready]
+            if what == "message":
+                self._on_message(slot)
+        # Exits last: a child's last message ("failed") is read before its exit.
+        for what, slot in by_object.values():
+            if what == "exit" and slot.process is not None and not slot.process.is_alive():
+                self._on_exit(slot)
+
+    def _on_message(self, slot: _Slot) -> None:
+        try:
+            message = slot.conn.recv()
+        except (EOFError, OSError):
+            slot.conn.close()
+            slot.conn = None
+            return
+        if message[0] == "ready":
+            slot.ready = True
+            log_event(logger, logging.INFO, "frontend_ready", frontend=slot.frontend_id, pid=message[1], restarts=slot.restarts)
+            self._publish()
+        elif message[0] == "failed":
+            slot.failure = message[1]
+            log_event(logger, logging.ERROR, "frontend_start_failed", frontend=slot.frontend_id, pid=slot.pid, error=message[1])
+
+    def _on_exit(self, slot: _Slot) -> None:
+        process = slot.process
+        process.join(_JOIN_AFTER_KILL_S)
+        exitcode = process.exitcode if process.exitcode is not None else -signal.SIGKILL
+        if slot.conn is not None:
+            if slot.conn.poll(0):
+                self._on_message(slot)
+            if slot.conn is not None:
+                slot.conn.close()
+        process.close()
+        slot.process, slot.conn, slot.ready = None, None, False
+        slot.exits.append(exitcode)
+        self._publish()
+        if self._signals.received or not self._serving:
+            return
+        delay = slot.policy.delay_after_exit(time.monotonic())
+        fields = {"frontend": slot.frontend_id, "pid": slot.pid, "exit": _describe_exit(exitcode)}
+        if delay is None:
+            slot.given_up = True
+            log_event(
+                logger,
+                logging.CRITICAL,
+                "frontend_given_up",
+                **fields,
+                reason=f"crash loop: {slot.policy.recent_exits} exits within {self.options.restart_window_s:g} s "
+                f"(--max-restarts {self.options.max_restarts})",
+                action="not restarting it; the other frontends take its conversations; read its last log lines, "
+                "fix the cause, then restart mptok serve",
+            )
+            self._publish()
+            return
+        slot.restart_at = time.monotonic() + delay
+        log_event(logger, logging.ERROR, "frontend_exited", **fields, restart_in_s=f"{delay:g}", recent_exits=slot.policy.recent_exits)
+
+    # -- stopping ------------------------------------------------------------
+
+    def _stop_all(self) -> None:
+        """SIGTERM every frontend, wait (bounded), SIGKILL stragglers, reap them all."""
+        running = [slot for slot in self._slots if slot.process is not None]
+        for slot in running:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                slot.process.terminate()
+        deadline = time.monotonic() + self.options.graceful_timeout_s + _EXIT_MARGIN_S
+        for slot in running:
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+        for slot in running:
+            if slot.process.is_alive():
+                log_event(logger, logging.WARNING, "frontend_killed", frontend=slot.frontend_id, pid=slot.pid, reason="did not stop in time")
+                slot.process.kill()
+                slot.process.join(_JOIN_AFTER_KILL_S)
+            exitcode = slot.process.exitcode
+            log_event(logger, logging.INFO, "frontend_stopped", frontend=slot.frontend_id, pid=slot.pid, exit=_describe_exit(exitcode))
+            if slot.conn is not None:
+                slot.conn.close()
+            if exitcode is not None:
+                slot.process.close()
+            slot.process, slot.conn, slot.ready = None, None, False
+        log_event(logger, logging.INFO, "stopped")
+
+    def _publish(self) -> None:
+        if self._snapshots is None:
+            return
+        with contextlib.suppress(OSError):
+            self._snapshots.write(
+                SUPERVISOR_SNAPSHOT,
+                {
+                    "up": {str(s.frontend_id): int(s.ready) for s in self._slots},
+                    "restarts": {str(s.frontend_id): s.restarts for s in self._slots},
+                    "given_up": {str(s.frontend_id): int(s.given_up) for s in self._slots},
+                },
+            )
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-exitcode).name}"
+        return f"signal {-exitcode}"
+    return f"code {exitcode}"

@@ -1,0 +1,397 @@
+"""``mptok serve`` end to end: a real supervisor process, real frontends, HTTP over loopback.
+
+Every request opens a new connection (http.client), so the kernel spreads
+them over the frontends as it would spread clients. Every id list is
+compared with the tokenizer's own full tokenization of the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conversations import plain_delta
+from families import _tokenizer_file, load_family_hf
+from helpers_procs import conversation
+from helpers_serve import SUPERVISE, Server, free_port, request, scrape, tokenize, total
+
+import mptok
+from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
+from mptok.frontend import SpecialTokenFrame, TokenizeService, tcp_socket
+from mptok.routing import FALLBACK_REASONS
+
+FRONTENDS = 4
+MAX_PROMPT_CHARS = 1_500_000
+CONVERSATIONS = 12
+TURNS = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mptok.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with Server(log, "--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS)) as s:
+        yield s
+
+
+def expected(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(
+        messages, chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
+class Chat:
+    """One conversation, sent turn by turn in one of the request shapes."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.key = f"serve-conversation-{index}"
+        self.rng = random.Random(index)
+        self.prompts = conversation(index, TURNS) if index < 6 else None
+        self.messages = [{"role": "system", "content": plain_delta(self.rng, 300)}]
+
+    def turn(self, turn: int, tokenizer) -> tuple[dict, dict[str, str], list[int]]:
+        """(body, headers, expected ids) of turn ``turn``."""
+        if self.prompts is not None:
+            # Half the prompt conversations ask for special tokens (vLLM's default for prompts).
+            special = self.index % 2 == 0
+            body = {"prompt": self.prompts[turn], "conversation_id": self.key, "add_special_tokens": special}
+            return body, {}, expected(tokenizer, self.prompts[turn], special)
+        if turn > 0:
+            self.messages.append({"role": "assistant", "content": plain_delta(self.rng, 80)})
+        self.messages.append({"role": "user", "content": plain_delta(self.rng, 80)})
+        header = "X-Session-Id" if self.index < 9 else "X-Correlation-Id"
+        body = {"messages": list(self.messages), "add_generation_prompt": True}
+        return body, {header: self.key}, expected(tokenizer, render(tokenizer, self.messages), False)
+
+
+def wait_for_counts(port: int, name: str, at_least: float, before: list, timeout_s: float = 20.0) -> list:
+    """Scrape until ``name`` grew by ``at_least`` since ``before`` (snapshots are up to 0.5 s old)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(port)
+        if total(samples, name) - total(before, name) >= at_least:
+            return samples
+        assert time.monotonic() < deadline, f"{name} did not grow by {at_least}"
+        time.sleep(0.1)
+
+
+# -- conversations, exact and cached -----------------------------------------------
+
+
+def test_conversations_are_exact_and_hit_across_frontends(server, tokenizer):
+    before = scrape(server.port)
+    chats = [Chat(i) for i in range(CONVERSATIONS)]
+    answered_by = set()
+    for turn in range(TURNS):
+        for chat in chats:
+            body, headers, want = chat.turn(turn, tokenizer)
+            answer = tokenize(server.port, body, headers)
+            assert answer["tokens"] == want, (chat.index, turn)
+            assert answer["count"] == len(want)
+            answered_by.add(answer["frontend"])
+    requests = CONVERSATIONS * TURNS
+    after = wait_for_counts(server.port, "mptok_tokenize_seconds_count", requests, before)
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    can_hit = CONVERSATIONS * (TURNS - 1)
+    hits, misses = grew("mptok_cache_hits_total"), grew("mptok_cache_misses_total")
+    print(f"\nhit rate over turns that can hit: {hits}/{can_hit} = {hits / can_hit:.1%}; misses {misses}")
+    assert hits >= 0.95 * can_hit, (hits, misses)
+    assert hits + misses == requests
+    # The kernel spread the connections; routing brought the turns to their owners.
+    assert len(answered_by) >= 3
+    assert grew("mptok_routed_total") > 0
+    assert grew("mptok_route_failures_total") == 0
+
+
+def test_metrics_cover_every_frontend_whichever_answers(server):
+    samples = scrape(server.port)
+    for name in ("mptok_cache_hits_total", "mptok_cache_misses_total", "mptok_routed_total", "mptok_route_failures_total"):
+        assert {ls["frontend"] for n, ls, _ in samples if n == name} == {str(i) for i in range(FRONTENDS)}, name
+    reasons = {ls["reason"] for n, ls, _ in samples if n == "mptok_route_fallbacks_total"}
+    assert reasons == set(FALLBACK_REASONS)
+    buckets = [(ls["le"], v) for n, ls, v in samples if n == "mptok_tokenize_seconds_bucket" and ls["frontend"] == "0"]
+    assert buckets[-1][0] == "+Inf"
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+    assert total(samples, "mptok_frontend_up") == FRONTENDS
+
+
+def test_prompts_without_a_conversation_id_are_exact(server, tokenizer):
+    prompts = conversation(99, 4)
+    for prompt in prompts:
+        for special in (True, False):
+            answer = tokenize(server.port, {"prompt": prompt, "add_special_tokens": special})
+            assert answer["tokens"] == expected(tokenizer, prompt, special)
+    assert tokenize(server.port, {"prompt": ""})["tokens"] == expected(tokenizer, "", True)
+
+
+def test_200k_ids_answer_exactly(server, tokenizer):
+    rng = random.Random(7)
+    text = ""
+    while len(text) < 1_300_000:
+        text += plain_delta(rng, 200) + "\n"
+    status, payload = request(server.port, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert status == 200
+    answer = json.loads(payload)
+    assert answer["count"] > 190_000
+    assert answer["tokens"] == expected(tokenizer, text, False)
+
+
+# -- the client's mistakes ------------------------------------------------------------
+
+
+BAD_REQUESTS = [
+    (b'{"prompt": "unterminated', 400, "not valid JSON"),
+    (b"", 400, "not valid JSON"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+    (b'["prompt"]', 400, "JSON object"),
+    (b"{}", 400, "exactly one of"),
+    (b'{"prompt": "a", "messages": []}', 400, "exactly one of"),
+    (b'{"prompt": 5}', 400, '"prompt" must be a string'),
+    (b'{"prompt": "a", "add_special_tokens": "yes"}', 400, '"add_special_tokens" must be a boolean'),
+    (b'{"prompt": "a", "conversation_id": 5}', 400, '"conversation_id" must be a string'),
+    (b'{"messages": "hi"}', 400, '"messages" must be a non-empty list'),
+    (b'{"messages": []}', 400, '"messages" must be a non-empty list'),
+    (b'{"messages": [5]}', 400, "messages[0] must be an object"),
+    (b'{"messages": [{"role": "user"}]}', 400, 'messages[0]["content"] must be a string'),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": 1}', 400, "must be a boolean"),
+    (b'{"messages": [{"role": "tool", "content": "hi"}]}', 400, "unsupported role tool"),
+    (b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
+    (b'{"prompt": "ok \\udc00 no"}', 400, "lone UTF-16 surrogate"),
+    (b'{"prompt": "' + b"x" * (MAX_PROMPT_CHARS + 1) + b'"}', 413, "--max-prompt-chars"),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * MAX_PROMPT_CHARS}]}).encode(), 413, "--max-prompt-chars"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
+def test_bad_requests_get_4xx_with_a_message(server, body, status, message):
+    got, payload = request(server.port, "POST", "/tokenize", body)
+    assert got == status, payload[:300]
+    error = json.loads(payload)
+    assert message in error["message"], error
+    assert error["code"] == status
+
+
+def test_a_body_too_large_to_read_is_refused_unread(server):
+    got, payload = request(server.port, "POST", "/tokenize", b"x" * (12 * MAX_PROMPT_CHARS + 2**20 + 1))
+    assert got == 413, payload[:300]
+
+
+# -- restarts ------------------------------------------------------------------------
+
+
+def test_a_killed_frontend_is_replaced_and_service_goes_on(server, tokenizer):
+    victim = 1
+    old_pid = server.frontend_pids()[victim]
+    offset = len(server.log())
+    os.kill(old_pid, signal.SIGKILL)
+    server.wait_for_log(rf"event=frontend_exited frontend={victim} pid={old_pid} exit=\"signal SIGKILL\"", after=offset)
+    # Conversations keep going while the frontend restarts: every answer exact.
+    chats = [Chat(100 + i) for i in range(4)]
+    for turn in range(3):
+        for chat in chats:
+            body, headers, want = chat.turn(turn, tokenizer)
+            assert tokenize(server.port, body, headers)["tokens"] == want
+    match = server.wait_for_log(rf"role=supervisor .*event=frontend_ready frontend={victim} pid=(\d+) restarts=1", after=offset)
+    new_pid = int(match.group(1))
+    assert new_pid != old_pid
+    deadline = time.monotonic() + 30
+    while True:  # new connections reach every frontend sooner or later
+        status, payload = request(server.port, "GET", "/health")
+        assert status == 200
+        health = json.loads(payload)
+        if health["frontend"] == victim:
+            assert health["pid"] == new_pid
+            break
+        assert time.monotonic() < deadline, "the new frontend never answered /health"
+    for turn in range(3, 5):
+        for chat in chats:
+            body, headers, want = chat.turn(turn, tokenizer)
+            assert tokenize(server.port, body, headers)["tokens"] == want
+    samples = scrape(server.port)
+    assert total(samples, "mptok_frontend_restarts_total", frontend=str(victim)) == 1
+    assert total(samples, "mptok_frontend_up") == FRONTENDS
+
+
+@pytest.mark.slow
+def test_a_crash_looping_frontend_is_given_up_loudly(tmp_path):
+    with Server(tmp_path / "serve.log", "--frontends", "1", "--max-restarts", "1", "--restart-window", "60") as server:
+        for restarts in (0, 1):
+            pid = server.frontend_pids()[0]
+            offset = len(server.log())
+            os.kill(pid, signal.SIGKILL)
+            if restarts == 0:
+                server.wait_for_log(r"event=frontend_ready frontend=0 pid=\d+ restarts=1", after=offset)
+        assert server.wait(60) == 3
+        log = server.log()
+        assert "level=CRITICAL role=supervisor" in log and "event=frontend_given_up frontend=0" in log
+        assert "event=all_frontends_given_up" in log
+
+
+# -- stopping and failing to start -----------------------------------------------------
+
+
+def test_sigterm_finishes_in_flight_requests_and_leaves_nothing_behind(tmp_path, tokenizer):
+    server = Server(tmp_path / "serve.log", "--frontends", "2")
+    try:
+        supervisor = psutil.Process(server.process.pid)
+        children = supervisor.children(recursive=True)
+        assert len([c for c in children if c.pid in server.frontend_pids().values()]) == 2
+        ipc_dir = server.ipc_dir()
+        assert os.path.isdir(ipc_dir) and os.stat(ipc_dir).st_mode & 0o777 == 0o700
+        # A request in flight at SIGTERM: its body is half sent. The frontend
+        # must wait for the rest and answer before it exits.
+        text = "".join(conversation(3, 1))
+        body = json.dumps({"prompt": text}).encode()
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        client.sendall(
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[: len(body) // 2]
+        )
+        time.sleep(0.3)  # the frontend has the request's head and is reading its body
+        offset = len(server.log())
+        server.process.send_signal(signal.SIGTERM)
+        server.wait_for_log("Waiting for connections to close", after=offset, timeout_s=30)
+        client.sendall(body[len(body) // 2 :])
+        response = b""
+        while chunk := client.recv(1 << 20):
+            response += chunk
+            head, _, payload = response.partition(b"\r\n\r\n")
+            if payload and len(payload) >= int(re.search(rb"content-length: (\d+)", head.lower()).group(1)):
+                break
+        client.close()
+        assert head.startswith(b"HTTP/1.1 200"), response[:300]
+        assert json.loads(payload)["tokens"] == expected(tokenizer, text, True)
+        assert server.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], alive
+        assert not os.path.exists(ipc_dir)
+        with tcp_socket("127.0.0.1", server.port, reuse_port=False) as probe:
+            probe.listen(1)  # nobody listens on the port any more
+        log = server.log()
+        assert "event=stopping signal=SIGTERM" in log and "event=stopped" in log
+    finally:
+        server.kill()
+
+
+def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, SUPERVISE, *args], capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "so_reuseport"])
+def test_a_port_in_use_is_a_one_line_error(reuse_port):
+    with socket.socket() as holder:
+        if reuse_port:  # an SO_REUSEPORT listener of this user would silently share the port
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        result = run_cli("--port", str(port), "--frontends", "1")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"mptok serve: cannot start: cannot bind 127.0.0.1:{port}: Address already in use", last
+
+
+def test_a_bad_tokenizer_path_is_a_one_line_error(tmp_path):
+    result = run_cli("--port", str(free_port()), "--tokenizer", str(tmp_path / "missing"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("missing: no such file or directory")
+    # A path that exists but holds no tokenizer: the frontends fail at start-up.
+    result = run_cli("--port", str(free_port()), "--frontends", "1", "--tokenizer", str(tmp_path))
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("mptok serve: cannot start: frontend 0 failed to start: ValueError: cannot load tokenizer"), last
+    ipc_dir = re.search(r"event=starting .*ipc_dir=(\S+)", result.stderr).group(1)
+    assert not os.path.exists(ipc_dir)
+
+
+def test_help_explains_every_option():
+    result = run_cli("--help", timeout_s=60)
+    assert result.returncode == 0
+    for option in (
+        "--frontends", "--host", "--port", "--tokenizer", "--chat-template", "--max-prompt-chars", "--threads",
+        "--route-timeout", "--route-backoff", "--graceful-timeout", "--startup-timeout", "--max-restarts",
+        "--restart-window",
+    ):  # fmt: skip
+        assert option in result.stdout
+
+
+# -- another tokenizer, special tokens, chat templates -----------------------------------
+
+
+def test_another_tokenizer_with_special_tokens_and_a_template_file(tmp_path):
+    path = _tokenizer_file("metaspace_first")  # its post-processor adds "<s>" before the text
+    template = tmp_path / "chatml.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    local = mptok.load_tokenizer(path)
+    with Server(tmp_path / "serve.log", "--frontends", "1", "--tokenizer", str(path), "--chat-template", str(template)) as s:
+        prompts = conversation(5, 3)
+        for prompt in prompts:
+            for special in (True, False):
+                answer = tokenize(s.port, {"prompt": prompt, "add_special_tokens": special}, {"X-Session-Id": "c"})
+                assert answer["tokens"] == expected(local, prompt, special)
+        assert expected(local, "x", True)[0] != expected(local, "x", False)[0]
+        messages = [{"role": "user", "content": "Bonjour, ça va?"}]
+        text = local.apply_chat_template(messages, chat_template=template.read_text(), add_generation_prompt=True, tokenize=False)
+        answer = tokenize(s.port, {"messages": messages})
+        assert answer["tokens"] == expected(local, text, False)
+        assert f"event=special_tokens mode=cache prefix=[{local.convert_tokens_to_ids('<s>')}] suffix=[]" in s.log()
+
+
+@pytest.mark.parametrize("family", ["deepseek", "metaspace_first", "metaspace_always", "metaspace_always_nosplit", "legacy_sp"])
+def test_special_tokens_around_cached_ids_are_exact(family):
+    hf = load_family_hf(family)
+    frame = SpecialTokenFrame.derive(hf)
+    assert frame is not None
+    service = TokenizeService(0, hf, mptok.PrefixTokenCache(), ChatTemplate(None, "none"), max_prompt_chars=10**6, threads=1)
+    try:
+        for key in ("conversation", None):
+            for prompt in conversation(11, 4):
+                for special in (True, False):
+                    assert service.tokenize(prompt, special, key) == expected(hf, prompt, special), (family, special)
+        assert service.tokenize("", True, None) == expected(hf, "", True)
+    finally:
+        service.close(5.0)
+
+
+def test_the_built_in_template_matches_deepseek_v3(tokenizer):
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    assert template.origin == "built-in deepseek-v3"
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "<think>hmm</think>A"},
+        {"role": "user", "content": "U2"},
+    ]
+    assert template.render(tokenizer, messages, True) == (
+        "<｜begin▁of▁sentence｜>S<｜User｜>U<｜Assistant｜>A<｜end▁of▁sentence｜><｜User｜>U2<｜Assistant｜>"
+    )
+    assert template.render(tokenizer, messages, False).endswith("<｜User｜>U2")
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTemplate.for_tokenizer(load_family_hf("metaspace_first")).render(tokenizer, messages, True)
