@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-quick test-versions ci clean
+.PHONY: run bench test test-quick test-versions ci clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +12,13 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-# The main job: the cache benchmark on the embedded default tokenizer.
+# The main job: N frontends on 127.0.0.1:8000 with the embedded default
+# tokenizer, until Ctrl-C (`make run ARGS="--frontends 4 --port 9000"`).
 run: $(BIN)/.installed
+	$(BIN)/mptok serve $(ARGS)
+
+# The cache benchmark, with hit rates per tokenizer family.
+bench: $(BIN)/.installed
 	$(BIN)/python scripts/bench_cache.py --families
 
 # Every test, the soak runs included.
