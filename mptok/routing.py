@@ -101,12 +101,20 @@ class TokenizationOwners:
     serving; no socket file and no thread remain. It is idempotent.
 
     The serving threads share this process's GIL: while the frontend runs
-    Python code, a peer's call waits for the GIL in steps of the switch
-    interval, once per blocking call it makes (a tiny call took 16 ms at the
-    default 5 ms, about 1 ms at 1 ms; a routed 38k-token hit takes about
-    4 ms instead of 2.5 ms at 1 ms: scripts/bench_routing.py). Unless
-    ``switch_interval_s`` is None, the process-wide ``sys.setswitchinterval``
-    is lowered to it (never raised) and stays so.
+    Python code, a peer's call waits for the GIL each time its serving
+    thread gets it back (after the request arrives, and whenever the main
+    thread takes it away mid-call), so the transport reads a request in one
+    call and writes a reply in one. If the main thread runs Python without
+    releasing the GIL, each wait ends within the switch interval (a tiny
+    call took 16 ms at the default 5 ms, about 1 ms at 1 ms). If it also
+    releases and retakes the GIL often, as an event loop does in every
+    ``select`` and a busy loop in every ``poll()``, each release resets the
+    waiting thread's timer, and a serving thread on another, idle CPU loses
+    nearly every race for it: a routed 38k-token hit then took from 4 ms to
+    seconds (8000 futile wake-ups per call), whatever the switch interval
+    (5 ms down to 0.02 ms), and about 4 ms with both threads on one CPU.
+    Unless ``switch_interval_s`` is None, the process-wide
+    ``sys.setswitchinterval`` is lowered to it (never raised) and stays so.
     """
 
     def __init__(

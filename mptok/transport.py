@@ -76,6 +76,12 @@ _SHORT_HEADER = struct.Struct("!i")
 _LONG_HEADER = struct.Struct("!iQ")
 _LENGTH_ONLY = struct.Struct("!Q")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux
+# A 150k-character prompt pickles to about 150 KB to 450 KB, its 38k ids to
+# about 150 KB: both fit whole in the socket buffers and, after the first
+# such message, in the inbox.
+_SOCKET_BUFFER_BYTES = 4 << 20
+_INBOX_BYTES = 64 << 10
+_MAX_INBOX_BYTES = 1 << 20
 
 
 def socket_path(ipc_dir: str, frontend_id: int) -> str:
@@ -214,19 +220,34 @@ class _TimedConnection(connection.Connection):
     write, sets the kernel's SO_RCVTIMEO/SO_SNDTIMEO to the time left before
     ``deadline`` (None: no limit), so a message is bounded as a whole however
     the peer trickles it, and a step past the deadline raises
-    ``TimeoutError``. Kernel timeouts rather than ``settimeout()``: a socket
-    with a Python timeout polls before every read and write, and each
-    syscall gives up the GIL, which a busy process hands back only after a
-    switch interval. For the same reason a message goes out in one
-    ``sendmsg``. ``recv()`` refuses messages longer than
+    ``TimeoutError``. ``recv()`` refuses messages longer than
     ``max_message_bytes`` (``MessageTooLarge``) and pickles that reference
     globals (``pickle.UnpicklingError``).
+
+    Every socket call releases the GIL, and in a process whose main thread
+    runs Python it may take a switch interval or far longer to get it back
+    (see ``mptok.routing``), so a message costs as few calls as possible:
+    one ``sendmsg`` out, with send and receive buffers large enough to hold
+    it whole, and usually one ``recv_into`` in, into a buffer kept from
+    message to message (grown to twice the largest message, up to
+    ``_MAX_INBOX_BYTES``) that takes the length header and the body
+    together; whatever is missing then comes in one ``MSG_WAITALL`` read.
+    Kernel timeouts rather than ``settimeout()`` for the same reason: a
+    socket with a Python timeout polls before every read and write.
     """
 
     def __init__(self, sock: socket.socket, max_message_bytes: int):
         sock.settimeout(None)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            # The kernel caps the size at net.core.[wr]mem_max; a smaller
+            # buffer only costs more calls.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
         self._sock = sock
         self._max_message_bytes = max_message_bytes
+        # Bytes read but not yet consumed are self._inbox[self._start:self._end].
+        self._inbox = bytearray(_INBOX_BYTES)
+        self._start = self._end = 0
         self.deadline: float | None = None
         super().__init__(sock.fileno())
 
@@ -268,6 +289,9 @@ class _TimedConnection(connection.Connection):
                 except BlockingIOError as e:
                     raise TimeoutError("send timed out") from e
 
+    def _poll(self, timeout: float) -> bool:
+        return self._end > self._start or super()._poll(timeout)
+
     def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
         size = self._recv_length()
         if maxsize is not None and size > maxsize:
@@ -275,27 +299,66 @@ class _TimedConnection(connection.Connection):
         return self._recv(size)
 
     def _recv_length(self) -> int:
-        (size,) = _SHORT_HEADER.unpack(self._recv(_SHORT_HEADER.size).getbuffer())
+        (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
         if size == -1:
-            (size,) = _LENGTH_ONLY.unpack(self._recv(_LENGTH_ONLY.size).getbuffer())
+            (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
         return size
 
     def _recv(self, size: int, read: object = None) -> io.BytesIO:
+        if size <= len(self._inbox):
+            return io.BytesIO(self._take(size))
+        # Larger than the inbox: what the inbox holds, then the rest in place.
         data = bytearray(size)
-        got = 0
+        got = self._end - self._start
+        data[:got] = self._inbox[self._start : self._end]
+        self._start = self._end = 0
+        if len(self._inbox) < _MAX_INBOX_BYTES:
+            self._inbox = bytearray(min(_MAX_INBOX_BYTES, 2 * size))
         with memoryview(data) as view:
-            while got < size:
-                self._arm(socket.SO_RCVTIMEO)
-                try:
-                    n = self._sock.recv_into(view[got:])
-                except BlockingIOError as e:
-                    raise TimeoutError("receive timed out") from e
-                if n == 0:
-                    if got == 0:
-                        raise EOFError
-                    raise OSError("got end of file during message")
-                got += n
+            self._read_exactly(view[got:], got)
         return io.BytesIO(data)
+
+    def _take(self, size: int) -> bytes:
+        """The next ``size`` bytes of the stream (``size`` <= the inbox)."""
+        if self._end - self._start < size:
+            self._fill(size)
+        start = self._start
+        self._start += size
+        with memoryview(self._inbox) as view:
+            return view[start : self._start].tobytes()
+
+    def _fill(self, size: int) -> None:
+        """Have at least ``size`` bytes in the inbox: one read of whatever has arrived, then the rest."""
+        held = self._end - self._start
+        if self._start:
+            self._inbox[:held] = self._inbox[self._start : self._end]
+            self._start, self._end = 0, held
+        with memoryview(self._inbox) as view:
+            if held == 0:
+                # Blocks until the message starts, and takes as much of it as
+                # has arrived: often all of it.
+                self._end += self._read_some(view[held:], held)
+            if self._end < size:
+                self._read_exactly(view[self._end : size], self._end)
+                self._end = size
+
+    def _read_some(self, view: memoryview, already: int, flags: int = 0) -> int:
+        self._arm(socket.SO_RCVTIMEO)
+        try:
+            n = self._sock.recv_into(view, 0, flags)
+        except BlockingIOError as e:
+            raise TimeoutError("receive timed out") from e
+        if n == 0:
+            if already == 0:
+                raise EOFError
+            raise OSError("got end of file during message")
+        return n
+
+    def _read_exactly(self, view: memoryview, already: int) -> None:
+        # MSG_WAITALL: one call unless the timeout or a signal cuts it short.
+        got = 0
+        while got < len(view):
+            got += self._read_some(view[got:], already + got, socket.MSG_WAITALL)
 
     def _arm(self, option: int) -> None:
         left = _time_left(self.deadline)

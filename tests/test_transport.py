@@ -314,3 +314,36 @@ def test_limits_and_keys_are_validated():
         EncodeProxy("/nowhere", b"")
     with pytest.raises(ValueError):
         TokenizeManager.for_owner()("/nowhere", "not bytes")  # type: ignore[arg-type]
+
+
+def test_messages_cross_intact_however_they_are_split_and_however_many_are_queued():
+    from mptok.transport import _TimedConnection
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender, receiver = _TimedConnection(a, 1 << 24), _TimedConnection(b, 1 << 24)
+    try:
+        receiver.deadline = sender.deadline = time.monotonic() + HANG_GUARD_S
+        big = "x" * (3 << 20)  # larger than the inbox can ever grow
+        messages = ["small", "y" * 100_000, big, "after the big one", "z" * 200_000, "last"]
+        for message in messages:  # queued back to back: reads take several at once
+            sender.send(message)
+        assert [receiver.recv() for _ in messages] == messages
+        # Trickled a few bytes at a time, the length header split in two.
+        raw = connection.reduction.ForkingPickler.dumps(("trickled", "w" * 70_000))
+        framed = len(raw).to_bytes(4, "big") + bytes(raw)
+
+        def trickle() -> None:
+            for i in [0, *range(2, len(framed), 3001)]:
+                a.sendall(framed[i : 2 if i == 0 else i + 3001])
+                time.sleep(0.0005)
+
+        writer = threading.Thread(target=trickle)
+        writer.start()
+        assert receiver.recv() == ("trickled", "w" * 70_000)
+        writer.join()
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(EOFError):
+            receiver.recv()
+    finally:
+        sender.close()
+        receiver.close()
