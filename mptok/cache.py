@@ -27,6 +27,7 @@ from typing import Any
 from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
 from mptok.config import CacheConfig
 from mptok.errors import RouteFailed
+from mptok.peer import PeerReply
 from mptok.prefix_index import PrefixIndex
 from mptok.seam import CachedPrompt, IdPieces, common_prefix_length, extend_prompt, tokenize_prompt
 
@@ -37,20 +38,6 @@ Route = Callable[[str, str], "list[int] | None"]
 # Earlier versions of a conversation whose ids an owner remembers, so that a
 # peer holding one of them gets only the ids that changed (``encode_for_peer``).
 PEER_HISTORY = 8
-
-
-@dataclass(frozen=True)
-class PeerReply:
-    """An owner's answer to ``encode_for_peer``.
-
-    The prompt's ids are the first ``reused`` ids of the version the peer
-    named, followed by ``ids``. ``version`` names the prompt just kept (0 if
-    it was not kept), for the peer's next request.
-    """
-
-    version: int
-    reused: int
-    ids: list[int]
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,15 @@ import functools
 import hashlib
 import sys
 import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from mptok.errors import RouteFailed
+from mptok.peer import PeerReply
+from mptok.seam import IdPieces, common_prefix_length
 from mptok.liveness import OwnerLiveness, OwnerRecord, publish, unpublish
 from mptok.transport import (
     Counters,
@@ -52,10 +57,22 @@ __all__ = [
 # skipped without a call (the first six), or the call failed.
 FALLBACK_REASONS = ("not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "error")
 
-_ROUTE_COUNTERS = ("routed", "owned_here", "taken_over_here", "route_failures") + tuple(
+_ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures") + tuple(
     f"fallback_{reason}" for reason in FALLBACK_REASONS
 )
 _HASH_PERSON = b"mptok-route-v1"
+
+
+_NO_IDS = IdPieces((), 0)
+
+
+def _answer_peer(
+    cache: Any, tokenizer: Any, text: str, key: str | None, since: int | None, shared_chars: int
+) -> PeerReply | None:
+    """What this frontend's cache answers a peer (``mptok.transport.PeerAnswer``)."""
+    if key is None:
+        return None if since is not None else PeerReply(0, 0, cache.encode_local(tokenizer, text))
+    return cache.encode_for_peer(tokenizer, key, text, since=since, shared_chars=shared_chars)
 
 
 def owner_order(key: str, num_frontends: int) -> list[int]:
@@ -82,6 +99,54 @@ def owner_order(key: str, num_frontends: int) -> list[int]:
 def owner_of(key: str, num_frontends: int) -> int:
     """The frontend that tokenizes conversation ``key`` while it is up."""
     return owner_order(key, num_frontends)[0]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The last reply an owner sent this frontend for one conversation."""
+
+    version: int
+    text: str
+    ids: IdPieces
+
+
+class HeldReplies:
+    """What this frontend holds of each conversation it routed: the owner's
+    last reply, with its version, text and ids.
+
+    The next turn of that conversation then sends the owner only the
+    characters after those it shares with the held text and gets back only
+    the ids that changed (``PrefixTokenCache.encode_for_peer``). LRU, bounded
+    by entries and by characters; thread-safe.
+    """
+
+    def __init__(self, max_entries: int = 1024, max_chars: int = 64 * 1024 * 1024):
+        self._max_entries = max_entries
+        self._max_chars = max_chars
+        self._lock = threading.Lock()
+        self._held: OrderedDict[Hashable, _Held] = OrderedDict()
+        self._chars = 0
+
+    def get(self, owner: Hashable, key: str) -> _Held | None:
+        with self._lock:
+            held = self._held.get((owner, key))
+            if held is not None:
+                self._held.move_to_end((owner, key))
+            return held
+
+    def put(self, owner: Hashable, key: str, held: _Held | None) -> None:
+        """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
+        with self._lock:
+            old = self._held.pop((owner, key), None)
+            if old is not None:
+                self._chars -= len(old.text)
+            if held is None or len(held.text) > self._max_chars:
+                return
+            self._held[(owner, key)] = held
+            self._chars += len(held.text)
+            while len(self._held) > self._max_entries or self._chars > self._max_chars:
+                _, evicted = self._held.popitem(last=False)
+                self._chars -= len(evicted.text)
 
 
 class TokenizationOwners:
@@ -149,10 +214,11 @@ class TokenizationOwners:
         }
         if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
             sys.setswitchinterval(switch_interval_s)
+        self._held = HeldReplies()
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
-            functools.partial(cache.encode_local, tokenizer),
+            functools.partial(_answer_peer, cache, tokenizer),
             authkey,
             limits,
             name=f"mptok-owner-{frontend_id}",
@@ -224,8 +290,10 @@ class TokenizationOwners:
         raise AssertionError("this frontend is in every order")
 
     def _ask(self, frontend: int, record: OwnerRecord, key: str, text: str) -> list[int]:
+        owner = (frontend, record.incarnation)
+        held = self._held.get(owner, key)
         try:
-            ids = self._proxies[frontend].encode(text, key, incarnation=record.incarnation)
+            ids = self._ask_since(frontend, record, key, text, held)
         except OwnerTimeout as e:
             self._liveness.timed_out(frontend, record)
             raise self._failed("timeout", frontend, e) from e
@@ -236,6 +304,34 @@ class TokenizationOwners:
             raise self._failed("error", frontend, e) from e
         self._counters.add("routed")
         return ids
+
+    def _ask_since(
+        self, frontend: int, record: OwnerRecord, key: str, text: str, held: _Held | None
+    ) -> list[int]:
+        """Ask with what this frontend holds of the conversation, if anything;
+        hold what the owner answers."""
+        proxy = self._proxies[frontend]
+        owner = (frontend, record.incarnation)
+        reply = None
+        if held is not None:
+            shared = common_prefix_length(held.text, text)
+            reply = proxy.encode_since(
+                text[shared:], key, since=held.version, shared_chars=shared,
+                incarnation=record.incarnation,
+            )
+            if reply is not None:
+                self._counters.add("routed_since")
+        if reply is None:
+            held = None
+            reply = proxy.encode_since(text, key, incarnation=record.incarnation)
+            if reply is None:
+                raise OwnerError(f"frontend {frontend} asked for a version it was not given")
+        if reply.reused > (held.ids.length if held is not None else 0):
+            self._held.put(owner, key, None)
+            raise OwnerError(f"frontend {frontend} reused more ids than this frontend holds")
+        ids = (held.ids if held is not None else _NO_IDS).spliced(reply.reused, reply.ids)
+        self._held.put(owner, key, _Held(reply.version, text, ids) if reply.version else None)
+        return ids.to_list()
 
     def _failed(self, reason: str, frontend: int, error: TransportError) -> RouteFailed:
         self._counters.add(f"fallback_{reason}")

@@ -62,6 +62,8 @@ from multiprocessing import AuthenticationError, connection, process
 from multiprocessing.managers import BaseManager, Server, State
 from typing import Any
 
+from mptok.peer import PeerReply
+
 logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "tokenize-{}.sock"
@@ -428,31 +430,57 @@ class _PeerConnection(_TimedConnection):
         super()._send_bytes(buf)
 
 
+# What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
+# as ``PrefixTokenCache.encode_for_peer`` with its tokenizer bound.
+PeerAnswer = Callable[[str, "str | None", "int | None", int], "PeerReply | None"]
+
+
+def answer_in_full(encode: Callable[[str, str | None], list[int]]) -> PeerAnswer:
+    """A ``PeerAnswer`` for an ``encode(text, key) -> ids`` that keeps no versions."""
+
+    def answer(text: str, key: str | None, since: int | None, shared_chars: int) -> PeerReply | None:
+        return None if since is not None else PeerReply(0, 0, encode(text, key))
+
+    return answer
+
+
 class _EncodeService:
     """The object an owner serves: ``encode`` and nothing else.
 
-    ``encode(text, key)`` returns the ids as native int32 bytes, or a str
-    saying why the owner could not tokenize the text (the peer then tokenizes
-    it itself and reports its own error). It never raises, so a reply never
-    carries an exception object, which the peer would refuse to unpickle.
+    ``encode(text, key, since, shared_chars)`` returns ``(version, reused,
+    ids as native int32 bytes)``; None when ``since`` names a version the
+    owner cannot rebuild the prompt from (the peer then sends the whole
+    text); or a str saying why the owner could not tokenize the text (the
+    peer then tokenizes it itself and reports its own error). It never
+    raises, so a reply never carries an exception object, which the peer
+    would refuse to unpickle.
     """
 
-    def __init__(self, encode: Callable[[str, str | None], list[int]]):
-        self._encode = encode
-        self.counters = Counters(("served", "serve_errors"))
+    def __init__(self, answer: PeerAnswer):
+        self._answer = answer
+        self.counters = Counters(("served", "served_since", "serve_errors"))
 
-    def encode(self, text: object, key: object = None) -> bytes | str:
-        if not isinstance(text, str) or not (key is None or isinstance(key, str)):
+    def encode(
+        self, text: object, key: object = None, since: object = None, shared_chars: object = 0
+    ) -> tuple[int, int, bytes] | str | None:
+        if (
+            not isinstance(text, str)
+            or not (key is None or isinstance(key, str))
+            or not (since is None or type(since) is int)
+            or type(shared_chars) is not int
+        ):
             self.counters.add("serve_errors")
-            return "encode takes (text: str, key: str | None)"
+            return "encode takes (text: str, key: str | None, since: int | None, shared_chars: int)"
         try:
-            ids = self._encode(text, key)
-            packed = _pack_int32(ids)
+            reply = self._answer(text, key, since, shared_chars)
+            packed = None if reply is None else (reply.version, reply.reused, _pack_int32(reply.ids))
         except Exception as e:
             self.counters.add("serve_errors")
             logger.debug("could not tokenize a prompt for a peer: %r", e)
             return f"{type(e).__name__}: {e}"
         self.counters.add("served")
+        if since is not None and packed is not None:
+            self.counters.add("served_since")
         return packed
 
 
@@ -778,19 +806,19 @@ class TokenizeManager(BaseManager):
 
 def serve_encode(
     address: str,
-    encode: Callable[[str, str | None], list[int]],
+    answer: PeerAnswer,
     authkey: bytes,
     limits: ServerLimits | None = None,
     *,
     name: str = "mptok-owner",
 ) -> TokenizeManager:
-    """Serve ``encode(text, key) -> ids`` at ``address`` to peers that know ``authkey``.
+    """Serve ``answer`` as ``encode`` at ``address`` to peers that know ``authkey``.
 
-    Returns the started manager; ``shutdown()`` it when done. ``encode`` is
+    Returns the started manager; ``shutdown()`` it when done. ``answer`` is
     called on the manager's threads, concurrently.
     """
     manager_class = TokenizeManager.for_owner()
-    service = _EncodeService(encode)
+    service = _EncodeService(answer)
     manager_class.register(ENCODE_TYPEID, callable=lambda: service, exposed=("encode",), create_method=False)
     manager = manager_class(address, authkey, limits, name=name)
     manager.start()
@@ -861,14 +889,37 @@ class EncodeProxy:
 
     def encode(self, text: str, key: str | None = None, *, incarnation: Hashable = None) -> list[int]:
         """The owner's ids for ``text`` (its cache extends conversation ``key``)."""
+        reply = self.encode_since(text, key, incarnation=incarnation)
+        if reply is None:
+            raise OwnerError(f"{self.address} asked for a version it was not given")
+        return reply.ids
+
+    def encode_since(
+        self,
+        text: str,
+        key: str | None = None,
+        *,
+        since: int | None = None,
+        shared_chars: int = 0,
+        incarnation: Hashable = None,
+    ) -> PeerReply | None:
+        """The owner's reply for a prompt of conversation ``key``.
+
+        Without ``since``, ``text`` is the whole prompt. With it, the caller
+        holds the ids of the conversation's version ``since`` and ``text``
+        is the prompt after its first ``shared_chars`` characters, which it
+        shares with that version (see ``PrefixTokenCache.encode_for_peer``);
+        None means the owner cannot rebuild the prompt from that version.
+        """
         deadline = time.monotonic() + self._timeout_s
+        args = (text, key, since, shared_chars)
         link = self._reusable_link(incarnation)
         if link is not None:
             try:
-                return self._call(link, text, key, deadline)
+                return self._call(link, args, deadline)
             except _StaleConnection:
                 pass
-        return self._call(self._open(incarnation, deadline), text, key, deadline)
+        return self._call(self._open(incarnation, deadline), args, deadline)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close every thread's connection; calls in flight and later calls fail at once."""
@@ -896,14 +947,14 @@ class EncodeProxy:
             return None
         return link
 
-    def _call(self, link: _Link, text: str, key: str | None, deadline: float) -> list[int]:
+    def _call(self, link: _Link, args: tuple, deadline: float) -> PeerReply | None:
         with link.in_use:
             conn = link.conn
             if conn is None:
                 raise _StaleConnection(f"connection to {self.address} was closed")
             try:
                 conn.deadline = deadline
-                conn.send((ENCODE_TYPEID, "encode", (text, key), {}))
+                conn.send((ENCODE_TYPEID, "encode", args, {}))
                 kind, result = conn.recv()
             except (pickle.UnpicklingError, ValueError, TypeError) as e:
                 # A whole message that is not a reply: the stream is intact.
@@ -911,7 +962,7 @@ class EncodeProxy:
             except Exception as e:
                 link.close()
                 raise self._failure(e, "call", stale=_StaleConnection) from e
-        return _ids_from_reply(self.address, kind, result)
+        return _reply_from(self.address, kind, result)
 
     def _open(self, incarnation: Hashable, deadline: float) -> _Link:
         if self._closed:
@@ -968,14 +1019,24 @@ def _pack_int32(ids: list[int]) -> bytes:
     return struct.Struct(f"{len(ids)}{_INT32}").pack(*ids)
 
 
-def _ids_from_reply(address: str, kind: object, result: object) -> list[int]:
-    if kind == "#RETURN" and isinstance(result, bytes):
+def _reply_from(address: str, kind: object, result: object) -> PeerReply | None:
+    if kind == "#RETURN" and result is None:
+        return None
+    if (
+        kind == "#RETURN"
+        and isinstance(result, tuple)
+        and len(result) == 3
+        and type(result[0]) is int
+        and type(result[1]) is int
+        and result[1] >= 0
+        and isinstance(result[2], bytes)
+    ):
         ids = array(_INT32)
         try:
-            ids.frombytes(result)
+            ids.frombytes(result[2])
         except ValueError as e:
-            raise OwnerError(f"{address} sent {len(result)} bytes, not int32 ids") from e
-        return ids.tolist()
+            raise OwnerError(f"{address} sent {len(result[2])} bytes, not int32 ids") from e
+        return PeerReply(result[0], result[1], ids.tolist())
     if kind == "#RETURN" and isinstance(result, str):
         raise OwnerError(f"{address} could not tokenize the prompt: {result}")
     raise OwnerError(f"{address} answered {kind!r}: {str(result)[:200]}")

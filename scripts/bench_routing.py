@@ -36,7 +36,7 @@ from collections.abc import Callable
 import mptok
 from mptok.liveness import OwnerLiveness
 from mptok.routing import TokenizationOwners, owner_of, owner_order
-from mptok.transport import EncodeProxy, _pack_int32, serve_encode
+from mptok.transport import EncodeProxy, _pack_int32, answer_in_full, serve_encode
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
@@ -93,7 +93,7 @@ def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None
     cache = mptok.PrefixTokenCache()
     owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
     cache.encode_local(tokenizer, "warm up")
-    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), lambda text, key: fixed_ids, authkey)
+    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), answer_in_full(lambda text, key: fixed_ids), authkey)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.bind(os.path.join(ipc_dir, "raw.sock"))
     raw.listen(socket.SOMAXCONN)

@@ -192,8 +192,8 @@ def test_peers_can_call_encode_and_nothing_else(cluster, tmp_path):
     assert kind == "#TRACEBACK" and "refused to load global" in message
     assert not marker.exists()
     conn.send((ENCODE_TYPEID, "encode", ("still serving " * 30, None), {}))
-    kind, ids = conn.recv()
-    assert kind == "#RETURN" and isinstance(ids, bytes) and len(ids) > 0
+    kind, reply = conn.recv()
+    assert kind == "#RETURN" and isinstance(reply[2], bytes) and len(reply[2]) > 0
     conn.close()
 
     after = frontends[1].stats()["routing"]
@@ -216,6 +216,10 @@ def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenize
                 assert caches[2].encode(tokenizer, text, key=key) == expected(tokenizer, text)
         served = [o.stats()["served"] for o in owners]
         assert served == [3, 3, 0]
+        # After the first turn, frontend 2 holds each conversation's ids and
+        # sends and gets back only what changed.
+        assert [o.stats()["served_since"] for o in owners] == [2, 2, 0]
+        assert owners[2].stats()["routed_since"] == 4
         # Each owner's cache holds only its own conversation.
         assert [c.stats()["entries"] for c in caches] == [1, 1, 0]
         assert owners[2].stats()["routed"] == 6

@@ -23,6 +23,7 @@ from helpers_procs import wait_until
 import mptok
 from mptok.transport import (
     EncodeProxy,
+    answer_in_full,
     OwnerAlreadyServing,
     OwnerError,
     OwnerTimeout,
@@ -54,7 +55,7 @@ def serve(ipc_dir):
 
     def start(encode, frontend_id: int = 0, **limits) -> tuple[TokenizeManager, str]:
         address = socket_path(ipc_dir, frontend_id)
-        manager = serve_encode(address, encode, KEY, ServerLimits(**limits), name=f"mptok-test-{frontend_id}")
+        manager = serve_encode(address, answer_in_full(encode), KEY, ServerLimits(**limits), name=f"mptok-test-{frontend_id}")
         started.append(manager)
         return manager, address
 
@@ -262,7 +263,7 @@ def test_a_server_that_is_not_an_owner_fails_the_handshake(ipc_dir):
 def test_a_live_path_is_refused_and_a_stale_socket_file_is_replaced(serve, ipc_dir):
     _, address = serve(echo)
     with pytest.raises(OwnerAlreadyServing, match=f"pid {os.getpid()}"):
-        serve_encode(address, echo, KEY)
+        serve_encode(address, answer_in_full(echo), KEY)
     assert EncodeProxy(address, KEY).encode("still here") == echo("still here", None)
     # A socket file whose owner went away without removing it.
     stale = socket_path(ipc_dir, 3)
