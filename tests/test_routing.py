@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import pickle
 import subprocess
 import sys
@@ -227,3 +228,35 @@ def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenize
         for o in owners:
             o.close()
     assert not [p for p in os.listdir(ipc_dir) if p.endswith((".sock", ".json"))]
+
+
+def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, tokenizer):
+    """Turns of one conversation land on different frontends, as SO_REUSEPORT
+    spreads them: each asker sends only the characters after what it holds,
+    the owner answers from its version history, and every id list is exact.
+    A held version the owner has forgotten costs one whole-text retry."""
+    from conversations import chat_turns
+
+    ipc_dir = str(tmp_path / "ipc")
+    caches = [mptok.PrefixTokenCache() for _ in range(4)]
+    owners = []
+    try:
+        for i in range(4):
+            owners.append(TokenizationOwners(ipc_dir, i, 4, caches[i], tokenizer, authkey=AUTHKEY))
+        key = key_owned_by(0, 4, "alternating")
+        prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=24)
+        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * 10  # frontend 3 then waits 11 turns
+        for asker, prompt in zip(askers, prompts):
+            assert caches[asker].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
+        assert caches[3].encode(tokenizer, prompts[-1] + "x", key=key) == expected(
+            tokenizer, prompts[-1] + "x"
+        )
+        served, since = owners[0].stats()["served"], owners[0].stats()["served_since"]
+        asked = len(prompts) + 1
+        # Three first requests and one forgotten version go whole (the
+        # forgotten one twice); every other turn is answered with a delta.
+        assert served == asked + 1 and since == asked - 4
+        assert caches[0].stats()["hits"] == asked - 1
+    finally:
+        for owner in owners:
+            owner.close()
