@@ -148,10 +148,12 @@ _FRONTEND_SERIES = (
     ("mptok_cache_cached_chars", "gauge", "Prompt characters kept by the cache.", "cache", "cached_chars"),
     ("mptok_cache_disabled", "gauge", "1 once the cache disabled itself after an internal error.", "cache", "disabled"),
     ("mptok_routed_total", "counter", "Prompts arriving here that their conversation's owner tokenized.", "routing", "routed"),
+    ("mptok_routed_since_total", "counter", "Routed prompts sent as the characters after a held version, answered with the ids that changed.", "routing", "routed_since"),
     ("mptok_route_failures_total", "counter", "Calls to an owner that failed; the prompt was tokenized here.", "routing", "route_failures"),
     ("mptok_owned_here_total", "counter", "Keyed prompts whose owner is this frontend.", "routing", "owned_here"),
     ("mptok_taken_over_here_total", "counter", "Keyed prompts tokenized here because their owners were down.", "routing", "taken_over_here"),
     ("mptok_served_total", "counter", "Prompts this frontend tokenized for its peers.", "routing", "served"),
+    ("mptok_served_since_total", "counter", "Peer prompts this frontend rebuilt from a version it remembered.", "routing", "served_since"),
     ("mptok_serve_errors_total", "counter", "Peer calls this frontend failed to answer.", "routing", "serve_errors"),
 )  # fmt: skip
 
