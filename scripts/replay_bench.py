@@ -1,0 +1,587 @@
+#!/usr/bin/env python3
+"""Replay agentic conversations over HTTP against four ways of serving them.
+
+Issue 5: is mptok's routing between frontends worth it, compared with no
+cache, a cache per frontend without routing, and sticky routing by a real
+nginx? Each conversation is built from real text on this machine: a system
+prompt (the repo's docs), a task, then, turn after turn, answers (prose from
+/usr/share and the docs) and tool outputs (standard-library sources, the
+dpkg/apt logs), each about --delta-tokens long, until the rendered prompt
+reaches --target-tokens. Every turn is sent as {"messages": [...],
+"add_generation_prompt": true} through the built-in DeepSeek V3 chat template,
+so a prompt ends in the generation prompt "<｜Assistant｜>"; when a tool
+output follows a tool output (about a third of the turns), the next turn's
+text replaces that generation prompt with "<｜User｜>..." (a rewrite, not an
+extension). The expected ids of every turn (the template rendered locally,
+then `tokenizer(text, add_special_tokens=False)`) are computed before any
+server starts, and EVERY answer is compared with them.
+
+Modes (F = --frontends):
+
+  no-cache  `mptok serve --frontends F` with MPTOK_CACHE_MIN_CHARS=10**12 (every
+            prompt "too short", tokenized in full; the supervisor's environment
+            reaches the spawned frontends, checked by the uncached counter)
+  no-route  F x `mptok serve --frontends 1` on F ports behind nginx round robin
+            (mptok serve has no switch to turn routing off; a cache per
+            frontend that only sees the turns that land on it)
+  mptok     `mptok serve --frontends F`: SO_REUSEPORT + mptok's routing
+  sticky    F x `mptok serve --frontends 1` behind nginx with
+            `hash $http_x_session_id consistent;` (deploy/nginx-sticky.conf)
+
+Every turn is a new HTTP connection (to nginx in no-route/sticky, straight to
+the port otherwise); --clients threads replay the conversations, each one
+conversation at a time, turn after turn. Per mode: server-side tokenize ms
+p50/p99 (interpolated from the `mptok_tokenize_seconds` histogram of /metrics,
+summed over every instance: the time from the parsed request to the ids,
+routing included, no HTTP, no JSON), end-to-end ms p50/p99 (client clock,
+connect to last byte, JSON parse excluded), requests/s (turns / wall time of
+the mode), hit rate (hits / (hits + misses) from /metrics), and checked-exact.
+
+    .venv/bin/python scripts/replay_bench.py                 # about 4 minutes here
+    .venv/bin/python scripts/replay_bench.py --conversations 16 --clients 8 --target-tokens 60000
+    .venv/bin/python scripts/replay_bench.py --modes mptok,sticky --no-write
+
+Writes the Markdown table to stdout and (unless --no-write) into
+docs/RESULTS.md between the replay markers, and a PNG (docs/replay_bench.png)
+when matplotlib imports. Exit status 1 on any wrong id or failed request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import atexit
+import datetime
+import http.client
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import mptok  # noqa: E402
+from bench_cache import corpus  # noqa: E402
+from helpers_serve import Server, free_port  # noqa: E402
+from mptok.chat_template import ChatTemplate  # noqa: E402
+
+STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
+RESULTS = REPO / "docs" / "RESULTS.md"
+PLOT = REPO / "docs" / "replay_bench.png"
+MODES = ("no-cache", "no-route", "mptok", "sticky")
+HASH_LINE = "hash $http_x_session_id consistent;"
+BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
+NO_CACHE_ENV = {"MPTOK_CACHE_MIN_CHARS": str(10**12)}
+
+
+# -- nginx ----------------------------------------------------------------------
+
+
+def nginx_binary() -> str | None:
+    """nginx on PATH, else Debian's /usr/sbin/nginx (not on a non-root PATH)."""
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
+
+
+def render_nginx(template: Path, listen: str, servers: list[str], round_robin: bool = False) -> str:
+    """The template with @@LISTEN@@ and @@SERVERS@@ filled; round_robin drops the hash line."""
+    text = template.read_text()
+    if round_robin:
+        assert HASH_LINE in text
+        text = text.replace(HASH_LINE, "# round robin (no hash)")
+    lines = "\n        ".join(f"server {s};" for s in servers)
+    out = []
+    for line in text.splitlines():
+        if not line.lstrip().startswith("#"):  # the comments name the placeholders too
+            line = line.replace("@@LISTEN@@", listen).replace("@@SERVERS@@", lines)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+class Nginx:
+    """A real nginx in its own prefix dir, in the foreground, in its own process group;
+    ``stop()`` (also at exit) kills the group."""
+
+    def __init__(self, prefix: Path, config: str, port: int, host: str = "127.0.0.1", timeout_s: float = 15.0):
+        binary = nginx_binary()
+        if binary is None:
+            raise RuntimeError("nginx is not installed (apt-get install nginx-light; .ci/run installs it)")
+        self.prefix = prefix
+        for sub in ("tmp/client_body", "tmp/proxy", "tmp/fastcgi", "tmp/uwsgi", "tmp/scgi"):
+            (prefix / sub).mkdir(parents=True, exist_ok=True)
+        (prefix / "nginx.conf").write_text(config)
+        self._log = open(prefix / "stderr.log", "wb")
+        self.process = subprocess.Popen(
+            [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", "stderr", "-g", "daemon off;"],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nginx exited with {self.process.returncode}: {self.log()[-2000:]}")
+            try:
+                with __import__("socket").create_connection((host, port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"nginx not listening on {host}:{port} after {timeout_s} s: {self.log()[-2000:]}")
+                time.sleep(0.05)
+
+    def log(self) -> str:
+        text = (self.prefix / "stderr.log").read_text(errors="replace")
+        error_log = self.prefix / "error.log"
+        return text + (error_log.read_text(errors="replace") if error_log.exists() else "")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGQUIT)  # graceful
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> Nginx:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- HTTP ---------------------------------------------------------------------
+
+
+def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], timeout_s: float = 120.0) -> tuple[int, bytes, dict[str, str]]:
+    """One request on a new connection: (status, body, headers)."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        connection.request("POST" if body else "GET", path, body=body or None, headers={"Content-Type": "application/json", **headers})
+        response = connection.getresponse()
+        return response.status, response.read(), dict(response.getheaders())
+    finally:
+        connection.close()
+
+
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$")
+
+
+def scrape(host: str, port: int) -> list[tuple[str, dict[str, str], float]]:
+    status, payload, _ = post(host, port, "/metrics", b"", {})
+    assert status == 200, status
+    samples = []
+    for line in payload.decode().splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            samples.append((match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))), float(match.group(3))))
+    return samples
+
+
+def total(samples: list[tuple[str, dict[str, str], float]], name: str) -> float:
+    return sum(v for n, _, v in samples if n == name)
+
+
+def histogram_quantile(samples: list[tuple[str, dict[str, str], float]], name: str, q: float) -> float:
+    """Prometheus' histogram_quantile over the buckets summed across series (linear
+    interpolation inside the bucket; the top finite bound if it falls in +Inf)."""
+    buckets: dict[float, float] = {}
+    for n, labels, value in samples:
+        if n == f"{name}_bucket":
+            le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + value
+    bounds = sorted(buckets)
+    count = buckets.get(float("inf"), 0.0)
+    if not count:
+        return float("nan")
+    rank, lower, below = q * count, 0.0, 0.0
+    for bound in bounds:
+        if buckets[bound] >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = buckets[bound] - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, buckets[bound]
+    return lower
+
+
+# -- the conversations ------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    body: bytes
+    expected: array.array  # int32 ids
+    rewrite: bool  # this turn's text replaces the previous one's generation prompt
+
+
+@dataclass
+class Conversation:
+    session: str
+    turns: list[Turn] = field(default_factory=list)
+
+
+def _read(paths: list[Path]) -> str:
+    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths if p.is_file())
+
+
+def sources() -> dict[str, str]:
+    """Real text on this machine: prose, logs, code."""
+    docs = [p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "RESULTS.md"] + [REPO / "README.md"]  # not our own output
+    prose = _read(docs + sorted(Path("/usr/share/common-licenses").glob("*"))[:6])
+    logs = _read([Path("/var/log/dpkg.log"), Path("/var/log/apt/term.log"), Path("/var/log/apt/history.log"), Path("/var/log/alternatives.log")])
+    if len(logs) < 50_000:  # a machine without these logs: pip's own logs are not guaranteed either; use prose
+        logs += prose
+    return {"system": _read(docs), "prose": prose, "logs": logs, "code": corpus()}
+
+
+def build(tokenizer: Any, template: ChatTemplate, count: int, target_tokens: int, delta_tokens: int, seed: int, progress: Progress) -> list[Conversation]:
+    text = sources()
+    chars_per_token = {}
+    for name, body in text.items():
+        sample = body[:100_000]
+        chars_per_token[name] = len(sample) / len(tokenizer(sample, add_special_tokens=False)["input_ids"])
+    rng = random.Random(seed)
+
+    def chunk(name: str, tokens: int) -> str:
+        n = int(tokens * chars_per_token[name])
+        body = text[name]
+        start = rng.randrange(max(1, len(body) - n))
+        return body[start : start + n]
+
+    conversations = []
+    for index in range(count):
+        messages = [
+            {"role": "system", "content": chunk("system", 1500)},
+            {"role": "user", "content": "Task: find out why the build log shows these warnings and fix them.\n" + chunk("logs", 200)},
+        ]
+        conv = Conversation(session=f"replay-{seed}-{index}")
+        last_role = "user"
+        tokens = 0
+        while tokens < target_tokens:
+            # After an answer: a tool output. After a tool output: an answer (2/3) or
+            # another tool output (1/3, which rewrites the generation prompt).
+            if last_role == "user" and conv.turns and rng.random() < 2 / 3:
+                messages.append({"role": "assistant", "content": chunk("prose", delta_tokens)})
+                last_role, rewrite = "assistant", False
+            elif conv.turns:
+                rewrite = last_role == "user"
+                tool = rng.choice(("code", "code", "logs"))
+                messages.append({"role": "user", "content": f"<tool_output name=\"{'read_file' if tool == 'code' else 'shell'}\">\n{chunk(tool, delta_tokens)}\n</tool_output>"})
+                last_role = "user"
+            else:
+                rewrite = False
+            rendered = template.render(tokenizer, messages, True)
+            expected = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            tokens = len(expected)
+            body = orjson.dumps({"messages": messages, "add_generation_prompt": True})
+            conv.turns.append(Turn(body, array.array("i", expected), rewrite))
+            progress.update(f"building conversation {index + 1}/{count}", tokens, target_tokens)
+        conversations.append(conv)
+    progress.done()
+    return conversations
+
+
+# -- progress -----------------------------------------------------------------
+
+
+class Progress:
+    """One line on stderr: label [#####.....] n/total."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._lock = threading.Lock()
+
+    def update(self, label: str, n: int, of: int) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = min(width, int(width * n / max(1, of)))
+        with self._lock:
+            sys.stderr.write(f"\r{label:<40} [{'#' * filled}{'.' * (width - filled)}] {n}/{of}   ")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# -- one mode -------------------------------------------------------------------
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    how: str
+    requests: int = 0
+    checked: int = 0
+    exact: int = 0
+    failed: int = 0
+    wall_s: float = 0.0
+    e2e_ms: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    server_p50_ms: float = float("nan")
+    server_p99_ms: float = float("nan")
+    hits: float = 0.0
+    misses: float = 0.0
+    uncached: float = 0.0
+    routed: float = 0.0
+    per_instance_turns: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def replay(conversations: list[Conversation], port: int, clients: int, result: ModeResult, progress: Progress) -> None:
+    queue = list(reversed(conversations))
+    lock = threading.Lock()
+    total_turns = sum(len(c.turns) for c in conversations)
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                conv = queue.pop()
+            for turn in conv.turns:
+                started = time.perf_counter()
+                try:
+                    status, payload, _ = post("127.0.0.1", port, "/tokenize", turn.body, {"X-Session-Id": conv.session})
+                    elapsed = time.perf_counter() - started
+                    ids = orjson.loads(payload)["tokens"] if status == 200 else None
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    status, ids, elapsed = None, None, time.perf_counter() - started
+                    with lock:
+                        result.errors.append(f"{type(e).__name__}: {e}")
+                with lock:
+                    result.requests += 1
+                    if ids is None:
+                        result.failed += 1
+                        if status is not None:
+                            result.errors.append(f"HTTP {status}: {payload[:200]!r}")
+                    else:
+                        result.checked += 1
+                        result.exact += array.array("i", ids) == turn.expected
+                        result.e2e_ms.append(elapsed * 1000)
+                        result.tokens.append(len(turn.expected))
+                    done = result.requests
+                progress.update(f"replaying: {result.mode}", done, total_turns)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result.wall_s = time.perf_counter() - began
+    progress.done()
+
+
+def collect(result: ModeResult, ports: list[int]) -> None:
+    """Counters from every instance's /metrics (after the 0.5 s snapshots have caught up)."""
+    time.sleep(1.2)
+    samples = []
+    for port in ports:
+        mine = scrape("127.0.0.1", port)
+        result.per_instance_turns.append(total(mine, "mptok_cache_hits_total") + total(mine, "mptok_cache_misses_total") + total(mine, "mptok_cache_uncached_total"))
+        samples += mine
+    result.hits = total(samples, "mptok_cache_hits_total")
+    result.misses = total(samples, "mptok_cache_misses_total")
+    result.uncached = total(samples, "mptok_cache_uncached_total")
+    result.routed = total(samples, "mptok_routed_total")
+    result.server_p50_ms = histogram_quantile(samples, "mptok_tokenize_seconds", 0.5) * 1000
+    result.server_p99_ms = histogram_quantile(samples, "mptok_tokenize_seconds", 0.99) * 1000
+
+
+def run_mode(mode: str, conversations: list[Conversation], frontends: int, clients: int, workdir: Path, progress: Progress) -> ModeResult:
+    logs = workdir / mode
+    logs.mkdir(parents=True, exist_ok=True)
+    if mode in ("no-cache", "mptok"):
+        how = f"`mptok serve --frontends {frontends}`" + (" with MPTOK_CACHE_MIN_CHARS=10^12" if mode == "no-cache" else "")
+        result = ModeResult(mode, how)
+        saved = {k: os.environ.get(k) for k in NO_CACHE_ENV}
+        if mode == "no-cache":
+            os.environ.update(NO_CACHE_ENV)  # Server passes os.environ to the supervisor, which spawns the frontends
+        try:
+            with Server(logs / "serve.log", "--frontends", str(frontends)) as server:
+                replay(conversations, server.port, clients, result, progress)
+                collect(result, [server.port])
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        return result
+    round_robin = mode == "no-route"
+    how = f"nginx ({'round robin' if round_robin else 'hash $http_x_session_id consistent'}) -> {frontends} x `mptok serve --frontends 1`"
+    result = ModeResult(mode, how)
+    servers: list[Server] = []
+    try:
+        for i in range(frontends):
+            servers.append(Server(logs / f"serve-{i}.log", "--frontends", "1", wait_ready=False))
+        for server in servers:
+            server.wait_for_log(r"event=ready ")
+        port = free_port()
+        config = render_nginx(STICKY_TEMPLATE, f"127.0.0.1:{port}", [f"127.0.0.1:{s.port}" for s in servers], round_robin)
+        with Nginx(logs / "nginx", config, port):
+            replay(conversations, port, clients, result, progress)
+        collect(result, [s.port for s in servers])
+    finally:
+        for server in servers:
+            server.kill()
+    return result
+
+
+# -- report ----------------------------------------------------------------------
+
+
+def table(results: list[ModeResult], conversations: list[Conversation]) -> str:
+    can_hit = sum(len(c.turns) - 1 for c in conversations)
+    rows = [
+        "| mode | how | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | hit rate (hits / (hits+misses)) | hits / turns that can hit | turns per instance | checked exact |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.mode} | {r.how} | {r.server_p50_ms:.2f} / {r.server_p99_ms:.1f} | {percentile(r.e2e_ms, 0.5):.1f} / {percentile(r.e2e_ms, 0.99):.1f} "
+            f"| {r.requests / r.wall_s:.1f} | {100 * r.hit_rate:.1f}% ({int(r.hits)} / {int(r.hits + r.misses)}; uncached {int(r.uncached)}) "
+            f"| {int(r.hits)} / {can_hit} | {', '.join(str(int(t)) for t in r.per_instance_turns)} | {r.exact} of {r.checked} ({r.failed} failed) |"
+        )
+    return "\n".join(rows)
+
+
+def plot(results: list[ModeResult], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        bins: dict[int, list[float]] = {}
+        for tokens, ms in zip(r.tokens, r.e2e_ms):
+            bins.setdefault(tokens // 2000, []).append(ms)
+        xs = sorted(bins)
+        left.plot([2 * x + 1 for x in xs], [percentile(bins[x], 0.5) for x in xs], marker=".", label=r.mode)
+    left.set_xlabel("prompt size (k tokens, 2k bins)")
+    left.set_ylabel("end-to-end ms (median)")
+    left.set_yscale("log")
+    left.legend()
+    left.set_title("latency vs prompt size")
+    names = [r.mode for r in results]
+    right.bar(names, [100 * r.hit_rate for r in results])
+    right.set_ylabel("hit rate %")
+    right.set_title("cache hit rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return f"plot: {path.relative_to(REPO)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frontends", type=int, default=4, help="F: frontends / instances per mode (default 4)")
+    parser.add_argument("--conversations", type=int, default=8, help="conversations replayed in each mode (default 8)")
+    parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
+    parser.add_argument("--target-tokens", type=int, default=38_000, help="a conversation grows to this many tokens (default 38000)")
+    parser.add_argument("--delta-tokens", type=int, default=300, help="tokens added per turn (default 300)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes: {sorted(unknown)}")
+    if any(m in ("no-route", "sticky") for m in modes) and nginx_binary() is None:
+        print("replay_bench: nginx is not installed (apt-get install nginx-light)", file=sys.stderr)
+        return 2
+    progress = Progress(not args.quiet)
+    began = time.monotonic()
+    tokenizer = mptok.load_tokenizer()
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    conversations = build(tokenizer, template, args.conversations, args.target_tokens, args.delta_tokens, args.seed, progress)
+    turns = sum(len(c.turns) for c in conversations)
+    rewrites = sum(t.rewrite for c in conversations for t in c.turns)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="replay-bench-") as workdir:
+        for mode in modes:
+            results.append(run_mode(mode, conversations, args.frontends, args.clients, Path(workdir), progress))
+    command = "    .venv/bin/python scripts/replay_bench.py" + "".join(
+        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        if k not in ("no_write", "quiet") and v != parser.get_default(k)
+    )
+    sizes = [len(c.turns[-1].expected) for c in conversations]
+    header = (
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"nginx {nginx_version()}. F = {args.frontends}, {args.conversations} conversations x {turns // len(conversations)} turns on average "
+        f"({turns} turns per mode, {rewrites} of them rewriting the previous generation prompt), growing by about "
+        f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens; {args.clients} client threads, a new connection per turn; "
+        f"expected ids computed locally before the replay. Total run time {time.monotonic() - began:.0f} s.\n\n"
+        f"{command}\n"
+    )
+    markdown = header + "\n" + table(results, conversations) + "\n"
+    print(markdown)
+    if not args.no_write:
+        print(plot(results, PLOT))
+        write_results(markdown)
+    bad = sum(r.checked - r.exact + r.failed for r in results)
+    for r in results:
+        for error in r.errors[:5]:
+            print(f"{r.mode}: {error}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def nginx_version() -> str:
+    binary = nginx_binary()
+    if binary is None:
+        return "absent"
+    out = subprocess.run([binary, "-v"], capture_output=True, text=True).stderr
+    return out.strip().split("/")[-1]
+
+
+def write_results(markdown: str) -> None:
+    """Put the table between the markers of docs/RESULTS.md (the rest is prose kept by hand)."""
+    block = f"{BEGIN}\n{markdown}{END}"
+    if RESULTS.exists() and BEGIN in RESULTS.read_text():
+        text = RESULTS.read_text()
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+    else:
+        text = f"# Results\n\n{block}\n"
+    RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
