@@ -52,6 +52,7 @@ def test_owner_order_is_pinned_across_runs():
     assert owner_order("conv-🙂", 3) == [2, 1, 0]
     assert owner_order("x\ud800y", 8) == [6, 5, 4, 2, 1, 0, 3, 7]
     assert owner_of("conversation-1", 8) == 7
+    assert mptok.owner_of("conversation-1", 8) == 7  # the public name
     assert owner_order("anything", 1) == [0]
     with pytest.raises(ValueError):
         owner_order("k", 0)
