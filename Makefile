@@ -21,12 +21,14 @@ run: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python scripts/bench_cache.py --families
 
-# Every test, the soak runs included.
+# Every test, the soak runs included (nginx is installed for the multi-host test).
 test: $(BIN)/.installed
+	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q
 
 # Without the soak runs (marked slow).
 test-quick: $(BIN)/.installed
+	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The transport's tests on the other declared Python versions.

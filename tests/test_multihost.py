@@ -10,7 +10,7 @@ every turn of a conversation must be answered by one host (nginx's
 X-Mptok-Upstream header, and each host's own /metrics), and the turns that
 can hit must hit (>= 95%).
 
-nginx is required: without it this test FAILS (.ci/run installs nginx-light).
+nginx is required: without it this test FAILS (`make test` installs nginx-light: scripts/ensure_nginx.sh).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _conversations(tokenizer, template: ChatTemplate) -> list[tuple[str, list[tu
 def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path: Path) -> None:
     assert nginx_binary() is not None, (
         "nginx is not installed, and this test needs a real nginx: install it with "
-        "`apt-get install -y nginx-light` (Debian; or `nginx`). .ci/run installs it."
+        "`apt-get install -y nginx-light` (Debian; or `nginx`); `make test` does (scripts/ensure_nginx.sh)."
     )
     tokenizer = mptok.load_tokenizer()
     conversations = _conversations(tokenizer, ChatTemplate.for_tokenizer(tokenizer))
