@@ -237,11 +237,14 @@ class PrefixTokenCache:
                 known = self._entries.get(holder)
         config = self.config
         prompt = None
+        shared = 0
         if known is not None:
+            shared = common_prefix_length(known.prompt.text, text)
             prompt = extend_prompt(
                 backend,
                 known.prompt,
                 text,
+                shared,
                 window_tokens=config.seam_window_tokens,
                 max_attempts=config.max_seam_attempts,
             )
@@ -252,7 +255,7 @@ class PrefixTokenCache:
             self._count("misses")
         else:
             self._count("hits")
-        entry = _Entry(prompt, next(self._versions), _history_after(known, text))
+        entry = _Entry(prompt, next(self._versions), _history_after(known, shared))
         self._keep(holder, entry, by_content=key is None)
         return entry
 
@@ -306,11 +309,11 @@ class PrefixTokenCache:
             )
 
 
-def _history_after(known: _Entry | None, text: str) -> tuple[tuple[int, IdPieces, int], ...]:
-    """The history of the entry that replaces ``known`` with ``text``."""
+def _history_after(known: _Entry | None, shared: int) -> tuple[tuple[int, IdPieces, int], ...]:
+    """The history of the entry that replaces ``known`` with a prompt sharing
+    its first ``shared`` characters."""
     if known is None:
         return ()
-    shared = common_prefix_length(known.prompt.text, text)
     history = ((known.version, known.prompt.ids, shared),) + tuple(
         (version, ids, min(chars, shared)) for version, ids, chars in known.history
     )

@@ -186,15 +186,16 @@ def extend_prompt(
     backend: TokenizerBackend,
     cached: CachedPrompt,
     text: str,
+    shared: int,
     *,
     window_tokens: int,
     max_attempts: int,
 ) -> CachedPrompt | None:
     """``text`` tokenized by splicing onto ``cached``, or None if no seam is proven.
 
-    The returned prompt's ids equal ``backend.encode(text).ids``.
+    ``shared`` is ``common_prefix_length(cached.text, text)``. The returned
+    prompt's ids equal ``backend.encode(text).ids``.
     """
-    shared = common_prefix_length(cached.text, text)
     if shared == len(text) == len(cached.text):
         return cached
     # Local indices (into the window) of pre-token starts before `shared`,
