@@ -106,7 +106,7 @@ class PrefixTokenCache:
     def encode_for_peer(
         self,
         tokenizer: Any,
-        key: str,
+        key: str | None,
         text: str,
         *,
         since: int | None = None,
@@ -120,11 +120,12 @@ class PrefixTokenCache:
         characters after the first ``shared_chars``, which the new prompt
         shares with that version. Returns None when this cache cannot rebuild
         the prompt (it does not remember that version, or not that many of
-        its characters); the peer then sends the whole text.
+        its characters); the peer then sends the whole text. A prompt without
+        a key has no versions: it is answered whole.
         """
         _check_input(text, key)
         if key is None:
-            raise TypeError("encode_for_peer needs a conversation key")
+            return None if since is not None else PeerReply(0, 0, self._encode_here(tokenizer, text, None))
         try:
             backend = backend_for(tokenizer)
         except SlowTokenizerError:
@@ -161,9 +162,7 @@ class PrefixTokenCache:
     def clear(self) -> None:
         """Forget every kept prompt (counters stay)."""
         with self._lock:
-            self._entries.clear()
-            self._by_content = PrefixIndex()
-            self._cached_chars = 0
+            self._forget_all()
 
     # -- internals ----------------------------------------------------------
 
@@ -282,6 +281,12 @@ class PrefixTokenCache:
         except TokenizerRefused:
             return _call_tokenizer(tokenizer, text)
 
+    def _forget_all(self) -> None:
+        """Drop every kept prompt; the caller holds the lock."""
+        self._entries.clear()
+        self._by_content = PrefixIndex()
+        self._cached_chars = 0
+
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
@@ -291,9 +296,7 @@ class PrefixTokenCache:
             if self._disabled:
                 return
             self._disabled = True
-            self._entries.clear()
-            self._by_content = PrefixIndex()
-            self._cached_chars = 0
+            self._forget_all()
         logger.warning(
             "prefix token cache disabled after an internal error; tokenizing in full",
             exc_info=True,

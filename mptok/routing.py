@@ -70,8 +70,6 @@ def _answer_peer(
     cache: Any, tokenizer: Any, text: str, key: str | None, since: int | None, shared_chars: int
 ) -> PeerReply | None:
     """What this frontend's cache answers a peer (``mptok.transport.PeerAnswer``)."""
-    if key is None:
-        return None if since is not None else PeerReply(0, 0, cache.encode_local(tokenizer, text))
     return cache.encode_for_peer(tokenizer, key, text, since=since, shared_chars=shared_chars)
 
 
@@ -293,7 +291,7 @@ class TokenizationOwners:
         owner = (frontend, record.incarnation)
         held = self._held.get(owner, key)
         try:
-            ids = self._ask_since(frontend, record, key, text, held)
+            ids = self._ask_since(frontend, owner, record, key, text, held)
         except OwnerTimeout as e:
             self._liveness.timed_out(frontend, record)
             raise self._failed("timeout", frontend, e) from e
@@ -306,12 +304,17 @@ class TokenizationOwners:
         return ids
 
     def _ask_since(
-        self, frontend: int, record: OwnerRecord, key: str, text: str, held: _Held | None
+        self,
+        frontend: int,
+        owner: Hashable,
+        record: OwnerRecord,
+        key: str,
+        text: str,
+        held: _Held | None,
     ) -> list[int]:
-        """Ask with what this frontend holds of the conversation, if anything;
-        hold what the owner answers."""
+        """Ask with what this frontend holds of the conversation at ``owner``,
+        if anything; hold what the owner answers."""
         proxy = self._proxies[frontend]
-        owner = (frontend, record.incarnation)
         reply = None
         if held is not None:
             shared = common_prefix_length(held.text, text)

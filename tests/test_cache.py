@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizer
 
 import mptok
 import mptok.cache
+import mptok.peer
 from conversations import adversarial_delta, plain_delta
 from families import CHAT_MARKERS, load_family
 from mptok import CacheConfig, PrefixTokenCache, RouteFailed
@@ -425,6 +426,11 @@ def test_peer_naming_an_unknown_version_is_asked_for_the_whole_text(tokenizer):
     whole = cache.encode_for_peer(tokenizer, "conv", longer)
     assert whole.ids == full_ids(tokenizer, longer) and whole.reused == 0
     assert whole.version != first.version
+    # A prompt without a key has no versions: answered whole, or not rebuilt.
+    assert cache.encode_for_peer(tokenizer, None, longer) == mptok.peer.PeerReply(
+        0, 0, full_ids(tokenizer, longer)
+    )
+    assert cache.encode_for_peer(tokenizer, None, "x", since=whole.version, shared_chars=1) is None
 
 
 def test_peer_versions_are_forgotten_past_the_history(tokenizer):
