@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import pickle
@@ -202,13 +203,23 @@ def test_peers_can_call_encode_and_nothing_else(cluster, tmp_path):
     assert after["refused_requests"] == before["refused_requests"] + 5
 
 
-def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenizer):
-    ipc_dir = str(tmp_path / "ipc")
-    caches = [mptok.PrefixTokenCache() for _ in range(3)]
+@contextlib.contextmanager
+def in_process_owners(ipc_dir: str, tokenizer, count: int):
+    """``count`` frontends' caches and owners in this process; closed after."""
+    caches = [mptok.PrefixTokenCache() for _ in range(count)]
     owners = []
     try:
-        for i in range(3):
-            owners.append(TokenizationOwners(ipc_dir, i, 3, caches[i], tokenizer, authkey=AUTHKEY))
+        for i in range(count):
+            owners.append(TokenizationOwners(ipc_dir, i, count, caches[i], tokenizer, authkey=AUTHKEY))
+        yield caches, owners
+    finally:
+        for owner in owners:
+            owner.close()
+
+
+def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenizer):
+    ipc_dir = str(tmp_path / "ipc")
+    with in_process_owners(ipc_dir, tokenizer, 3) as (caches, owners):
         managers_ = [o._manager for o in owners]
         registries = {id(type(m)._registry) for m in managers_}
         assert len(registries) == 3
@@ -225,9 +236,6 @@ def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenize
         # Each owner's cache holds only its own conversation.
         assert [c.stats()["entries"] for c in caches] == [1, 1, 0]
         assert owners[2].stats()["routed"] == 6
-    finally:
-        for o in owners:
-            o.close()
     assert not [p for p in os.listdir(ipc_dir) if p.endswith((".sock", ".json"))]
 
 
@@ -238,12 +246,7 @@ def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, 
     A held version the owner has forgotten costs one whole-text retry."""
     from conversations import chat_turns
 
-    ipc_dir = str(tmp_path / "ipc")
-    caches = [mptok.PrefixTokenCache() for _ in range(4)]
-    owners = []
-    try:
-        for i in range(4):
-            owners.append(TokenizationOwners(ipc_dir, i, 4, caches[i], tokenizer, authkey=AUTHKEY))
+    with in_process_owners(str(tmp_path / "ipc"), tokenizer, 4) as (caches, owners):
         key = key_owned_by(0, 4, "alternating")
         prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=24)
         askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * 10  # frontend 3 then waits 11 turns
@@ -258,6 +261,3 @@ def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, 
         # forgotten one twice); every other turn is answered with a delta.
         assert served == asked + 1 and since == asked - 4
         assert caches[0].stats()["hits"] == asked - 1
-    finally:
-        for owner in owners:
-            owner.close()
