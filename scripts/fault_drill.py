@@ -144,7 +144,7 @@ def send(port: int, session: str, prompt: Prompt, timeout_s: float) -> Result:
     """POST one prompt on a new connection and check its ids."""
     started = time.monotonic()
     try:
-        status, payload = request(port, "POST", "/tokenize", prompt.body, {"X-Session-Id": session}, timeout_s)
+        status, payload, _ = request(port, "POST", "/tokenize", prompt.body, {"X-Session-Id": session}, timeout_s)
     except (OSError, http.client.HTTPException) as e:
         return Result(prompt, started, time.monotonic(), error=e)
     result = Result(prompt, started, time.monotonic(), status=status)

@@ -41,8 +41,8 @@ def request(
     body: bytes | str | dict | None = None,
     headers: dict[str, str] | None = None,
     timeout_s: float = 60.0,
-) -> tuple[int, bytes]:
-    """One request on a new connection; returns (status, body)."""
+) -> tuple[int, bytes, dict[str, str]]:
+    """One request on a new connection; returns (status, body, lower-cased headers)."""
     if isinstance(body, dict):
         body = json.dumps(body, ensure_ascii=False)
     if isinstance(body, str):
@@ -51,14 +51,14 @@ def request(
     try:
         connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
-        return response.status, response.read()
+        return response.status, response.read(), {k.lower(): v for k, v in response.getheaders()}
     finally:
         connection.close()
 
 
 def tokenize(port: int, body: dict, headers: dict[str, str] | None = None) -> dict[str, Any]:
     """POST /tokenize; fails the test unless the answer is 200."""
-    status, payload = request(port, "POST", "/tokenize", body, headers)
+    status, payload, _ = request(port, "POST", "/tokenize", body, headers)
     assert status == 200, (status, payload[:500])
     return json.loads(payload)
 
@@ -68,7 +68,7 @@ _SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$')
 
 def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
     """GET /metrics, parsed into (name, labels, value) samples."""
-    status, payload = request(port, "GET", "/metrics")
+    status, payload, _ = request(port, "GET", "/metrics")
     assert status == 200
     samples = []
     for line in payload.decode().splitlines():

@@ -150,11 +150,22 @@ def test_200k_ids_answer_exactly(server, tokenizer):
     text = ""
     while len(text) < 1_300_000:
         text += plain_delta(rng, 200) + "\n"
-    status, payload = request(server.port, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    status, payload, _ = request(server.port, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
     assert status == 200
     answer = json.loads(payload)
     assert answer["count"] > 190_000
     assert answer["tokens"] == expected(tokenizer, text, False)
+
+
+def test_each_answer_says_how_long_its_tokenization_took(server):
+    body = {"prompt": "A prompt long enough to be cached. " * 40, "conversation_id": "timed"}
+    status, _, headers = request(server.port, "POST", "/tokenize", body)
+    assert status == 200
+    timing = re.fullmatch(r"tokenize;dur=(\d+\.\d{3})", headers["server-timing"])
+    assert timing is not None, headers["server-timing"]
+    status, _, headers = request(server.port, "POST", "/tokenize", {"prompt": 5})
+    assert status == 400
+    assert "server-timing" not in headers
 
 
 # -- the client's mistakes ------------------------------------------------------------
@@ -185,7 +196,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("body", "status", "message"), BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
 def test_bad_requests_get_4xx_with_a_message(server, body, status, message):
-    got, payload = request(server.port, "POST", "/tokenize", body)
+    got, payload, _ = request(server.port, "POST", "/tokenize", body)
     assert got == status, payload[:300]
     error = json.loads(payload)
     assert message in error["message"], error
@@ -193,7 +204,7 @@ def test_bad_requests_get_4xx_with_a_message(server, body, status, message):
 
 
 def test_a_body_too_large_to_read_is_refused_unread(server):
-    got, payload = request(server.port, "POST", "/tokenize", b"x" * (12 * MAX_PROMPT_CHARS + 2**20 + 1))
+    got, payload, _ = request(server.port, "POST", "/tokenize", b"x" * (12 * MAX_PROMPT_CHARS + 2**20 + 1))
     assert got == 413, payload[:300]
 
 
@@ -217,7 +228,7 @@ def test_a_killed_frontend_is_replaced_and_service_goes_on(server, tokenizer):
     assert new_pid != old_pid
     deadline = time.monotonic() + 30
     while True:  # new connections reach every frontend sooner or later
-        status, payload = request(server.port, "GET", "/health")
+        status, payload, _ = request(server.port, "GET", "/health")
         assert status == 200
         health = json.loads(payload)
         if health["frontend"] == victim:
