@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run bench test test-quick test-versions ci clean
+.PHONY: run bench replay drill test test-quick test-versions ci clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,23 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/mptok serve $(ARGS)
 
+$(BIN)/.installed-bench: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $@
+
 # The cache benchmark, with hit rates per tokenizer family.
 bench: $(BIN)/.installed
 	$(BIN)/python scripts/bench_cache.py --families
+
+# Issue 5's side-by-side replay (no cache, cache per instance, mptok, sticky
+# nginx): the table and plot in docs/RESULTS.md (`make replay ARGS="--help"`).
+replay: $(BIN)/.installed-bench
+	scripts/ensure_nginx.sh
+	$(BIN)/python scripts/replay_bench.py $(ARGS)
+
+# The fault drill against `mptok serve`: SIGKILL, SIGSTOP/SIGCONT under load.
+drill: $(BIN)/.installed
+	$(BIN)/python scripts/fault_drill.py $(ARGS)
 
 # Every test, the soak runs included (nginx is installed for the multi-host test).
 test: $(BIN)/.installed

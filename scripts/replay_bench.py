@@ -31,19 +31,29 @@ Modes (F = --frontends):
 Every turn is a new HTTP connection (to nginx in no-route/sticky, straight to
 the port otherwise); --clients threads replay the conversations, each one
 conversation at a time, turn after turn. Per mode: server-side tokenize ms
-p50/p99 (interpolated from the `mptok_tokenize_seconds` histogram of /metrics,
-summed over every instance: the time from the parsed request to the ids,
-routing included, no HTTP, no JSON), end-to-end ms p50/p99 (client clock,
-connect to last byte, JSON parse excluded), requests/s (turns / wall time of
-the mode), hit rate (hits / (hits + misses) from /metrics), and checked-exact.
+p50/p99 (each answer's `Server-Timing: tokenize;dur=...`: the time from the
+parsed request to the ids, routing included, no HTTP, no JSON, no chat
+template), end-to-end ms p50/p99 (client clock, connect to last byte, JSON
+parse excluded), requests/s (turns / wall time of the mode), server CPU ms
+per turn (every server process, nginx included, from psutil), hit rate
+(hits / (hits + misses) from /metrics), and checked-exact.
 
-    .venv/bin/python scripts/replay_bench.py                 # about 4 minutes here
+Every mode runs --repeat times (3), the runs interleaved (each round starts
+with another mode) and their samples pooled: on this 2-core machine one run's
+p50 moves by 10-20% from run to run, and where nginx's consistent-hash ring
+puts 8 conversations changes with the instances' ports. Under the table:
+mptok's turns split by whether their connection reached the conversation's
+owner, and issue 5's targets against the measurements they name.
+
+    make replay                                              # about 7 minutes here
+    .venv/bin/python scripts/replay_bench.py --modes mptok,sticky --repeat 1 --no-write
     .venv/bin/python scripts/replay_bench.py --conversations 16 --clients 8 --target-tokens 60000
-    .venv/bin/python scripts/replay_bench.py --modes mptok,sticky --no-write
 
 Writes the Markdown table to stdout and (unless --no-write) into
-docs/RESULTS.md between the replay markers, and a PNG (docs/replay_bench.png)
-when matplotlib imports. Exit status 1 on any wrong id or failed request.
+docs/RESULTS.md between the replay markers, and a PNG (docs/replay_bench.png:
+server tokenize ms and end-to-end ms against prompt tokens, a line per mode;
+matplotlib comes with `make replay`). Exit status 1 on any wrong id or failed
+request.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from __future__ import annotations
 import argparse
 import array
 import atexit
+import contextlib
 import datetime
 import http.client
 import os
@@ -68,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
@@ -176,12 +188,12 @@ class Nginx:
 
 
 def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], timeout_s: float = 120.0) -> tuple[int, bytes, dict[str, str]]:
-    """One request on a new connection: (status, body, headers)."""
+    """One request on a new connection: (status, body, lower-cased headers)."""
     connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         connection.request("POST" if body else "GET", path, body=body or None, headers={"Content-Type": "application/json", **headers})
         response = connection.getresponse()
-        return response.status, response.read(), dict(response.getheaders())
+        return response.status, response.read(), {k.lower(): v for k, v in response.getheaders()}
     finally:
         connection.close()
 
@@ -202,29 +214,6 @@ def scrape(host: str, port: int) -> list[tuple[str, dict[str, str], float]]:
 
 def total(samples: list[tuple[str, dict[str, str], float]], name: str) -> float:
     return sum(v for n, _, v in samples if n == name)
-
-
-def histogram_quantile(samples: list[tuple[str, dict[str, str], float]], name: str, q: float) -> float:
-    """Prometheus' histogram_quantile over the buckets summed across series (linear
-    interpolation inside the bucket; the top finite bound if it falls in +Inf)."""
-    buckets: dict[float, float] = {}
-    for n, labels, value in samples:
-        if n == f"{name}_bucket":
-            le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + value
-    bounds = sorted(buckets)
-    count = buckets.get(float("inf"), 0.0)
-    if not count:
-        return float("nan")
-    rank, lower, below = q * count, 0.0, 0.0
-    for bound in bounds:
-        if buckets[bound] >= rank:
-            if bound == float("inf"):
-                return lower
-            inside = buckets[bound] - below
-            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
-        lower, below = bound, buckets[bound]
-    return lower
 
 
 # -- the conversations ------------------------------------------------------------
@@ -342,14 +331,17 @@ class ModeResult:
     failed: int = 0
     wall_s: float = 0.0
     e2e_ms: list[float] = field(default_factory=list)
+    tokenize_ms: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    server_p50_ms: float = float("nan")
-    server_p99_ms: float = float("nan")
+    # mptok mode: whether each turn's connection reached its conversation's owner.
+    at_owner: list[bool] = field(default_factory=list)
+    server_cpu_s: float = float("nan")
     hits: float = 0.0
     misses: float = 0.0
     uncached: float = 0.0
     routed: float = 0.0
     per_instance_turns: list[float] = field(default_factory=list)
+    runs: list[list[float]] = field(default_factory=list)  # per_instance_turns of each pooled run
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -357,14 +349,43 @@ class ModeResult:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
 
+def pooled(runs: list[ModeResult]) -> ModeResult:
+    """One mode's repeated runs as one: samples pooled, counts summed."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = ModeResult(runs[0].mode, runs[0].how, server_cpu_s=0.0)
+    for r in runs:
+        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed"):
+            setattr(merged, name, getattr(merged, name) + getattr(r, name))
+        merged.e2e_ms += r.e2e_ms
+        merged.tokenize_ms += r.tokenize_ms
+        merged.tokens += r.tokens
+        merged.at_owner += r.at_owner
+        merged.errors += r.errors
+        merged.per_instance_turns += r.per_instance_turns
+    merged.runs = [r.per_instance_turns for r in runs]
+    return merged
+
+
 def percentile(values: list[float], q: float) -> float:
-    if not values:
+    ordered = sorted(v for v in values if v == v)  # NaN: no measurement
+    if not ordered:
         return float("nan")
-    ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def replay(conversations: list[Conversation], port: int, clients: int, result: ModeResult, progress: Progress) -> None:
+def replay(
+    conversations: list[Conversation],
+    port: int,
+    clients: int,
+    result: ModeResult,
+    progress: Progress,
+    server_pids: list[int],
+    frontends: int = 1,
+) -> None:
+    """Replay every conversation against ``port``; ``server_pids`` are the roots of
+    the process trees whose CPU time is the mode's server CPU; ``frontends`` is
+    how many share the port (one per instance behind nginx)."""
     queue = list(reversed(conversations))
     lock = threading.Lock()
     total_turns = sum(len(c.turns) for c in conversations)
@@ -378,11 +399,13 @@ def replay(conversations: list[Conversation], port: int, clients: int, result: M
             for turn in conv.turns:
                 started = time.perf_counter()
                 try:
-                    status, payload, _ = post("127.0.0.1", port, "/tokenize", turn.body, {"X-Session-Id": conv.session})
+                    status, payload, headers = post("127.0.0.1", port, "/tokenize", turn.body, {"X-Session-Id": conv.session})
                     elapsed = time.perf_counter() - started
-                    ids = orjson.loads(payload)["tokens"] if status == 200 else None
+                    answer = orjson.loads(payload) if status == 200 else None
+                    ids = answer["tokens"] if answer is not None else None
+                    tokenize_ms = server_timing(headers, "tokenize")
                 except Exception as e:  # noqa: BLE001 - counted and reported
-                    status, ids, elapsed = None, None, time.perf_counter() - started
+                    status, ids, elapsed, tokenize_ms = None, None, time.perf_counter() - started, None
                     with lock:
                         result.errors.append(f"{type(e).__name__}: {e}")
                 with lock:
@@ -395,18 +418,47 @@ def replay(conversations: list[Conversation], port: int, clients: int, result: M
                         result.checked += 1
                         result.exact += array.array("i", ids) == turn.expected
                         result.e2e_ms.append(elapsed * 1000)
+                        result.tokenize_ms.append(tokenize_ms)
                         result.tokens.append(len(turn.expected))
+                        result.at_owner.append(answer["frontend"] == mptok.owner_of(conv.session, frontends))
                     done = result.requests
                 progress.update(f"replaying: {result.mode}", done, total_turns)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    cpu_before = cpu_seconds(server_pids)
     began = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     result.wall_s = time.perf_counter() - began
+    result.server_cpu_s = cpu_seconds(server_pids) - cpu_before
     progress.done()
+
+
+def server_timing(headers: dict[str, str], metric: str) -> float:
+    """The ``dur`` of ``metric`` in a Server-Timing header (ms); NaN if absent."""
+    match = re.search(rf"(?:^|,)\s*{metric};dur=([0-9.]+)", headers.get("server-timing", ""))
+    return float(match.group(1)) if match else float("nan")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` and all their descendants so far."""
+    seen, spent = set(), 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in tree:
+            if process.pid in seen:
+                continue
+            seen.add(process.pid)
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+                times = process.cpu_times()
+                spent += times.user + times.system
+    return spent
 
 
 def collect(result: ModeResult, ports: list[int]) -> None:
@@ -421,8 +473,6 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     result.misses = total(samples, "mptok_cache_misses_total")
     result.uncached = total(samples, "mptok_cache_uncached_total")
     result.routed = total(samples, "mptok_routed_total")
-    result.server_p50_ms = histogram_quantile(samples, "mptok_tokenize_seconds", 0.5) * 1000
-    result.server_p99_ms = histogram_quantile(samples, "mptok_tokenize_seconds", 0.99) * 1000
 
 
 def run_mode(mode: str, conversations: list[Conversation], frontends: int, clients: int, workdir: Path, progress: Progress) -> ModeResult:
@@ -436,7 +486,7 @@ def run_mode(mode: str, conversations: list[Conversation], frontends: int, clien
             os.environ.update(NO_CACHE_ENV)  # Server passes os.environ to the supervisor, which spawns the frontends
         try:
             with Server(logs / "serve.log", "--frontends", str(frontends)) as server:
-                replay(conversations, server.port, clients, result, progress)
+                replay(conversations, server.port, clients, result, progress, [server.process.pid], frontends)
                 collect(result, [server.port])
         finally:
             for k, v in saved.items():
@@ -453,8 +503,8 @@ def run_mode(mode: str, conversations: list[Conversation], frontends: int, clien
             server.wait_for_log(r"event=ready ")
         port = free_port()
         config = render_nginx(STICKY_TEMPLATE, f"127.0.0.1:{port}", [f"127.0.0.1:{s.port}" for s in servers], round_robin)
-        with Nginx(logs / "nginx", config, port):
-            replay(conversations, port, clients, result, progress)
+        with Nginx(logs / "nginx", config, port) as nginx:
+            replay(conversations, port, clients, result, progress, [nginx.process.pid] + [s.process.pid for s in servers])
         collect(result, [s.port for s in servers])
     finally:
         for server in servers:
@@ -468,14 +518,58 @@ def run_mode(mode: str, conversations: list[Conversation], frontends: int, clien
 def table(results: list[ModeResult], conversations: list[Conversation]) -> str:
     can_hit = sum(len(c.turns) - 1 for c in conversations)
     rows = [
-        "| mode | how | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | hit rate (hits / (hits+misses)) | hits / turns that can hit | turns per instance | checked exact |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| mode | how | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn | hit rate (hits / (hits+misses)) | hits / turns that can hit | turns per instance | checked exact |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
         rows.append(
-            f"| {r.mode} | {r.how} | {r.server_p50_ms:.2f} / {r.server_p99_ms:.1f} | {percentile(r.e2e_ms, 0.5):.1f} / {percentile(r.e2e_ms, 0.99):.1f} "
-            f"| {r.requests / r.wall_s:.1f} | {100 * r.hit_rate:.1f}% ({int(r.hits)} / {int(r.hits + r.misses)}; uncached {int(r.uncached)}) "
-            f"| {int(r.hits)} / {can_hit} | {', '.join(str(int(t)) for t in r.per_instance_turns)} | {r.exact} of {r.checked} ({r.failed} failed) |"
+            f"| {r.mode} | {r.how} | {percentile(r.tokenize_ms, 0.5):.2f} / {percentile(r.tokenize_ms, 0.99):.1f} "
+            f"| {percentile(r.e2e_ms, 0.5):.1f} / {percentile(r.e2e_ms, 0.99):.1f} "
+            f"| {r.requests / r.wall_s:.1f} | {1000 * r.server_cpu_s / max(1, r.requests):.1f} "
+            f"| {100 * r.hit_rate:.1f}% ({int(r.hits)} / {int(r.hits + r.misses)}; uncached {int(r.uncached)}) "
+            f"| {int(r.hits)} / {can_hit * max(1, len(r.runs))} | {instances(r)} | {r.exact} of {r.checked} ({r.failed} failed) |"
+        )
+    return "\n".join(rows)
+
+
+def instances(r: ModeResult) -> str:
+    runs = r.runs or [r.per_instance_turns]
+    return " / ".join(", ".join(str(int(t)) for t in run) for run in runs)
+
+
+def owner_split(r: ModeResult) -> str:
+    """mptok's turns by where their connection landed: at the owner, or routed there."""
+    parts = []
+    for here, what in ((True, "reached the conversation's owner"), (False, "reached another frontend and were routed to the owner")):
+        chosen = [i for i, at in enumerate(r.at_owner) if at == here]
+        parts.append(
+            f"{len(chosen)} turns {what}: server tokenize p50 {percentile([r.tokenize_ms[i] for i in chosen], 0.5):.2f} ms, "
+            f"end-to-end p50 {percentile([r.e2e_ms[i] for i in chosen], 0.5):.1f} ms"
+        )
+    return f"mptok, by where the kernel put the connection: {'; '.join(parts)}."
+
+
+def targets(by_mode: dict[str, list[ModeResult]]) -> str:
+    """Issue 5's targets for mptok, each against the measurement it names."""
+    if "mptok" not in by_mode:
+        return ""
+    mptok = pooled(by_mode["mptok"])
+    rows = ["| issue 5 target | measured | met |", "|---|---|---|"]
+    rows.append(f"| mptok hit rate at least 97% | {100 * mptok.hit_rate:.1f}% | {'yes' if mptok.hit_rate >= 0.97 else 'no'} |")
+    if "no-cache" in by_mode:
+        full, cached = percentile(pooled(by_mode["no-cache"]).tokenize_ms, 0.5), percentile(mptok.tokenize_ms, 0.5)
+        rows.append(
+            f"| server tokenize p50 at least 20x lower than no cache | {full:.2f} / {cached:.2f} ms = {full / cached:.1f}x "
+            f"| {'yes' if full / cached >= 20 else 'no'} |"
+        )
+    if "sticky" in by_mode:
+        sticky = pooled(by_mode["sticky"])
+        ratio = percentile(mptok.e2e_ms, 0.5) / percentile(sticky.e2e_ms, 0.5)
+        each = [percentile(m.e2e_ms, 0.5) / percentile(s.e2e_ms, 0.5) for m, s in zip(by_mode["mptok"], by_mode["sticky"])]
+        spread = f" (run by run: {', '.join(f'{x:.2f}x' for x in each)})" if len(each) > 1 else ""
+        rows.append(
+            f"| end-to-end p50 no worse than 1.1x sticky nginx | {percentile(mptok.e2e_ms, 0.5):.1f} / "
+            f"{percentile(sticky.e2e_ms, 0.5):.1f} ms = {ratio:.2f}x{spread} | {'yes' if ratio <= 1.1 else 'no'} |"
         )
     return "\n".join(rows)
 
@@ -487,25 +581,28 @@ def plot(results: list[ModeResult], path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no plot"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        bins: dict[int, list[float]] = {}
-        for tokens, ms in zip(r.tokens, r.e2e_ms):
-            bins.setdefault(tokens // 2000, []).append(ms)
-        xs = sorted(bins)
-        left.plot([2 * x + 1 for x in xs], [percentile(bins[x], 0.5) for x in xs], marker=".", label=r.mode)
-    left.set_xlabel("prompt size (k tokens, 2k bins)")
-    left.set_ylabel("end-to-end ms (median)")
-    left.set_yscale("log")
-    left.legend()
-    left.set_title("latency vs prompt size")
-    names = [r.mode for r in results]
-    right.bar(names, [100 * r.hit_rate for r in results])
-    right.set_ylabel("hit rate %")
-    right.set_title("cache hit rate")
+        return "matplotlib is not installed (`make replay` installs it): no plot"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axis, values_of, label in (
+        (axes[0], lambda r: r.tokenize_ms, "server tokenize ms (median)"),
+        (axes[1], lambda r: r.e2e_ms, "end-to-end ms (median)"),
+    ):
+        for r in results:
+            bins: dict[int, list[float]] = {}
+            for tokens, ms in zip(r.tokens, values_of(r)):
+                bins.setdefault(tokens // 2000, []).append(ms)
+            xs = sorted(bins)
+            axis.plot([2 * x + 1 for x in xs], [percentile(bins[x], 0.5) for x in xs], marker=".", label=r.mode)
+        axis.set_xlabel("prompt tokens (thousands, 2k bins)")
+        axis.set_ylabel(label)
+        axis.set_yscale("log")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    axes[0].set_title("tokenize time against prompt size")
+    axes[1].set_title("client-side latency against prompt size")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    plt.close(fig)
     return f"plot: {path.relative_to(REPO)}"
 
 
@@ -517,6 +614,7 @@ def main() -> int:
     parser.add_argument("--target-tokens", type=int, default=38_000, help="a conversation grows to this many tokens (default 38000)")
     parser.add_argument("--delta-tokens", type=int, default=300, help="tokens added per turn (default 300)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -535,10 +633,16 @@ def main() -> int:
     conversations = build(tokenizer, template, args.conversations, args.target_tokens, args.delta_tokens, args.seed, progress)
     turns = sum(len(c.turns) for c in conversations)
     rewrites = sum(t.rewrite for c in conversations for t in c.turns)
-    results = []
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    by_mode: dict[str, list[ModeResult]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="replay-bench-") as workdir:
-        for mode in modes:
-            results.append(run_mode(mode, conversations, args.frontends, args.clients, Path(workdir), progress))
+        for run in range(args.repeat):
+            # Each run starts with another mode, so no mode always runs first or last.
+            for mode in modes[run % len(modes):] + modes[: run % len(modes)]:
+                work = Path(workdir) / f"run-{run}"
+                by_mode[mode].append(run_mode(mode, conversations, args.frontends, args.clients, work, progress))
+    results = [pooled(by_mode[mode]) for mode in modes]
     command = "    .venv/bin/python scripts/replay_bench.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
         if k not in ("no_write", "quiet") and v != parser.get_default(k)
@@ -547,12 +651,19 @@ def main() -> int:
     header = (
         f"{datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
         f"nginx {nginx_version()}. F = {args.frontends}, {args.conversations} conversations x {turns // len(conversations)} turns on average "
-        f"({turns} turns per mode, {rewrites} of them rewriting the previous generation prompt), growing by about "
+        f"({turns} turns per mode and run, {rewrites} of them rewriting the previous generation prompt), growing by about "
         f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens; {args.clients} client threads, a new connection per turn; "
-        f"expected ids computed locally before the replay. Total run time {time.monotonic() - began:.0f} s.\n\n"
+        f"expected ids computed locally before the replay. "
+        f"{f'{args.repeat} runs of every mode, interleaved, samples pooled. ' if args.repeat > 1 else ''}"
+        f"Total run time {time.monotonic() - began:.0f} s.\n\n"
         f"{command}\n"
     )
     markdown = header + "\n" + table(results, conversations) + "\n"
+    if "mptok" in by_mode:
+        markdown += "\n" + owner_split(results[modes.index("mptok")]) + "\n"
+    goals = targets(by_mode)
+    if goals:
+        markdown += "\n" + goals + "\n"
     print(markdown)
     if not args.no_write:
         print(plot(results, PLOT))
