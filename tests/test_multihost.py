@@ -84,7 +84,7 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
                 assert status == 200, (status, payload[:300], nginx.log()[-2000:])
                 if orjson.loads(payload)["tokens"] != expected:
                     wrong.append((session, turn))
-                hosts_of.setdefault(session, set()).add(headers.get("X-Mptok-Upstream"))
+                hosts_of.setdefault(session, set()).add(headers.get("x-mptok-upstream"))
         assert not wrong, f"wrong ids: {wrong}"
         assert all(len(h) == 1 and None not in h for h in hosts_of.values()), f"a conversation on several hosts: {hosts_of}"
         used = {next(iter(h)) for h in hosts_of.values()}
