@@ -26,7 +26,8 @@ from helpers_serve import SUPERVISE, Server, free_port, request, scrape, tokeniz
 
 import mptok
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
-from mptok.frontend import SpecialTokenFrame, TokenizeService, tcp_socket
+from mptok.frontend import tcp_socket
+from mptok.tokenize_service import SpecialTokenFrame, TokenizeService
 from mptok.routing import FALLBACK_REASONS
 
 FRONTENDS = 4
