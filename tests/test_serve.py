@@ -83,14 +83,20 @@ class Chat:
         return body, {header: self.key}, expected(tokenizer, render(tokenizer, self.messages), False)
 
 
-def wait_for_counts(port: int, name: str, at_least: float, before: list, timeout_s: float = 20.0) -> list:
-    """Scrape until ``name`` grew by ``at_least`` since ``before`` (snapshots are up to 0.5 s old)."""
+def wait_for_counts(port: int, names: tuple[str, ...], at_least: float, before: list, timeout_s: float = 20.0) -> list:
+    """Scrape until every one of ``names`` grew by ``at_least`` since ``before``
+    (each frontend's snapshot is up to 0.5 s old, and a routed turn is
+    counted by two frontends: timed where it arrived, a hit or miss at its
+    owner). A name may be a sum, "a+b"."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = scrape(port)
-        if total(samples, name) - total(before, name) >= at_least:
+        grown = {
+            name: sum(total(samples, part) - total(before, part) for part in name.split("+")) for name in names
+        }
+        if all(value >= at_least for value in grown.values()):
             return samples
-        assert time.monotonic() < deadline, f"{name} did not grow by {at_least}"
+        assert time.monotonic() < deadline, f"did not all grow by {at_least}: {grown}"
         time.sleep(0.1)
 
 
@@ -109,7 +115,9 @@ def test_conversations_are_exact_and_hit_across_frontends(server, tokenizer):
             assert answer["count"] == len(want)
             answered_by.add(answer["frontend"])
     requests = CONVERSATIONS * TURNS
-    after = wait_for_counts(server.port, "mptok_tokenize_seconds_count", requests, before)
+    after = wait_for_counts(
+        server.port, ("mptok_tokenize_seconds_count", "mptok_cache_hits_total+mptok_cache_misses_total"), requests, before
+    )
 
     def grew(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
