@@ -63,7 +63,6 @@ import array
 import atexit
 import contextlib
 import datetime
-import http.client
 import os
 import random
 import re
@@ -88,7 +87,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import mptok  # noqa: E402
 from bench_cache import corpus  # noqa: E402
-from helpers_serve import Server, free_port  # noqa: E402
+from helpers_serve import Server, free_port, request, scrape, total  # noqa: E402
 from mptok.chat_template import ChatTemplate  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
@@ -182,38 +181,6 @@ class Nginx:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-# -- HTTP ---------------------------------------------------------------------
-
-
-def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], timeout_s: float = 120.0) -> tuple[int, bytes, dict[str, str]]:
-    """One request on a new connection: (status, body, lower-cased headers)."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        connection.request("POST" if body else "GET", path, body=body or None, headers={"Content-Type": "application/json", **headers})
-        response = connection.getresponse()
-        return response.status, response.read(), {k.lower(): v for k, v in response.getheaders()}
-    finally:
-        connection.close()
-
-
-_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$")
-
-
-def scrape(host: str, port: int) -> list[tuple[str, dict[str, str], float]]:
-    status, payload, _ = post(host, port, "/metrics", b"", {})
-    assert status == 200, status
-    samples = []
-    for line in payload.decode().splitlines():
-        match = _SAMPLE.match(line)
-        if match:
-            samples.append((match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))), float(match.group(3))))
-    return samples
-
-
-def total(samples: list[tuple[str, dict[str, str], float]], name: str) -> float:
-    return sum(v for n, _, v in samples if n == name)
 
 
 # -- the conversations ------------------------------------------------------------
@@ -398,7 +365,7 @@ def replay(
             for turn in conv.turns:
                 started = time.perf_counter()
                 try:
-                    status, payload, headers = post("127.0.0.1", port, "/tokenize", turn.body, {"X-Session-Id": conv.session})
+                    status, payload, headers = request(port, "POST", "/tokenize", turn.body, {"X-Session-Id": conv.session}, timeout_s=120.0)
                     elapsed = time.perf_counter() - started
                     answer = orjson.loads(payload) if status == 200 else None
                     ids = answer["tokens"] if answer is not None else None
@@ -465,7 +432,7 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     time.sleep(1.2)
     samples = []
     for port in ports:
-        mine = scrape("127.0.0.1", port)
+        mine = scrape(port)
         result.per_instance_turns.append(total(mine, "mptok_cache_hits_total") + total(mine, "mptok_cache_misses_total") + total(mine, "mptok_cache_uncached_total"))
         samples += mine
     result.hits = total(samples, "mptok_cache_hits_total")

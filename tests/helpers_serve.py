@@ -41,13 +41,15 @@ def request(
     body: bytes | str | dict | None = None,
     headers: dict[str, str] | None = None,
     timeout_s: float = 60.0,
+    *,
+    host: str = "127.0.0.1",
 ) -> tuple[int, bytes, dict[str, str]]:
-    """One request on a new connection; returns (status, body, lower-cased headers)."""
+    """One request to ``host:port`` on a new connection; returns (status, body, lower-cased headers)."""
     if isinstance(body, dict):
         body = json.dumps(body, ensure_ascii=False)
     if isinstance(body, str):
         body = body.encode("utf-8")
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
@@ -66,9 +68,9 @@ def tokenize(port: int, body: dict, headers: dict[str, str] | None = None) -> di
 _SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$')
 
 
-def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, str], float]]:
     """GET /metrics, parsed into (name, labels, value) samples."""
-    status, payload, _ = request(port, "GET", "/metrics")
+    status, payload, _ = request(port, "GET", "/metrics", host=host)
     assert status == 200
     samples = []
     for line in payload.decode().splitlines():

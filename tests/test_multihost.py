@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 
 import orjson
-from helpers_serve import Server, free_port
+from helpers_serve import Server, free_port, request, scrape, total
 
 import mptok
 from mptok.chat_template import ChatTemplate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from replay_bench import Nginx, nginx_binary, post, render_nginx, scrape, total  # noqa: E402
+from replay_bench import Nginx, nginx_binary, render_nginx  # noqa: E402
 
 TEMPLATE = REPO / "deploy" / "nginx-multihost.conf"
 HOSTS = ("127.0.0.1", "127.0.0.2")
@@ -80,7 +80,7 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
         for turn in range(TURNS):  # interleaved, as concurrent agents would be
             for session, turns in conversations:
                 body, expected = turns[turn]
-                status, payload, headers = post("127.0.0.1", port, "/tokenize", body, {"X-Session-Id": session})
+                status, payload, headers = request(port, "POST", "/tokenize", body, {"X-Session-Id": session}, timeout_s=120.0)
                 assert status == 200, (status, payload[:300], nginx.log()[-2000:])
                 if orjson.loads(payload)["tokens"] != expected:
                     wrong.append((session, turn))
@@ -96,7 +96,7 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
         time.sleep(1.2)  # the other frontend's metrics snapshot is at most 0.5 s old
         hits = misses = 0.0
         for upstream, (host, server) in zip(upstreams, zip(HOSTS, servers)):
-            samples = scrape(host, server.port)
+            samples = scrape(server.port, host=host)
             mine = sum(1 for h in hosts_of.values() if upstream in h)
             h, m, u = (total(samples, f"mptok_cache_{k}_total") for k in ("hits", "misses", "uncached"))
             assert h + m + u == mine * TURNS, (upstream, h, m, u, mine)
