@@ -60,6 +60,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import mptok  # noqa: E402
 from bench_cache import conversation, corpus  # noqa: E402
 from helpers_serve import Server, request, scrape, total  # noqa: E402
+from percentiles import percentile  # noqa: E402
 from mptok.routing import FALLBACK_REASONS  # noqa: E402
 from mptok.supervisor import ServeOptions  # noqa: E402
 
@@ -390,14 +391,6 @@ def run(args: argparse.Namespace, conversations: list[list[Prompt]], log_path: P
 # -- the report ------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; nan for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
 def ms(seconds: float | None) -> str:
     return "n/a" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:,.1f} ms"
 
@@ -461,7 +454,7 @@ def phase_rows(drill: Drill) -> list[list[Any]]:
     for phase, results in by_phase.items():
         latencies = [r.latency for r in results if not r.failed]
         failures = sum(r.failed for r in results)
-        rows.append([phase, len(results), failures, ms(percentile(latencies, 50)), ms(percentile(latencies, 99)), ms(max(latencies, default=None))])
+        rows.append([phase, len(results), failures, ms(percentile(latencies, 0.5)), ms(percentile(latencies, 0.99)), ms(max(latencies, default=None))])
     return rows
 
 
@@ -502,7 +495,7 @@ def report(drill: Drill) -> tuple[str, bool]:
                 ["failed, accepted by the killed frontend (a)", len(kind_a)],
                 ["failed, other (b)", len(kind_b)],
                 ["wrong ids", wrong],
-                ["latency p50 / p99 / max (answered)", f"{ms(percentile(latencies, 50))} / {ms(percentile(latencies, 99))} / {ms(max(latencies, default=None))}"],
+                ["latency p50 / p99 / max (answered)", f"{ms(percentile(latencies, 0.5))} / {ms(percentile(latencies, 0.99))} / {ms(max(latencies, default=None))}"],
                 ["slowest request", "n/a" if worst is None else describe_slowest(worst, t)],
                 ["killed frontend back after", "not back" if t.back_at is None else f"{t.back_at - t.kill_at:.2f} s"],
             ],

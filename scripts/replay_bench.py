@@ -88,6 +88,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import mptok  # noqa: E402
 from bench_cache import corpus  # noqa: E402
 from helpers_serve import Server, free_port, request, scrape, total  # noqa: E402
+from percentiles import percentile  # noqa: E402
 from mptok.chat_template import ChatTemplate  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
@@ -331,13 +332,6 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         merged.errors += r.errors
     merged.runs = [r.per_instance_turns for r in runs]
     return merged
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(v for v in values if v == v)  # NaN: no measurement
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def replay(
