@@ -15,14 +15,13 @@ whether each frontend is up.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import math
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -35,32 +34,6 @@ SNAPSHOT_INTERVAL_S = 0.5
 SUPERVISOR_SNAPSHOT = "supervisor"
 _SNAPSHOT_PREFIX = "metrics-"
 _SNAPSHOT_SUFFIX = ".json"
-
-# Tokenization seconds: a cache hit is about 1 ms, a 200k-token prompt in
-# full about 0.5 s, a routed call that times out takes the route timeout.
-TOKENIZE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class Histogram:
-    """A thread-safe Prometheus histogram: cumulative-on-render bucket counts, sum, count."""
-
-    def __init__(self, bounds: Iterable[float] = TOKENIZE_BUCKETS_S):
-        self._bounds = tuple(sorted(bounds))
-        self._lock = threading.Lock()
-        self._counts = [0] * (len(self._bounds) + 1)  # the last one is +Inf
-        self._sum = 0.0
-
-    def observe(self, value: float) -> None:
-        slot = bisect.bisect_left(self._bounds, value)
-        with self._lock:
-            self._counts[slot] += 1
-            self._sum += value
-
-    def snapshot(self) -> dict[str, Any]:
-        """``{"bounds": [...], "counts": [...per bucket, not cumulative, +Inf last], "sum": s}``."""
-        with self._lock:
-            return {"bounds": list(self._bounds), "counts": list(self._counts), "sum": self._sum}
-
 
 class SnapshotDir:
     """The snapshots in one ipc directory: written atomically, read all at once."""

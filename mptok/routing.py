@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from mptok.counting import Counters
 from mptok.errors import RouteFailed
 from mptok.peer import PeerReply
 from mptok.seam import IdPieces, common_prefix_length
 from mptok.liveness import OwnerLiveness, OwnerRecord, publish, unpublish
 from mptok.transport import (
-    Counters,
     EncodeProxy,
     OwnerAlreadyServing,
     OwnerError,

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 from mptok.chat_template import ChatTemplate, ChatTemplateError
+from mptok.counting import Histogram
 from mptok.logfmt import log_event
-from mptok.metrics import Histogram
 from mptok.tokenize_request import RequestError, TokenizeRequest, error_body, parse_tokenize_request
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's

@@ -62,6 +62,7 @@ from multiprocessing import AuthenticationError, connection, process
 from multiprocessing.managers import BaseManager, Server, State
 from typing import Any
 
+from mptok.counting import Counters
 from mptok.peer import PeerReply
 
 logger = logging.getLogger(__name__)
@@ -140,22 +141,6 @@ class OwnerAlreadyServing(RuntimeError):
 
 class MessageTooLarge(OSError):
     """A message longer than the connection accepts; its body was left unread."""
-
-
-class Counters:
-    """Named event counts that many threads may bump at once."""
-
-    def __init__(self, names: tuple[str, ...] = ()):
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(names, 0)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
 
 
 @dataclass(frozen=True)
