@@ -258,6 +258,7 @@ class Frontend:
                 "pid": os.getpid(),
                 "started": self._started,
                 "routing": self.owners.stats(),
+                "routing_seconds": self.owners.timings(),
                 **self.service.snapshot(),
             },
         )

@@ -131,12 +131,20 @@ _FRONTEND_SERIES = (
 )  # fmt: skip
 
 
+# (metric name, key in a frontend snapshot's "routing_seconds", help)
+_ROUTING_HISTOGRAMS = (
+    ("mptok_route_seconds", "route_seconds", "Seconds from choosing the owner of a prompt arriving here to holding the ids it answered (liveness check, transport, the owner's work)."),
+    ("mptok_peer_serve_seconds", "serve_seconds", "Seconds of this frontend's own work per peer call it answered, without the transport."),
+)  # fmt: skip
+
+
 def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
     """The Prometheus text exposition (version 0.0.4) of every snapshot.
 
     Frontend snapshots (``SnapshotDir`` names that are frontend ids) give
-    the ``mptok_*`` cache, routing, request and ``mptok_tokenize_seconds``
-    series with a ``frontend`` label; the supervisor's gives
+    the ``mptok_*`` cache, routing, request, ``mptok_tokenize_seconds``,
+    ``mptok_route_seconds`` and ``mptok_peer_serve_seconds`` series with a
+    ``frontend`` label; the supervisor's gives
     ``mptok_frontend_up`` and ``mptok_frontend_restarts_total``.
     """
     frontends = sorted(
@@ -160,6 +168,10 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
     _header(out, "mptok_tokenize_seconds", "histogram", "Seconds to tokenize a request's text (routing included).")
     for frontend, snap in frontends:
         _histogram(out, "mptok_tokenize_seconds", frontend, snap.get("tokenize_seconds"))
+    for metric, key, help_text in _ROUTING_HISTOGRAMS:
+        _header(out, metric, "histogram", help_text)
+        for frontend, snap in frontends:
+            _histogram(out, metric, frontend, snap.get("routing_seconds", {}).get(key))
     _header(out, "mptok_frontend_start_time_seconds", "gauge", "Unix time the frontend process started serving.")
     for frontend, snap in frontends:
         _sample(out, "mptok_frontend_start_time_seconds", {"frontend": frontend, "pid": snap.get("pid", 0)}, snap.get("started", 0))

@@ -20,13 +20,14 @@ import functools
 import hashlib
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from mptok.counting import Counters
+from mptok.counting import Counters, Histogram
 from mptok.errors import RouteFailed
 from mptok.peer import PeerReply
 from mptok.seam import IdPieces, common_prefix_length
@@ -201,6 +202,7 @@ class TokenizationOwners:
         self._ipc_dir = secure_ipc_dir(ipc_dir)
         self._cache = cache
         self._counters = Counters(_ROUTE_COUNTERS)
+        self._route_seconds = Histogram()
         self._close_lock = threading.Lock()
         self._closed = False
         # Everything that validates arguments comes before serving starts.
@@ -246,6 +248,16 @@ class TokenizationOwners:
         """
         return {**self._counters.snapshot(), **self._manager.stats()}
 
+    def timings(self) -> dict[str, dict[str, Any]]:
+        """Histogram snapshots since start, for /metrics.
+
+        route_seconds: for each prompt a peer tokenized, from choosing its
+        owner to holding its ids here (liveness check, transport, the
+        owner's work). serve_seconds: the owner's own work for each call this
+        frontend answered, without the transport.
+        """
+        return {"route_seconds": self._route_seconds.snapshot(), **self._manager.timings()}
+
     def close(self) -> None:
         """Stop routing and serving. There is no finalizer: call it (or use ``with``)."""
         with self._close_lock:
@@ -275,6 +287,7 @@ class TokenizationOwners:
         self.close()
 
     def _route(self, key: str, text: str) -> list[int] | None:
+        started = time.perf_counter()
         order = owner_order(key, self._num_frontends)
         for frontend in order:
             if frontend == self._frontend_id:
@@ -283,7 +296,9 @@ class TokenizationOwners:
             record, reason = self._liveness.check(frontend)
             if reason is None:
                 assert record is not None
-                return self._ask(frontend, record, key, text)
+                ids = self._ask(frontend, record, key, text)
+                self._route_seconds.observe(time.perf_counter() - started)
+                return ids
             self._counters.add(f"fallback_{reason}")
         raise AssertionError("this frontend is in every order")
 

@@ -62,7 +62,7 @@ from multiprocessing import AuthenticationError, connection, process
 from multiprocessing.managers import BaseManager, Server, State
 from typing import Any
 
-from mptok.counting import Counters
+from mptok.counting import Counters, Histogram
 from mptok.peer import PeerReply
 
 logger = logging.getLogger(__name__)
@@ -444,6 +444,9 @@ class _EncodeService:
     def __init__(self, answer: PeerAnswer):
         self._answer = answer
         self.counters = Counters(("served", "served_since", "serve_errors"))
+        # The owner's own work per answered call, without the transport:
+        # beside the peers' mptok_route_seconds, what a crossing costs.
+        self.timings = {"serve_seconds": Histogram()}
 
     def encode(
         self, text: object, key: object = None, since: object = None, shared_chars: object = 0
@@ -456,6 +459,7 @@ class _EncodeService:
         ):
             self.counters.add("serve_errors")
             return "encode takes (text: str, key: str | None, since: int | None, shared_chars: int)"
+        started = time.perf_counter()
         try:
             reply = self._answer(text, key, since, shared_chars)
             packed = None if reply is None else (reply.version, reply.reused, _pack_int32(reply.ids))
@@ -463,6 +467,7 @@ class _EncodeService:
             self.counters.add("serve_errors")
             logger.debug("could not tokenize a prompt for a peer: %r", e)
             return f"{type(e).__name__}: {e}"
+        self.timings["serve_seconds"].observe(time.perf_counter() - started)
         self.counters.add("served")
         if since is not None and packed is not None:
             self.counters.add("served_since")
@@ -787,6 +792,16 @@ class TokenizeManager(BaseManager):
             if isinstance(counters, Counters):
                 stats.update(counters.snapshot())
         return stats
+
+    def timings(self) -> dict[str, dict[str, Any]]:
+        """Histogram snapshots (``Histogram.snapshot()``) of the objects served that keep them."""
+        timings: dict[str, dict[str, Any]] = {}
+        if self._server is None:
+            return timings
+        for entry in self._server.id_to_obj.values():
+            for name, histogram in getattr(entry[0], "timings", {}).items():
+                timings[name] = histogram.snapshot()
+        return timings
 
 
 def serve_encode(

@@ -129,13 +129,26 @@ def test_conversations_are_exact_and_hit_across_frontends(server, tokenizer):
     assert hits + misses == requests
     # The kernel spread the connections; routing brought the turns to their owners.
     assert len(answered_by) >= 3
-    assert grew("mptok_routed_total") > 0
+    routed = grew("mptok_routed_total")
+    assert routed > 0
     assert grew("mptok_route_failures_total") == 0
+    # Every routed prompt was timed where it arrived, every peer call where it
+    # was answered; the owner's work is a part of the routed time.
+    assert grew("mptok_route_seconds_count") == routed
+    assert grew("mptok_peer_serve_seconds_count") == grew("mptok_served_total") >= routed
+    assert 0 < grew("mptok_peer_serve_seconds_sum") < grew("mptok_route_seconds_sum")
 
 
 def test_metrics_cover_every_frontend_whichever_answers(server):
     samples = scrape(server.port)
-    for name in ("mptok_cache_hits_total", "mptok_cache_misses_total", "mptok_routed_total", "mptok_route_failures_total"):
+    for name in (
+        "mptok_cache_hits_total",
+        "mptok_cache_misses_total",
+        "mptok_routed_total",
+        "mptok_route_failures_total",
+        "mptok_route_seconds_count",
+        "mptok_peer_serve_seconds_count",
+    ):
         assert {ls["frontend"] for n, ls, _ in samples if n == name} == {str(i) for i in range(FRONTENDS)}, name
     reasons = {ls["reason"] for n, ls, _ in samples if n == "mptok_route_fallbacks_total"}
     assert reasons == set(FALLBACK_REASONS)
