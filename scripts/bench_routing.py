@@ -36,7 +36,8 @@ from collections.abc import Callable
 import mptok
 from mptok.liveness import OwnerLiveness
 from mptok.routing import TokenizationOwners, owner_of, owner_order
-from mptok.transport import EncodeProxy, _pack_int32, answer_in_full, serve_encode
+from mptok.transport import EncodeProxy, answer_in_full, serve_encode
+from mptok.transport.wire import pack_int32
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
@@ -73,7 +74,7 @@ def _answer_raw(conn: socket.socket, ids: list[int]) -> None:
             text.decode(errors="surrogatepass")
             # The same list-to-int32 conversion as the owner's, so that the
             # row compares the transports.
-            reply = _pack_int32(ids)
+            reply = pack_int32(ids)
             conn.sendall(_LENGTH.pack(len(ids)) + reply)
 
 

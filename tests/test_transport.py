@@ -318,10 +318,10 @@ def test_limits_and_keys_are_validated():
 
 
 def test_messages_cross_intact_however_they_are_split_and_however_many_are_queued():
-    from mptok.transport import _TimedConnection
+    from mptok.transport.wire import TimedConnection
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender, receiver = _TimedConnection(a, 1 << 24), _TimedConnection(b, 1 << 24)
+    sender, receiver = TimedConnection(a, 1 << 24), TimedConnection(b, 1 << 24)
     try:
         receiver.deadline = sender.deadline = time.monotonic() + HANG_GUARD_S
         big = "x" * (3 << 20)  # larger than the inbox can ever grow

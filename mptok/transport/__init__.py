@@ -1,0 +1,68 @@
+"""Serve one frontend's prefix-token cache to the other frontends of a server.
+
+With several frontend processes behind one port, the kernel hands the turns
+of a conversation to different processes, each with its own
+``PrefixTokenCache``. The frontend that owns a conversation
+(``mptok.routing``) therefore serves its cache to its peers, and a peer asks
+the owner to tokenize that conversation's prompts rather than tokenizing a
+200k-token history from scratch.
+
+The shape is ``multiprocessing.managers``: a ``BaseManager`` subclass serves
+the cache's ``encode`` on a Unix socket, and peers call it through
+authenticated proxies speaking the manager wire protocol (the mutual HMAC
+authkey handshake, pickled ``(ident, method, args, kwds)`` requests,
+``('#RETURN', result)`` replies). The stock machinery cannot run inside a
+serving frontend as it is, so mptok keeps the protocol, the registry and the
+per-request dispatch (``Server.serve_client``) and replaces the rest, each
+end in its own module:
+
+* ``mptok.transport.wire``: what both ends share. ``TimedConnection``
+  replaces ``Connection``, which reads and writes with no timeout.
+* ``mptok.transport.owner``: ``TokenizeManager`` and ``serve_encode``, which
+  serve from threads of the frontend itself, with a bounded handshake, a
+  connection cap and a shutdown that joins everything.
+* ``mptok.transport.proxy``: ``EncodeProxy``, which replaces ``BaseProxy``:
+  one persistent connection per thread per owner, every step bounded.
+
+Everything a caller needs is importable from ``mptok.transport``.
+"""
+
+from mptok.transport.owner import (
+    OwnerAlreadyServing,
+    PeerAnswer,
+    ServerLimits,
+    TokenizeManager,
+    answer_in_full,
+    serve_encode,
+)
+from mptok.transport.proxy import EncodeProxy
+from mptok.transport.wire import (
+    ENCODE_TYPEID,
+    SOCKET_NAME,
+    MessageTooLarge,
+    OwnerError,
+    OwnerTimeout,
+    OwnerUnreachable,
+    TransportError,
+    secure_ipc_dir,
+    socket_path,
+)
+
+__all__ = [
+    "ENCODE_TYPEID",
+    "SOCKET_NAME",
+    "EncodeProxy",
+    "MessageTooLarge",
+    "OwnerAlreadyServing",
+    "OwnerError",
+    "OwnerTimeout",
+    "OwnerUnreachable",
+    "PeerAnswer",
+    "ServerLimits",
+    "TokenizeManager",
+    "TransportError",
+    "answer_in_full",
+    "secure_ipc_dir",
+    "serve_encode",
+    "socket_path",
+]

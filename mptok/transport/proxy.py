@@ -1,0 +1,245 @@
+"""The peer's side: call an owner's ``encode`` through an authenticated proxy.
+
+``EncodeProxy`` replaces ``BaseProxy``, which makes three handshakes per
+proxy (create, incref, decref), has finalizers that hang against a stopped
+owner, and shares one connection per thread among every proxy: here each
+thread keeps one persistent connection per owner, nothing is reference
+counted, every step is bounded by the call's deadline, and a connection
+that timed out is dropped.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+import weakref
+from array import array
+from collections.abc import Hashable
+from multiprocessing import AuthenticationError, connection
+
+from mptok.peer import PeerReply
+from mptok.transport.wire import (
+    ACCEPT_CONNECTION,
+    ENCODE_TYPEID,
+    INT32,
+    MessageTooLarge,
+    OwnerError,
+    OwnerTimeout,
+    OwnerUnreachable,
+    TimedConnection,
+    TransportError,
+    left_or_zero,
+    time_left,
+)
+
+
+class _StaleConnection(OwnerUnreachable):
+    """A reused connection turned out dead: the owner restarted or closed it idle."""
+
+
+class _Link:
+    """One thread's authenticated connection to one owner.
+
+    ``in_use`` is held by the owning thread for the length of a call, and by
+    ``EncodeProxy.close()`` to close the connection; ``abort()`` only wakes a
+    call, so it needs no more than the short ``_guard``, which also keeps it
+    from shutting down a descriptor that ``close()`` has released.
+    """
+
+    def __init__(self, conn: TimedConnection, incarnation: Hashable):
+        self.conn: TimedConnection | None = conn
+        self.incarnation = incarnation
+        self.in_use = threading.Lock()
+        self._guard = threading.Lock()
+
+    def abort(self) -> None:
+        with self._guard:
+            if self.conn is not None:
+                self.conn.shutdown()
+
+    def close(self) -> None:
+        with self._guard:
+            conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+class EncodeProxy:
+    """Calls one owner's ``encode`` over the manager protocol, from any number of threads.
+
+    Each thread keeps one authenticated connection to the owner and reuses
+    it. Every step (connect, authkey handshake, request, reply) ends by the
+    call's deadline, ``timeout_s`` after the call starts; a call that times
+    out drops its connection, so a late reply is never read as the answer to
+    a later call. A reused connection that turns out dead (the owner
+    restarted, or closed it idle) is replaced once, transparently, within the
+    same deadline. ``incarnation``, any hashable naming the owner process the
+    caller expects, drops connections made to an owner since replaced.
+
+    ``encode`` raises ``OwnerTimeout``, ``OwnerUnreachable`` or ``OwnerError``
+    and nothing else, whatever the owner does.
+    """
+
+    def __init__(self, address: str, authkey: bytes, timeout_s: float = 5.0, *, max_reply_bytes: int = 1 << 28):
+        if not isinstance(authkey, bytes) or not authkey:
+            raise ValueError("authkey must be non-empty bytes")
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        self.address = address
+        self._authkey = authkey
+        self._timeout_s = timeout_s
+        self._max_reply_bytes = max_reply_bytes
+        self._local = threading.local()
+        self._links_lock = threading.Lock()
+        # Weak: a thread's link goes (and its socket closes) with the thread.
+        self._links: weakref.WeakSet[_Link] = weakref.WeakSet()
+        self._closed = False
+
+    def encode(self, text: str, key: str | None = None, *, incarnation: Hashable = None) -> list[int]:
+        """The owner's ids for ``text`` (its cache extends conversation ``key``)."""
+        reply = self.encode_since(text, key, incarnation=incarnation)
+        if reply is None:
+            raise OwnerError(f"{self.address} asked for a version it was not given")
+        return reply.ids
+
+    def encode_since(
+        self,
+        text: str,
+        key: str | None = None,
+        *,
+        since: int | None = None,
+        shared_chars: int = 0,
+        incarnation: Hashable = None,
+    ) -> PeerReply | None:
+        """The owner's reply for a prompt of conversation ``key``.
+
+        Without ``since``, ``text`` is the whole prompt. With it, the caller
+        holds the ids of the conversation's version ``since`` and ``text``
+        is the prompt after its first ``shared_chars`` characters, which it
+        shares with that version (see ``PrefixTokenCache.encode_for_peer``);
+        None means the owner cannot rebuild the prompt from that version.
+        """
+        deadline = time.monotonic() + self._timeout_s
+        args = (text, key, since, shared_chars)
+        link = self._reusable_link(incarnation)
+        if link is not None:
+            try:
+                return self._call(link, args, deadline)
+            except _StaleConnection:
+                pass
+        return self._call(self._open(incarnation, deadline), args, deadline)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close every thread's connection; calls in flight and later calls fail at once."""
+        with self._links_lock:
+            self._closed = True
+            links = list(self._links)
+        for link in links:
+            link.abort()
+        deadline = time.monotonic() + timeout_s
+        for link in links:
+            if link.in_use.acquire(timeout=left_or_zero(deadline)):
+                try:
+                    link.close()
+                finally:
+                    link.in_use.release()
+
+    def _reusable_link(self, incarnation: Hashable) -> _Link | None:
+        link: _Link | None = getattr(self._local, "link", None)
+        if link is None:
+            return None
+        if link.conn is None or link.incarnation != incarnation:
+            self._local.link = None
+            with link.in_use:
+                link.close()
+            return None
+        return link
+
+    def _call(self, link: _Link, args: tuple, deadline: float) -> PeerReply | None:
+        with link.in_use:
+            conn = link.conn
+            if conn is None:
+                raise _StaleConnection(f"connection to {self.address} was closed")
+            try:
+                conn.deadline = deadline
+                conn.send((ENCODE_TYPEID, "encode", args, {}))
+                kind, result = conn.recv()
+            except (pickle.UnpicklingError, ValueError, TypeError) as e:
+                # A whole message that is not a reply: the stream is intact.
+                raise OwnerError(f"{self.address} sent no reply: {e!r}") from e
+            except Exception as e:
+                link.close()
+                raise self._failure(e, "call", stale=_StaleConnection) from e
+        return _reply_from(self.address, kind, result)
+
+    def _open(self, incarnation: Hashable, deadline: float) -> _Link:
+        if self._closed:
+            raise OwnerUnreachable("proxy closed")
+        conn = self._connect(deadline)
+        link = _Link(conn, incarnation)
+        with self._links_lock:
+            if self._closed:
+                link.close()
+                raise OwnerUnreachable("proxy closed")
+            self._links.add(link)
+        self._local.link = link
+        return link
+
+    def _connect(self, deadline: float) -> TimedConnection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(time_left(deadline))
+            sock.connect(self.address)
+            conn = TimedConnection(sock, self._max_reply_bytes)
+            conn.deadline = deadline
+            connection.answer_challenge(conn, self._authkey)
+            connection.deliver_challenge(conn, self._authkey)
+            conn.send((None, ACCEPT_CONNECTION, ("mptok-peer",), {}))
+            kind, result = conn.recv()
+            if kind != "#RETURN":
+                raise OwnerUnreachable(f"{self.address} refused the connection: {result!r:.200}")
+        except Exception as e:
+            sock.close()
+            raise self._failure(e, "connection", stale=OwnerUnreachable) from e
+        return conn
+
+    def _failure(self, e: Exception, step: str, *, stale: type[OwnerUnreachable]) -> TransportError:
+        """What a failed ``step`` means to the caller; ``stale`` is for a lost connection."""
+        if isinstance(e, TransportError):
+            return e
+        if isinstance(e, TimeoutError):
+            return OwnerTimeout(f"{step} with {self.address}: no answer within {self._timeout_s} s")
+        if isinstance(e, MessageTooLarge):
+            return OwnerError(f"{self.address}: {e}")
+        if isinstance(e, AuthenticationError):
+            return OwnerUnreachable(
+                f"{step} with {self.address} failed: the authkey was refused, or it is not an owner ({e})"
+            )
+        if isinstance(e, (EOFError, OSError)):
+            return stale(f"{step} with {self.address} failed: {e!r}")
+        return OwnerUnreachable(f"{step} with {self.address} failed: {e!r}")
+
+
+def _reply_from(address: str, kind: object, result: object) -> PeerReply | None:
+    if kind == "#RETURN" and result is None:
+        return None
+    if (
+        kind == "#RETURN"
+        and isinstance(result, tuple)
+        and len(result) == 3
+        and type(result[0]) is int
+        and type(result[1]) is int
+        and result[1] >= 0
+        and isinstance(result[2], bytes)
+    ):
+        ids = array(INT32)
+        try:
+            ids.frombytes(result[2])
+        except ValueError as e:
+            raise OwnerError(f"{address} sent {len(result[2])} bytes, not int32 ids") from e
+        return PeerReply(result[0], result[1], ids.tolist())
+    if kind == "#RETURN" and isinstance(result, str):
+        raise OwnerError(f"{address} could not tokenize the prompt: {result}")
+    raise OwnerError(f"{address} answered {kind!r}: {str(result)[:200]}")
