@@ -1,10 +1,10 @@
 """Counts that many threads bump at once, kept by the component that counts.
 
 The cache, the transport, routing and the HTTP service each count their own
-events and time their own work; ``mptok.metrics`` only collects snapshots of
-these and renders them. Keeping the two kinds here lets every component count
-without importing the exposition format, and the metrics module import them
-all.
+events and time their own work; ``mptok.metrics`` only collects their
+snapshots and renders them. Kept apart from both, these two classes let every
+component count without importing the exposition format (which imports
+routing for its fallback reasons).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from typing import Any
 
 # Seconds: a cache hit is about 1 ms, a 200k-token prompt in full about
-# 0.5 s, a routed call that times out takes the route timeout.
+# 0.5 s, and a request whose routed call timed out (mptok_tokenize_seconds)
+# takes the route timeout.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -133,8 +133,8 @@ _FRONTEND_SERIES = (
 
 # (metric name, key in a frontend snapshot's "routing_seconds", help)
 _ROUTING_HISTOGRAMS = (
-    ("mptok_route_seconds", "route_seconds", "Seconds from choosing the owner of a prompt arriving here to holding the ids it answered (liveness check, transport, the owner's work)."),
-    ("mptok_peer_serve_seconds", "serve_seconds", "Seconds of this frontend's own work per peer call it answered, without the transport."),
+    ("mptok_route_seconds", "route_seconds", "Seconds from choosing the owner of a prompt arriving here to holding the ids it answered (liveness check, transport, the owner's work); calls that failed and fell back are not counted."),
+    ("mptok_peer_serve_seconds", "serve_seconds", "Seconds of this frontend's own work per peer call it answered (its waits for its own GIL included, the transport not); calls it could not answer are not counted."),
 )  # fmt: skip
 
 

@@ -253,8 +253,9 @@ class TokenizationOwners:
 
         route_seconds: for each prompt a peer tokenized, from choosing its
         owner to holding its ids here (liveness check, transport, the
-        owner's work). serve_seconds: the owner's own work for each call this
-        frontend answered, without the transport.
+        owner's work); failed calls are not counted. serve_seconds: the
+        owner's own work (its waits for its GIL included, the transport not)
+        for each call this frontend answered with ids or with None.
         """
         return {"route_seconds": self._route_seconds.snapshot(), **self._manager.timings()}
 

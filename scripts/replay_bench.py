@@ -313,6 +313,7 @@ class ModeResult:
     route_calls: float = 0.0
     serve_s: float = 0.0
     serve_calls: float = 0.0
+    route_failures: float = 0.0
     per_instance_turns: list[float] = field(default_factory=list)
     runs: list[list[float]] = field(default_factory=list)  # per_instance_turns of each pooled run
     errors: list[str] = field(default_factory=list)
@@ -328,7 +329,7 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         return runs[0]
     merged = ModeResult(runs[0].mode, runs[0].how, server_cpu_s=0.0)
     for r in runs:
-        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "route_s", "route_calls", "serve_s", "serve_calls"):
+        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures"):
             setattr(merged, name, getattr(merged, name) + getattr(r, name))
         merged.e2e_ms += r.e2e_ms
         merged.tokenize_ms += r.tokenize_ms
@@ -442,6 +443,7 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     result.route_calls = total(samples, "mptok_route_seconds_count")
     result.serve_s = total(samples, "mptok_peer_serve_seconds_sum")
     result.serve_calls = total(samples, "mptok_peer_serve_seconds_count")
+    result.route_failures = total(samples, "mptok_route_failures_total")
 
 
 def run_mode(mode: str, conversations: list[Conversation], frontends: int, clients: int, workdir: Path, progress: Progress) -> ModeResult:
@@ -516,14 +518,20 @@ def owner_split(r: ModeResult) -> str:
             f"end-to-end p50 {percentile([r.e2e_ms[i] for i in chosen], 0.5):.1f} ms"
         )
     crossing = ""
-    if r.route_calls and r.serve_calls:
-        route_ms, serve_ms = 1000 * r.route_s / r.route_calls, 1000 * r.serve_s / r.serve_calls
+    if r.route_calls:
+        # Per routed prompt: its owner may have answered two calls (a held
+        # version it no longer had, then the whole prompt). Calls whose asker
+        # gave up are served too: their work is in the sum, said below.
+        route_ms, serve_ms = 1000 * r.route_s / r.route_calls, 1000 * r.serve_s / r.route_calls
         crossing = (
             f" A routed prompt took {route_ms:.2f} ms on average from choosing its owner to holding the ids "
             f"(`mptok_route_seconds`), of which the owner's own work was {serve_ms:.2f} ms "
-            f"(`mptok_peer_serve_seconds`): the crossing (liveness check, transport, wake-ups, waits for "
-            f"the GIL in two processes) cost {route_ms - serve_ms:.2f} ms."
+            f"({int(r.serve_calls)} calls served for {int(r.route_calls)} prompts, `mptok_peer_serve_seconds`): "
+            f"the crossing (liveness check, transport, wake-ups, waits for the GIL in two processes) "
+            f"cost {route_ms - serve_ms:.2f} ms."
         )
+        if r.route_failures:
+            crossing += f" ({int(r.route_failures)} routed calls failed; the owner's work for them counts above.)"
     return (
         f"mptok, by where the kernel put the connection: {'; '.join(parts)} "
         f"(`mptok_routed_total`, prompts a peer tokenized: {int(r.routed)}).{crossing}"

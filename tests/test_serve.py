@@ -27,6 +27,7 @@ from helpers_serve import SUPERVISE, Server, free_port, request, scrape, tokeniz
 import mptok
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.frontend import tcp_socket
+from mptok.metrics import SNAPSHOT_INTERVAL_S
 from mptok.tokenize_service import SpecialTokenFrame, TokenizeService
 from mptok.routing import FALLBACK_REASONS
 
@@ -115,9 +116,15 @@ def test_conversations_are_exact_and_hit_across_frontends(server, tokenizer):
             assert answer["count"] == len(want)
             answered_by.add(answer["frontend"])
     requests = CONVERSATIONS * TURNS
-    after = wait_for_counts(
+    wait_for_counts(
         server.port, ("mptok_tokenize_seconds_count", "mptok_cache_hits_total+mptok_cache_misses_total"), requests, before
     )
+    # Every count was made before the answer that needed it went out, but a
+    # snapshot written mid-call may hold one count and not its partner (the
+    # routed total and its timing, a hit and the call served): compare
+    # snapshots that every frontend wrote after the last answer.
+    time.sleep(2.5 * SNAPSHOT_INTERVAL_S)
+    after = scrape(server.port)
 
     def grew(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)

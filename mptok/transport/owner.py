@@ -141,6 +141,8 @@ class _PeerConnection(TimedConnection):
         if self._serving:
             self.deadline = time.monotonic() + self._limits.message_timeout_s
         super()._send_bytes(buf)
+
+
 # What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
 # as ``PrefixTokenCache.encode_for_peer`` with its tokenizer bound.
 PeerAnswer = Callable[[str, "str | None", "int | None", int], "PeerReply | None"]
