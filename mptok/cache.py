@@ -37,7 +37,12 @@ Route = Callable[[str, str], "list[int] | None"]
 
 # Earlier versions of a conversation whose ids an owner remembers, so that a
 # peer holding one of them gets only the ids that changed (``encode_for_peer``).
-PEER_HISTORY = 8
+# A peer last saw a conversation about F turns ago, but the gap is geometric:
+# with F = 4, 8 versions left 7% of routed prompts (replayed) needing a second
+# call with the whole text; 16 leave about 1% ((3/4)^16). The versions share
+# their id lists (``IdPieces``) until a splice compacts them, so the ids kept
+# for 16 are a few lists per conversation, not 16.
+PEER_HISTORY = 16
 
 
 @dataclass(frozen=True)
