@@ -248,8 +248,9 @@ def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, 
 
     with in_process_owners(str(tmp_path / "ipc"), tokenizer, 4) as (caches, owners):
         key = key_owned_by(0, 4, "alternating")
-        prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=24)
-        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * 10  # frontend 3 then waits 11 turns
+        # Frontend 3 then waits longer than the owner remembers versions.
+        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * (mptok.cache.PEER_HISTORY + 2)
+        prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=len(askers))
         for asker, prompt in zip(askers, prompts):
             assert caches[asker].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
         assert caches[3].encode(tokenizer, prompts[-1] + "x", key=key) == expected(
