@@ -87,7 +87,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import mptok  # noqa: E402
 from bench_cache import corpus  # noqa: E402
-from helpers_serve import Server, free_port, request, scrape, total  # noqa: E402
+from helpers_serve import Server, free_port, request, scrape, total, wait_for_snapshots  # noqa: E402
 from percentiles import percentile  # noqa: E402
 from mptok.chat_template import ChatTemplate  # noqa: E402
 
@@ -428,8 +428,8 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def collect(result: ModeResult, ports: list[int]) -> None:
-    """Counters from every instance's /metrics (after the 0.5 s snapshots have caught up)."""
-    time.sleep(1.2)
+    """Counters from every instance's /metrics, once every frontend's snapshot holds the replay."""
+    wait_for_snapshots()
     samples = []
     for port in ports:
         mine = scrape(port)

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mptok.metrics import SNAPSHOT_INTERVAL_S
+
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISE = str(REPO / "scripts" / "supervise.py")
 HANG_GUARD_S = 120.0
@@ -79,6 +81,13 @@ def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, s
             labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
             samples.append((match.group(1), labels, float(match.group(3))))
     return samples
+
+
+def wait_for_snapshots() -> None:
+    """Wait until every frontend has written a metrics snapshot since the call
+    (each writes one every SNAPSHOT_INTERVAL_S): a scrape after it holds every
+    count made before it, and no snapshot written mid-request."""
+    time.sleep(2.5 * SNAPSHOT_INTERVAL_S)
 
 
 def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import orjson
-from helpers_serve import Server, free_port, request, scrape, total
+from helpers_serve import Server, free_port, request, scrape, total, wait_for_snapshots
 
 import mptok
 from mptok.chat_template import ChatTemplate
@@ -91,9 +91,7 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
         assert used == set(upstreams), f"consistent hashing used {used} of {upstreams} for {CONVERSATIONS} conversations"
 
         # Each host's own counters: the turns it tokenized are exactly those of its conversations.
-        import time
-
-        time.sleep(1.2)  # the other frontend's metrics snapshot is at most 0.5 s old
+        wait_for_snapshots()
         hits = misses = 0.0
         for upstream, (host, server) in zip(upstreams, zip(HOSTS, servers)):
             samples = scrape(server.port, host=host)

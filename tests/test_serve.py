@@ -22,12 +22,11 @@ import pytest
 from conversations import plain_delta
 from families import _tokenizer_file, load_family_hf
 from helpers_procs import conversation
-from helpers_serve import SUPERVISE, Server, free_port, request, scrape, tokenize, total
+from helpers_serve import SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.frontend import tcp_socket
-from mptok.metrics import SNAPSHOT_INTERVAL_S
 from mptok.tokenize_service import SpecialTokenFrame, TokenizeService
 from mptok.routing import FALLBACK_REASONS
 
@@ -123,7 +122,7 @@ def test_conversations_are_exact_and_hit_across_frontends(server, tokenizer):
     # snapshot written mid-call may hold one count and not its partner (the
     # routed total and its timing, a hit and the call served): compare
     # snapshots that every frontend wrote after the last answer.
-    time.sleep(2.5 * SNAPSHOT_INTERVAL_S)
+    wait_for_snapshots()
     after = scrape(server.port)
 
     def grew(name: str, **labels: str) -> float:
