@@ -5,8 +5,8 @@ operator reading it at 3 a.m. must see, on every line, when it happened,
 which process said it (role, frontend id, pid) and what happened (``event=``)
 with its details as ``key=value`` pairs that grep and awk can pick apart.
 Lines from libraries (uvicorn, transformers) get the same prefix and their
-text as ``msg="..."``; a traceback is folded into the same line (``exc=``) so
-that one event stays one line.
+text as ``msg="..."``; an exception is folded into the same line
+(``error=`` and ``traceback=``) so that one event stays one line.
 """
 
 from __future__ import annotations

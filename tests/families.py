@@ -6,7 +6,7 @@ an NFC normalizer composes marks across a seam, the legacy SentencePiece
 normalizer adds a dummy "▁" to every re-tokenized tail, Metaspace prepends
 "▁" to the first or to every section, byte-level BPE splits characters across
 tokens, WordPiece glues "##" pieces, and added tokens cut the text before any
-of that (see /work/shared/NOTES.md, "Exactness traps"). A cache tested on one
+of that (docs/CACHE.md, "The proof of a seam"). A cache tested on one
 tokenizer proves little about the others, so the tests run against all of
 these.
 
