@@ -90,7 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, dest, kind, metavar, help_text in _SERVE_OPTIONS:
         serve.add_argument(flag, dest=dest, type=kind, metavar=metavar, default=getattr(defaults, dest), help=help_text)
+    _add_vllm_options(serve)
     return parser
+
+
+def _add_vllm_options(serve: argparse.ArgumentParser) -> None:
+    """The options ``vllm serve`` has for its tokenizer endpoints, spelled as vLLM spells them."""
+    serve.add_argument(
+        "--max-model-len", dest="max_model_len", type=_positive_int, metavar="N", default=None,
+        help="the context length /tokenize reports as max_model_len; longer prompts get 400 as in vLLM "
+        "(default: the tokenizer's model_max_length when it is a real limit, else none)",
+    )
+    serve.add_argument(
+        "--served-model-name", dest="served_model_names", nargs="+", metavar="NAME", default=(),
+        help='model names requests may give in "model"; any other gets vLLM\'s 404 (default: any name is accepted)',
+    )
+    serve.add_argument(
+        "--enable-tokenizer-info-endpoint", dest="enable_tokenizer_info_endpoint", action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM's option does",
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
