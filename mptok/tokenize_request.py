@@ -106,13 +106,11 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _check_content(i: int, message: dict[str, Any]) -> None:
-    """A string, a list of text parts, or (only beside ``tool_calls``) absent or null, as vLLM reads it."""
+    """A string, a list of text parts, or absent or null (the template then sees ""), as vLLM reads it."""
     content = message.get("content")
     if message.get("tool_calls") is not None:
         _check_tool_calls(i, message["tool_calls"])
-        if content is None:
-            return
-    if isinstance(content, str):
+    if content is None or isinstance(content, str):
         return
     if isinstance(content, list) and all(
         isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content

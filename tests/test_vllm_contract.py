@@ -240,6 +240,39 @@ def test_longer_than_max_model_len_is_a_400(servers):
     assert status == 400
 
 
+@pytest.mark.parametrize(
+    "body, names",
+    [
+        ({"prompt": "x", "model": 5}, '"model"'),
+        ({"prompt": "x", "return_token_strs": "yes"}, '"return_token_strs"'),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": {"name": "f"}}, '"tools"'),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": 1}, '"continue_final_message"'),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": ["x"]}, '"chat_template_kwargs"'),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, 'messages[0]["tool_calls"][0]'),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text"),
+    ],
+)
+def test_wrong_vllm_fields_are_400_naming_the_field(servers, body, names):
+    server, _ = servers["chatml_tools"]
+    status, answer = post(server, "/tokenize", body)
+    assert status == 400 and answer["type"] == "BadRequestError", answer
+    assert names in answer["message"], answer
+
+
+def test_text_parts_and_missing_content_read_as_vllm_reads_them(servers):
+    server, tokenizer = servers["chatml_tools"]
+    sent = [
+        {"role": "system"},
+        {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
+    ]
+    _, answer = post(server, "/tokenize", {"messages": sent})
+    read = [{"role": "system", "content": ""}, {"role": "user", "content": "first\nsecond"}]
+    text = tokenizer.apply_chat_template(read, add_generation_prompt=True, tokenize=False)
+    assert answer["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+
+
 # -- model names ----------------------------------------------------------------------
 
 
