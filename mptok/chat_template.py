@@ -159,24 +159,33 @@ def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages as vLLM hands them to a chat template (text-only, "string" content format).
 
     Each message becomes ``role`` and ``content`` (a string: a list of text
-    parts is joined with newlines, a missing or null content is ""), plus
-    ``tool_calls`` on an assistant message (each call's JSON ``arguments``
-    string parsed to an object, since tool-use templates expect one),
-    ``tool_call_id`` on a tool message, and ``name`` when it is a string.
-    ``ChatTemplateError`` when a call's arguments are not JSON.
+    parts is joined with newlines, a missing or null content is ""), plus,
+    on an assistant message, non-empty ``tool_calls`` (each call's JSON
+    ``arguments`` string parsed to an object, since tool-use templates expect
+    one) and its ``reasoning`` (also as ``reasoning_content``); on a tool
+    message ``tool_call_id``; on a developer message its ``tools``; and
+    ``name`` when it is a string. ``ChatTemplateError`` when a call's
+    arguments are not JSON.
     """
     conversation = []
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):
             content = "\n".join(part["text"] for part in content)
-        converted: dict[str, Any] = {"role": message["role"], "content": content or ""}
-        if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
-            converted["tool_calls"] = [_with_parsed_arguments(i, call) for call in message["tool_calls"]]
-        elif message["role"] == "tool" and "tool_call_id" in message:
+        role = message["role"]
+        converted: dict[str, Any] = {"role": role, "content": content or ""}
+        if role == "assistant":
+            if message.get("tool_calls"):  # an empty list is dropped
+                converted["tool_calls"] = [_with_parsed_arguments(i, call) for call in message["tool_calls"]]
+            reasoning = message.get("reasoning", message.get("reasoning_content"))
+            if reasoning is not None:
+                converted["reasoning"] = converted["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in message:
             converted["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
             converted["name"] = message["name"]
+        if role == "developer":
+            converted["tools"] = message.get("tools")
         conversation.append(converted)
     return conversation
 
