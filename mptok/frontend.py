@@ -38,7 +38,8 @@ from mptok.chat_template import ChatTemplate
 from mptok.logfmt import configure_logging, log_event
 from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
 from mptok.tokenize_request import RequestError, error_body
-from mptok.tokenize_service import Answer, TokenizeService, resolve_max_model_len, tokenizer_info
+from mptok.tokenize_service import Answer, TokenizeService
+from mptok.vllm_contract import resolve_max_model_len, tokenizer_info
 
 logger = logging.getLogger("mptok.frontend")
 

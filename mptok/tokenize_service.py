@@ -30,6 +30,7 @@ from mptok.tokenize_request import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from mptok.vllm_contract import RequestLimits, UnknownModel
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
 
@@ -109,15 +110,13 @@ class TokenizeService:
         served_model_names: tuple[str, ...] = (),
     ):
         self.frontend_id = frontend_id
-        self.max_model_len = max_model_len
-        self.served_model_names = served_model_names
         self.max_prompt_chars = max_prompt_chars
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self._cache = cache
         self._template = template
         self._frame = SpecialTokenFrame.derive(tokenizer)
-        self._vocabulary_size, self._vocabulary_holes = _vocabulary_of(tokenizer)
+        self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
         # transformers' __call__ is not thread-safe ("Already borrowed"); it is
         # only called when the cache cannot serve add_special_tokens=True.
         self._direct_lock = threading.Lock()
@@ -199,13 +198,13 @@ class TokenizeService:
     def _answer(self, body: bytes, header_conversation_id: str | None) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
-            self._check_model(request.model)
+            self._limits.check_model(request.model)
             text = self._text_of(request)
             started = time.perf_counter()
             ids = self.tokenize(text, request.add_special_tokens, request.conversation_id)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
-            self._check_length(len(ids))
+            self._limits.check_length(len(ids))
         except Exception as e:
             return _error_answer(e, "tokenize_failed", "tokenization")
         return Answer(200, self._tokenize_payload(ids, request.return_token_strs), tokenize_s)
@@ -243,22 +242,6 @@ class TokenizeService:
             template_kwargs=self._template.accepted_kwargs(request.chat_template_kwargs or {}),
         )
 
-    def _check_model(self, model: str | None) -> None:
-        """vLLM's rule: no name, or no --served-model-name, accepts; else it must be one of them."""
-        if model and self.served_model_names and model not in self.served_model_names:
-            raise UnknownModel(404, f"The model `{model}` does not exist.")
-
-    def _check_length(self, count: int) -> None:
-        """vLLM (since its renderer checks /tokenize and /detokenize against the
-        context) refuses more than max_model_len tokens with a 400."""
-        if self.max_model_len is not None and count > self.max_model_len:
-            raise RequestError(
-                400,
-                f"You passed {count} input tokens and requested 0 output tokens. However, the model's "
-                f"context length is only {self.max_model_len} tokens, resulting in a maximum input length "
-                f"of {self.max_model_len} tokens. Please reduce the length of the input prompt.",
-            )
-
     def _tokenize_payload(self, ids: list[int], return_token_strs: bool) -> bytes:
         token_strs = None
         if return_token_strs:
@@ -267,7 +250,7 @@ class TokenizeService:
         return orjson.dumps(
             {
                 "count": len(ids),
-                "max_model_len": self.max_model_len,
+                "max_model_len": self._limits.max_model_len,
                 "tokens": ids,
                 "token_strs": token_strs,
                 "frontend": self.frontend_id,
@@ -277,31 +260,14 @@ class TokenizeService:
     def _detokenize_answer(self, body: bytes) -> Answer:
         try:
             request = parse_detokenize_request(body)
-            self._check_model(request.model)
-            self._check_length(len(request.tokens))
-            self._check_vocabulary(request.tokens)
+            self._limits.check_model(request.model)
+            self._limits.check_length(len(request.tokens))
+            self._limits.check_ids(request.tokens)
             with self._direct_lock:
                 text = self._tokenizer.decode(request.tokens)
         except Exception as e:
             return _error_answer(e, "detokenize_failed", "detokenization")
         return Answer(200, orjson.dumps({"prompt": text}))
-
-    def _check_vocabulary(self, tokens: list[int]) -> None:
-        """Every id must name a token; ``tokenizer.decode`` would silently drop (or overflow on) others."""
-        if not tokens:
-            return
-        if min(tokens) < 0 or max(tokens) >= self._vocabulary_size:
-            bad = next(t for t in tokens if not 0 <= t < self._vocabulary_size)
-            raise RequestError(400, f"token id {bad} is outside the vocabulary (ids 0 to {self._vocabulary_size - 1})")
-        holes = self._vocabulary_holes
-        if holes:
-            bad_ids = holes.intersection(tokens)
-            if bad_ids:
-                raise RequestError(400, f"token id {min(bad_ids)} is not in the vocabulary")
-
-
-class UnknownModel(RequestError):
-    """A request named a model this server does not serve (vLLM's 404 NotFoundError)."""
 
 
 def _error_answer(error: Exception, event: str, work: str) -> Answer:
@@ -313,59 +279,6 @@ def _error_answer(error: Exception, event: str, work: str) -> Answer:
         return Answer(error.status, error_body(error.status, error.message))
     log_event(logger, logging.ERROR, event, error=f"{type(error).__name__}: {error}")
     return Answer(500, error_body(500, f"{work} failed: {type(error).__name__}"))
-
-
-# transformers reports an unknown context length as int(1e30); a limit at or
-# above this is not a real model's.
-_INSANE_MODEL_MAX_LENGTH = 2**31
-
-
-def resolve_max_model_len(configured: int | None, tokenizer: Any) -> int | None:
-    """``--max-model-len`` if given, else the tokenizer's ``model_max_length``
-    when it is a real limit (a positive int below 2**31), else None (no limit known)."""
-    if configured is not None:
-        return configured
-    own = getattr(tokenizer, "model_max_length", None)
-    if isinstance(own, int) and 0 < own < _INSANE_MODEL_MAX_LENGTH:
-        return own
-    return None
-
-
-def tokenizer_info(tokenizer: Any, template: ChatTemplate) -> dict[str, Any]:
-    """What vLLM's ``GET /tokenizer_info`` answers: the tokenizer's init kwargs
-    (file paths dropped, added tokens as their text), ``tokenizer_class``, the
-    ``added_tokens_decoder`` and the chat template in use."""
-    info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
-    for path_field in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
-        info.pop(path_field, None)
-    info["tokenizer_class"] = type(tokenizer).__name__
-    info["model_max_length"] = getattr(tokenizer, "model_max_length", None)
-    info["added_tokens_decoder"] = {
-        str(i): {"content": t.content, "special": bool(t.special)}
-        for i, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
-    }
-    if template.source is not None:
-        info["chat_template"] = template.source
-    return info
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "content"):  # an AddedToken
-        return value.content
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
-
-
-def _vocabulary_of(tokenizer: Any) -> tuple[int, frozenset[int]]:
-    """(one past the highest id, the ids below it that name no token)."""
-    ids = set(tokenizer.get_vocab().values())
-    size = max(ids) + 1 if ids else 0
-    return size, frozenset(set(range(size)) - ids)
 
 
 def _content_chars(message: dict[str, Any]) -> int:
