@@ -39,7 +39,7 @@ from mptok.logfmt import configure_logging, log_event
 from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
 from mptok.tokenize_request import RequestError, error_body
 from mptok.tokenize_service import Answer, TokenizeService
-from mptok.vllm_contract import resolve_max_model_len, tokenizer_info
+from mptok.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 
 logger = logging.getLogger("mptok.frontend")
 
@@ -254,9 +254,7 @@ class Frontend:
             self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._tick)
             self._housekeeping.start()
             self._stack.callback(self._housekeeping.stop)
-            info = None
-            if settings.enable_tokenizer_info_endpoint:
-                info = orjson.dumps(tokenizer_info(tokenizer, template), default=str)
+            info = tokenizer_info_payload(tokenizer, template) if settings.enable_tokenizer_info_endpoint else None
             self.app = build_app(self.service, self._snapshots, self._publish, info)
         except BaseException:
             self._stack.close()

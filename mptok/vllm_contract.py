@@ -11,6 +11,7 @@ what vLLM decides reads in one place (see docs/SERVE.md, "Endpoints").
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mptok.chat_template import ChatTemplate
@@ -95,6 +96,12 @@ def tokenizer_info(tokenizer: Any, template: ChatTemplate) -> dict[str, Any]:
     if template.source is not None:
         info["chat_template"] = template.source
     return info
+
+
+def tokenizer_info_payload(tokenizer: Any, template: ChatTemplate) -> bytes:
+    """``tokenizer_info`` as the JSON body (stdlib json: transformers' "unknown"
+    model_max_length, int(1e30), does not fit orjson's 64-bit integers)."""
+    return json.dumps(tokenizer_info(tokenizer, template), ensure_ascii=False).encode("utf-8")
 
 
 def _plain(value: Any) -> Any:

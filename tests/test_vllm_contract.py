@@ -41,6 +41,8 @@ from conversations import plain_delta
 from helpers_serve import REPO, Server, request, scrape, total, wait_for_snapshots
 
 import mptok
+from mptok.chat_template import ChatTemplate
+from mptok.vllm_contract import tokenizer_info_payload
 
 SERVED_NAME = "mptok-test"
 MAX_MODEL_LEN = 8192  # given to the bos_tools server; chatml_tools' own config says 32768
@@ -336,6 +338,14 @@ def test_tokenizer_info_only_when_enabled(servers):
         assert isinstance(token["special"], bool)
     bos_server, _ = servers["bos_tools"]
     assert request(bos_server.port, "GET", "/tokenizer_info")[0] == 404
+
+
+def test_tokenizer_info_of_a_tokenizer_without_a_context_length(tmp_path):
+    """transformers' "unknown" model_max_length, int(1e30), is answered as the integer vLLM answers."""
+    tokenizer = mptok.load_tokenizer(write_chat_tokenizer("bos_tools", tmp_path / "bos_tools"))
+    info = json.loads(tokenizer_info_payload(tokenizer, ChatTemplate.for_tokenizer(tokenizer)))
+    assert info["model_max_length"] == tokenizer.model_max_length > 2**64
+    assert info["bos_token"] == "<s>" and info["chat_template"] == tokenizer.chat_template
 
 
 # -- the cache and routing serve all of it -----------------------------------------------
