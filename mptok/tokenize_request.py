@@ -214,7 +214,8 @@ def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
         raise RequestError(400, f'"tokens" must be a list of token ids, not {_json_type(tokens)}')
     for i, token in enumerate(tokens):
         if not isinstance(token, int) or isinstance(token, bool):
-            raise RequestError(400, f"tokens[{i}] must be an integer token id, not {_json_type(token)}")
+            what = token if isinstance(token, float) else _json_type(token)  # JSON's 1e23 arrives as a float
+            raise RequestError(400, f"tokens[{i}] must be an integer token id, not {what}")
     return DetokenizeRequest(model=_optional(data, "model", str, None), tokens=tokens)
 
 
