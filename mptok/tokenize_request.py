@@ -1,4 +1,4 @@
-"""The body of ``POST /tokenize``, validated the way vLLM reads it, and the errors a client gets.
+"""The bodies of ``POST /tokenize`` and ``POST /detokenize``, validated the way vLLM reads them, and the errors a client gets.
 
 Kept apart from the HTTP app and from tokenizing so that what a client may
 send, and what it hears back when the body is wrong, reads in one place: a
