@@ -135,9 +135,14 @@ class ChatTemplate:
         (``ChatTemplateError``); names the template never reads, other than
         ``documents``, are dropped; the rest pass as template variables.
         """
+        if requested.get("chat_template") is not None:
+            raise ChatTemplateError(
+                "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template."
+            )
         refused = sorted({"chat_template", "tokenize"} & requested.keys())
         if refused:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(refused)}")
+            raise ChatTemplateError(f"Found unexpected chat template kwargs from request: {', '.join(refused)}")
         if self.source is None:
             return {}
         variables = self._template_variables() | {"documents"}

@@ -154,6 +154,13 @@ def _vllm_fields(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
             '(add_generation_prompt defaults to true: send "add_generation_prompt": false)',
         )
+    if data.get("chat_template") is not None:
+        # vLLM without --trust-request-chat-template, its default and mptok's only mode.
+        raise RequestError(
+            400,
+            "Chat template is passed with request, but --trust-request-chat-template is not set. "
+            "Refused request with untrusted chat template.",
+        )
     fields["continue_final_message"] = continue_final
     fields["tools"] = _check_tools(_optional(data, "tools", list, None))
     fields["chat_template_kwargs"] = _optional(data, "chat_template_kwargs", dict, None)

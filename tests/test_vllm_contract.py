@@ -185,7 +185,9 @@ def test_chat_template_kwargs_reach_the_template(servers):
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     status, answer = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"chat_template": "x"}})
-    assert status == 400 and "chat_template" in answer["message"]
+    assert status == 400 and "untrusted chat template" in answer["message"]
+    status, answer = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": True}})
+    assert status == 400 and "tokenize" in answer["message"]
 
 
 def test_tool_calls_and_results_render_as_vllm_passes_them(servers):
@@ -254,6 +256,7 @@ def test_longer_than_max_model_len_is_a_400(servers):
         ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": ["x"]}, '"chat_template_kwargs"'),
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, 'messages[0]["tool_calls"][0]'),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "untrusted chat template"),
     ],
 )
 def test_wrong_vllm_fields_are_400_naming_the_field(servers, body, names):
