@@ -15,9 +15,11 @@ tokenizer, so threads may render concurrently.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 
 # DeepSeek V3's template without its tool-call branches: the begin-of-sentence
@@ -71,6 +73,7 @@ class ChatTemplate:
             check_template_source(source)
         self.source = source
         self.origin = origin
+        self._variables: set[str] | None = None
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, override: str | None = None) -> ChatTemplate:
@@ -86,18 +89,147 @@ class ChatTemplate:
             return cls(DEEPSEEK_V3_TEMPLATE, "built-in deepseek-v3")
         return cls(None, "none")
 
-    def render(self, tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The prompt text; ``ChatTemplateError`` if the template refuses the messages."""
+    def render(
+        self,
+        tokenizer: Any,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text; ``ChatTemplateError`` if the template refuses the messages.
+
+        ``template_kwargs`` (a request's ``chat_template_kwargs``) reach the
+        template as variables after ``accepted_kwargs`` has filtered them.
+        """
         if self.source is None:
             raise ChatTemplateError(
                 "this tokenizer has no chat template: send a prompt, or start the server with --chat-template FILE"
             )
         try:
             text = tokenizer.apply_chat_template(
-                messages, chat_template=self.source, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                tools=tools,
+                chat_template=self.source,
+                **(template_kwargs or {}),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template refused the messages: {e}") from None
+        except (ValueError, TypeError) as e:
+            # transformers' own refusals, e.g. continue_final_message when the
+            # final message does not appear in the rendered text.
+            raise ChatTemplateError(f"cannot render the messages: {e}") from None
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
         return text
+
+    def accepted_kwargs(self, requested: dict[str, Any]) -> dict[str, Any]:
+        """The part of a request's ``chat_template_kwargs`` that reaches the template.
+
+        As vLLM does: ``chat_template`` and ``tokenize`` are refused
+        (``ChatTemplateError``); names the template never reads, other than
+        ``documents``, are dropped; the rest pass as template variables.
+        """
+        if requested.get("chat_template") is not None:
+            raise ChatTemplateError(
+                "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template."
+            )
+        refused = sorted({"chat_template", "tokenize"} & requested.keys())
+        if refused:
+            raise ChatTemplateError(f"Found unexpected chat template kwargs from request: {', '.join(refused)}")
+        if self.source is None:
+            return {}
+        variables = self._template_variables() | {"documents"}
+        return {k: v for k, v in requested.items() if k in variables and k not in _SET_BY_REQUEST}
+
+    def _template_variables(self) -> set[str]:
+        if self._variables is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+            self._variables = set(jinja2.meta.find_undeclared_variables(env.parse(self.source)))
+        return self._variables
+
+
+# Request fields that reach apply_chat_template under their own name; the
+# request's fields win over chat_template_kwargs, as in vLLM.
+_SET_BY_REQUEST = frozenset({"add_generation_prompt", "continue_final_message", "tools", "messages"})
+
+
+def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to a chat template (text-only, "string" content format).
+
+    Each message becomes ``role`` and ``content`` (a string: a list of text
+    parts is joined with newlines, a missing or null content is ""), plus,
+    on an assistant message, non-empty ``tool_calls`` (each call's JSON
+    ``arguments`` string parsed to an object, since tool-use templates expect
+    one) and its ``reasoning`` (also as ``reasoning_content``); on a tool
+    message ``tool_call_id``; on a developer message its ``tools``; and
+    ``name`` when it is a string. ``ChatTemplateError`` when a call's
+    arguments are not JSON.
+    """
+    conversation = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        role = message["role"]
+        converted: dict[str, Any] = {"role": role, "content": content or ""}
+        if role == "assistant":
+            if message.get("tool_calls"):  # an empty list is dropped
+                converted["tool_calls"] = [_with_parsed_arguments(i, call) for call in message["tool_calls"]]
+            reasoning = message.get("reasoning", message.get("reasoning_content"))
+            if reasoning is not None:
+                converted["reasoning"] = converted["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in message:
+            converted["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            converted["name"] = message["name"]
+        if role == "developer":
+            converted["tools"] = message.get("tools")
+        conversation.append(converted)
+    return conversation
+
+
+def _with_parsed_arguments(index: int, call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ChatTemplateError(f"messages[{index}]: a tool call's arguments are not JSON: {e}") from None
+    return {**call, "function": function}
+
+
+def vllm_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as vLLM hands them to a chat template.
+
+    vLLM reads each tool into a model and dumps it back: ``type`` first
+    (default "function"), then ``function`` with ``name``, ``description``
+    and ``parameters`` in that order (null when absent), then any other keys
+    as sent. A template that prints a tool as JSON prints exactly this.
+    """
+    normalized = []
+    for tool in tools:
+        function = tool["function"]
+        dumped_function = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+            **{k: v for k, v in function.items() if k not in ("name", "description", "parameters")},
+        }
+        normalized.append(
+            {
+                "type": tool.get("type", "function"),
+                "function": dumped_function,
+                **{k: v for k, v in tool.items() if k not in ("type", "function")},
+            }
+        )
+    return normalized

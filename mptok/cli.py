@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run N tokenization frontends on one port",
         description=(
-            "Run N HTTP tokenization frontends (POST /tokenize, GET /health, GET /metrics) on one port "
+            "Run N HTTP tokenization frontends (POST /tokenize and /detokenize as in vLLM, "
+            "GET /health, GET /metrics) on one port "
             "with SO_REUSEPORT; each conversation is tokenized by the frontend whose prefix cache holds it. "
             "Restarts frontends that die; SIGTERM or SIGINT stops everything gracefully. "
             "Exit status: 0 after a signal, 2 if it cannot start, 3 if every frontend crash-looped."
@@ -90,7 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, dest, kind, metavar, help_text in _SERVE_OPTIONS:
         serve.add_argument(flag, dest=dest, type=kind, metavar=metavar, default=getattr(defaults, dest), help=help_text)
+    _add_vllm_options(serve)
     return parser
+
+
+def _add_vllm_options(serve: argparse.ArgumentParser) -> None:
+    """The options ``vllm serve`` has for its tokenizer endpoints, spelled as vLLM spells them."""
+    serve.add_argument(
+        "--max-model-len", dest="max_model_len", type=_positive_int, metavar="N", default=None,
+        help="the context length /tokenize reports as max_model_len; longer prompts get 400 as in vLLM "
+        "(default: the tokenizer's model_max_length when it is a real limit, else none)",
+    )
+    serve.add_argument(
+        "--served-model-name", dest="served_model_names", nargs="+", metavar="NAME", default=(),
+        help='model names requests may give in "model"; any other gets vLLM\'s 404 (default: any name is accepted)',
+    )
+    serve.add_argument(
+        "--enable-tokenizer-info-endpoint", dest="enable_tokenizer_info_endpoint", action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM's option does",
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

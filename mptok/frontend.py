@@ -12,8 +12,9 @@ thread pool (``mptok.tokenize_service``), never on the event loop, so
 ``/health`` and ``/metrics`` answer while prompts tokenize. This module is
 the HTTP app and the process's lifecycle.
 
-Endpoints: ``POST /tokenize`` (shaped like vLLM's), ``GET /health``,
-``GET /metrics`` (every frontend's counters, see ``mptok.metrics``).
+Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
+the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
+(every frontend's counters, see ``mptok.metrics``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from mptok.logfmt import configure_logging, log_event
 from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
 from mptok.tokenize_request import RequestError, error_body
 from mptok.tokenize_service import Answer, TokenizeService
+from mptok.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 
 logger = logging.getLogger("mptok.frontend")
 
@@ -65,6 +67,10 @@ class FrontendSettings:
     route_timeout_s: float
     route_backoff_s: float
     graceful_timeout_s: float
+    # vLLM's options (see docs/SERVE.md): None/()/False mean vLLM's defaults.
+    max_model_len: int | None = None
+    served_model_names: tuple[str, ...] = ()
+    enable_tokenizer_info_endpoint: bool = False
 
 
 # -- HTTP ------------------------------------------------------------------------
@@ -83,10 +89,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(service: TokenizeService, snapshots: SnapshotDir, publish_own: Callable[[], None]) -> FastAPI:
-    """The ASGI app of one frontend. ``publish_own()`` writes this frontend's snapshot now."""
+def build_app(
+    service: TokenizeService,
+    snapshots: SnapshotDir,
+    publish_own: Callable[[], None],
+    tokenizer_info_payload: bytes | None = None,
+) -> FastAPI:
+    """The ASGI app of one frontend. ``publish_own()`` writes this frontend's snapshot now;
+    ``GET /tokenizer_info`` exists only when ``tokenizer_info_payload`` is given."""
     app = FastAPI(title="mptok frontend", docs_url=None, redoc_url=None, openapi_url=None)
     pid = os.getpid()
+    _add_vllm_routes(app, service, tokenizer_info_payload)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -118,6 +131,27 @@ def build_app(service: TokenizeService, snapshots: SnapshotDir, publish_own: Cal
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _add_vllm_routes(app: FastAPI, service: TokenizeService, tokenizer_info_payload: bytes | None) -> None:
+    """vLLM's other tokenizer endpoints: ``POST /detokenize`` and the opt-in ``GET /tokenizer_info``."""
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await _read_body(request, service.max_body_bytes)
+            answer = await asyncio.wrap_future(service.submit_detokenize(body))
+        except RequestError as e:
+            answer = Answer(e.status, error_body(e.status, e.message))
+        service.count_request("/detokenize", answer.status)
+        return Response(answer.payload, status_code=answer.status, media_type="application/json")
+
+    if tokenizer_info_payload is not None:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Response:
+            service.count_request("/tokenizer_info", 200)
+            return Response(tokenizer_info_payload, media_type="application/json")
 
 
 def _render_all(snapshots: SnapshotDir, publish_own: Callable[[], None]) -> str:
@@ -211,6 +245,8 @@ class Frontend:
                 template,
                 max_prompt_chars=settings.max_prompt_chars,
                 threads=settings.threads,
+                max_model_len=resolve_max_model_len(settings.max_model_len, tokenizer),
+                served_model_names=settings.served_model_names,
             )
             self._stack.callback(self.service.close, settings.graceful_timeout_s)
             self._snapshots = SnapshotDir(settings.ipc_dir)
@@ -218,7 +254,8 @@ class Frontend:
             self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._tick)
             self._housekeeping.start()
             self._stack.callback(self._housekeeping.stop)
-            self.app = build_app(self.service, self._snapshots, self._publish)
+            info = tokenizer_info_payload(tokenizer, template) if settings.enable_tokenizer_info_endpoint else None
+            self.app = build_app(self.service, self._snapshots, self._publish, info)
         except BaseException:
             self._stack.close()
             raise

@@ -77,6 +77,10 @@ class ServeOptions:
     max_restarts: int = 5
     restart_window_s: float = 60.0
     restart_delay_s: float = 0.25
+    # vLLM's options, as ``vllm serve`` spells them.
+    max_model_len: int | None = None
+    served_model_names: tuple[str, ...] = ()
+    enable_tokenizer_info_endpoint: bool = False
 
 
 class RestartPolicy:
@@ -266,6 +270,9 @@ class Supervisor:
             route_timeout_s=options.route_timeout_s,
             route_backoff_s=options.route_backoff_s,
             graceful_timeout_s=options.graceful_timeout_s,
+            max_model_len=options.max_model_len,
+            served_model_names=tuple(options.served_model_names),
+            enable_tokenizer_info_endpoint=options.enable_tokenizer_info_endpoint,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(

@@ -1,4 +1,4 @@
-"""The body of ``POST /tokenize``, validated the way vLLM reads it, and the errors a client gets.
+"""The bodies of ``POST /tokenize`` and ``POST /detokenize``, validated the way vLLM reads them, and the errors a client gets.
 
 Kept apart from the HTTP app and from tokenizing so that what a client may
 send, and what it hears back when the body is wrong, reads in one place: a
@@ -32,6 +32,12 @@ class TokenizeRequest:
     add_generation_prompt: bool
     add_special_tokens: bool
     conversation_id: str | None
+    # vLLM's other fields (see _vllm_fields); defaults are vLLM's.
+    model: str | None = None
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> TokenizeRequest:
@@ -41,20 +47,7 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
     messages, ``add_generation_prompt`` to true; ``conversation_id`` in the
     body wins over the header's.
     """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            raise RequestError(400, f"the body is not valid JSON: it is not UTF-8 (byte {bad.start})") from None
-        if "surrogate" in str(e):
-            raise RequestError(
-                400, f"the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; text must be valid Unicode ({e})"
-            ) from None
-        raise RequestError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, f"the body must be a JSON object, not {_json_type(data)}")
+    data = _json_object(body)
     has_prompt, has_messages = "prompt" in data, "messages" in data
     if has_prompt == has_messages:
         raise RequestError(400, 'give exactly one of "prompt" (a string) and "messages" (a list of messages)')
@@ -69,6 +62,7 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
             add_generation_prompt=False,
             add_special_tokens=_optional(data, "add_special_tokens", bool, True),
             conversation_id=conversation_id,
+            **_vllm_fields(data, chat=False),
         )
     return TokenizeRequest(
         prompt=None,
@@ -76,7 +70,27 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
         add_generation_prompt=_optional(data, "add_generation_prompt", bool, True),
         add_special_tokens=_optional(data, "add_special_tokens", bool, False),
         conversation_id=conversation_id,
+        **_vllm_fields(data, chat=True),
     )
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; ``RequestError`` (400) naming what is wrong with it."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise RequestError(400, f"the body is not valid JSON: it is not UTF-8 (byte {bad.start})") from None
+        if "surrogate" in str(e):
+            raise RequestError(
+                400, f"the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; text must be valid Unicode ({e})"
+            ) from None
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, f"the body must be a JSON object, not {_json_type(data)}")
+    return data
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -85,10 +99,86 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(400, f"messages[{i}] must be an object, not {_json_type(message)}")
-        for field in ("role", "content"):
-            if not isinstance(message.get(field), str):
-                raise RequestError(400, f'messages[{i}]["{field}"] must be a string, not {_json_type(message.get(field))}')
+        if not isinstance(message.get("role"), str):
+            raise RequestError(400, f'messages[{i}]["role"] must be a string, not {_json_type(message.get("role"))}')
+        _check_content(i, message)
     return messages
+
+
+def _check_content(i: int, message: dict[str, Any]) -> None:
+    """A string, a list of text parts, or absent or null (the template then sees ""), as vLLM reads it."""
+    content = message.get("content")
+    if message.get("tool_calls") is not None:
+        _check_tool_calls(i, message["tool_calls"])
+    if content is None or isinstance(content, str):
+        return
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        return
+    raise RequestError(
+        400,
+        f'messages[{i}]["content"] must be a string or a list of {{"type": "text", "text": ...}} parts, '
+        f"not {_json_type(content)} (only text is tokenized)",
+    )
+
+
+def _check_tool_calls(i: int, calls: Any) -> None:
+    if not isinstance(calls, list):
+        raise RequestError(400, f'messages[{i}]["tool_calls"] must be a list, not {_json_type(calls)}')
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(400, f'messages[{i}]["tool_calls"][{j}] must be {{"function": {{"name": ..., "arguments": ...}}}}')
+        if not isinstance(function.get("arguments"), (str, dict, type(None))):
+            raise RequestError(400, f'messages[{i}]["tool_calls"][{j}]["function"]["arguments"] must be a JSON string')
+
+
+def _vllm_fields(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+    """``model`` and ``return_token_strs``; for messages also ``continue_final_message``,
+    ``tools`` and ``chat_template_kwargs``, type-checked as vLLM's request models do.
+
+    Like vLLM, asking for both ``continue_final_message`` and
+    ``add_generation_prompt`` (which defaults to true) is a 400.
+    """
+    fields: dict[str, Any] = {
+        "model": _optional(data, "model", str, None),
+        "return_token_strs": _optional(data, "return_token_strs", bool, False),
+    }
+    if not chat:
+        return fields
+    continue_final = _optional(data, "continue_final_message", bool, False)
+    if continue_final and _optional(data, "add_generation_prompt", bool, True):
+        raise RequestError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+            '(add_generation_prompt defaults to true: send "add_generation_prompt": false)',
+        )
+    if data.get("chat_template") is not None:
+        # vLLM without --trust-request-chat-template, its default and mptok's only mode.
+        raise RequestError(
+            400,
+            "Chat template is passed with request, but --trust-request-chat-template is not set. "
+            "Refused request with untrusted chat template.",
+        )
+    fields["continue_final_message"] = continue_final
+    fields["tools"] = _check_tools(_optional(data, "tools", list, None))
+    fields["chat_template_kwargs"] = _optional(data, "chat_template_kwargs", dict, None)
+    return fields
+
+
+def _check_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}')
+        if tool.get("type", "function") != "function":
+            raise RequestError(400, f'tools[{i}]["type"] must be "function"')
+        if not isinstance(function.get("description"), (str, type(None))):
+            raise RequestError(400, f'tools[{i}]["function"]["description"] must be a string')
+        if not isinstance(function.get("parameters"), (dict, type(None))):
+            raise RequestError(400, f'tools[{i}]["function"]["parameters"] must be an object')
+    return tools
 
 
 def _optional(data: dict[str, Any], name: str, kind: type, default: Any) -> Any:
@@ -113,3 +203,29 @@ def error_body(status: int, message: str) -> bytes:
     """An error in vLLM's shape: ``{"object": "error", "message", "type", "code"}``."""
     kind = {400: "BadRequestError", 413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
     return orjson.dumps({"object": "error", "message": message, "type": kind, "code": status})
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """A validated ``POST /detokenize`` body: ``{"model"?, "tokens": [ids]}``."""
+
+    model: str | None
+    tokens: list[int]
+
+
+def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """Parse a body the way vLLM's ``/detokenize`` reads it; ``RequestError`` (400) if wrong."""
+    data = _json_object(body)
+    tokens = data.get("tokens")
+    if not isinstance(tokens, list):
+        raise RequestError(400, f'"tokens" must be a list of token ids, not {_json_type(tokens)}')
+    for i, token in enumerate(tokens):
+        if not isinstance(token, int) or isinstance(token, bool):
+            what = token if isinstance(token, float) else _json_type(token)  # JSON's 1e23 arrives as a float
+            raise RequestError(400, f"tokens[{i}] must be an integer token id, not {what}")
+    return DetokenizeRequest(model=_optional(data, "model", str, None), tokens=tokens)
+
+
+def not_found_body(message: str, param: str) -> bytes:
+    """vLLM's 404 for an unknown model: the error shape with ``"type": "NotFoundError"`` and ``param``."""
+    return orjson.dumps({"object": "error", "message": message, "type": "NotFoundError", "param": param, "code": 404})

@@ -19,10 +19,18 @@ from typing import Any
 
 import orjson
 
-from mptok.chat_template import ChatTemplate, ChatTemplateError
+from mptok.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
 from mptok.counting import Histogram
 from mptok.logfmt import log_event
-from mptok.tokenize_request import RequestError, TokenizeRequest, error_body, parse_tokenize_request
+from mptok.tokenize_request import (
+    RequestError,
+    TokenizeRequest,
+    error_body,
+    not_found_body,
+    parse_detokenize_request,
+    parse_tokenize_request,
+)
+from mptok.vllm_contract import RequestLimits, UnknownModel
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
 
@@ -98,6 +106,8 @@ class TokenizeService:
         *,
         max_prompt_chars: int,
         threads: int,
+        max_model_len: int | None = None,
+        served_model_names: tuple[str, ...] = (),
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
@@ -106,6 +116,7 @@ class TokenizeService:
         self._cache = cache
         self._template = template
         self._frame = SpecialTokenFrame.derive(tokenizer)
+        self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
         # transformers' __call__ is not thread-safe ("Already borrowed"); it is
         # only called when the cache cannot serve add_special_tokens=True.
         self._direct_lock = threading.Lock()
@@ -124,11 +135,25 @@ class TokenizeService:
             suffix=list(self._frame.suffix) if self._frame else "",
             chat_template=template.origin,
         )
+        log_event(
+            logger,
+            logging.INFO,
+            "vllm_contract",
+            max_model_len=max_model_len if max_model_len is not None else "unknown",
+            served_model_names=",".join(served_model_names) or "any",
+        )
 
     def submit(self, body: bytes, header_conversation_id: str | None) -> concurrent.futures.Future:
-        """A future of an ``Answer``; raises ``RequestError`` (503) once closed."""
+        """A future of the ``/tokenize`` ``Answer``; raises ``RequestError`` (503) once closed."""
+        return self._submit(self._answer, body, header_conversation_id)
+
+    def submit_detokenize(self, body: bytes) -> concurrent.futures.Future:
+        """A future of the ``/detokenize`` ``Answer``; raises ``RequestError`` (503) once closed."""
+        return self._submit(self._detokenize_answer, body)
+
+    def _submit(self, work: Any, *args: Any) -> concurrent.futures.Future:
         try:
-            future = self._pool.submit(self._answer, body, header_conversation_id)
+            future = self._pool.submit(work, *args)
         except RuntimeError:
             raise RequestError(503, "this frontend is shutting down; retry") from None
         with self._in_flight_lock:
@@ -173,28 +198,26 @@ class TokenizeService:
     def _answer(self, body: bytes, header_conversation_id: str | None) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
+            self._limits.check_model(request.model)
             text = self._text_of(request)
             started = time.perf_counter()
             ids = self.tokenize(text, request.add_special_tokens, request.conversation_id)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
-        except RequestError as e:
-            return Answer(e.status, error_body(e.status, e.message))
+            self._limits.check_length(len(ids))
         except Exception as e:
-            log_event(logger, logging.ERROR, "tokenize_failed", error=f"{type(e).__name__}: {e}")
-            return Answer(500, error_body(500, f"tokenization failed: {type(e).__name__}"))
-        payload = orjson.dumps({"tokens": ids, "count": len(ids), "frontend": self.frontend_id})
-        return Answer(200, payload, tokenize_s)
+            return _error_answer(e, "tokenize_failed", "tokenization")
+        return Answer(200, self._tokenize_payload(ids, request.return_token_strs), tokenize_s)
 
     def _text_of(self, request: TokenizeRequest) -> str:
         if request.prompt is not None:
             text = request.prompt
         else:
             assert request.messages is not None
-            if sum(len(m["content"]) for m in request.messages) > self.max_prompt_chars:
+            if sum(map(_content_chars, request.messages)) > self.max_prompt_chars:
                 raise self._too_long("the messages' contents")
             try:
-                text = self._template.render(self._tokenizer, request.messages, request.add_generation_prompt)
+                text = self._render(request)
             except ChatTemplateError as e:
                 raise RequestError(400, str(e)) from None
         if len(text) > self.max_prompt_chars:
@@ -203,3 +226,61 @@ class TokenizeService:
 
     def _too_long(self, what: str) -> RequestError:
         return RequestError(413, f"{what} exceeds --max-prompt-chars={self.max_prompt_chars} characters")
+
+    # -- vLLM's contract (see docs/SERVE.md, "Endpoints") ------------------------
+
+    def _render(self, request: TokenizeRequest) -> str:
+        """The chat as vLLM renders it: its view of the messages and tools, the
+        accepted ``chat_template_kwargs``, ``continue_final_message``."""
+        assert request.messages is not None
+        return self._template.render(
+            self._tokenizer,
+            vllm_conversation(request.messages),
+            request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tools=vllm_tools(request.tools) if request.tools is not None else None,
+            template_kwargs=self._template.accepted_kwargs(request.chat_template_kwargs or {}),
+        )
+
+    def _tokenize_payload(self, ids: list[int], return_token_strs: bool) -> bytes:
+        token_strs = None
+        if return_token_strs:
+            with self._direct_lock:
+                token_strs = self._tokenizer.convert_ids_to_tokens(ids)
+        return orjson.dumps(
+            {
+                "count": len(ids),
+                "max_model_len": self._limits.max_model_len,
+                "tokens": ids,
+                "token_strs": token_strs,
+                "frontend": self.frontend_id,
+            }
+        )
+
+    def _detokenize_answer(self, body: bytes) -> Answer:
+        try:
+            request = parse_detokenize_request(body)
+            self._limits.check_model(request.model)
+            self._limits.check_length(len(request.tokens))
+            self._limits.check_ids(request.tokens)
+            with self._direct_lock:
+                text = self._tokenizer.decode(request.tokens)
+        except Exception as e:
+            return _error_answer(e, "detokenize_failed", "detokenization")
+        return Answer(200, orjson.dumps({"prompt": text}))
+
+
+def _error_answer(error: Exception, event: str, work: str) -> Answer:
+    """The answer to a request whose ``work`` raised ``error``: a client's
+    mistake gets its own status and message, anything else a 500 logged as ``event``."""
+    if isinstance(error, UnknownModel):
+        return Answer(404, not_found_body(error.message, "model"))
+    if isinstance(error, RequestError):
+        return Answer(error.status, error_body(error.status, error.message))
+    log_event(logger, logging.ERROR, event, error=f"{type(error).__name__}: {error}")
+    return Answer(500, error_body(500, f"{work} failed: {type(error).__name__}"))
+
+
+def _content_chars(message: dict[str, Any]) -> int:
+    content = message.get("content") or ""
+    return len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)

@@ -212,7 +212,7 @@ BAD_REQUESTS = [
     (b'{"messages": "hi"}', 400, '"messages" must be a non-empty list'),
     (b'{"messages": []}', 400, '"messages" must be a non-empty list'),
     (b'{"messages": [5]}', 400, "messages[0] must be an object"),
-    (b'{"messages": [{"role": "user"}]}', 400, 'messages[0]["content"] must be a string'),
+    (b'{"messages": [{"role": "user", "content": 5}]}', 400, 'messages[0]["content"] must be a string'),
     (b'{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": 1}', 400, "must be a boolean"),
     (b'{"messages": [{"role": "tool", "content": "hi"}]}', 400, "unsupported role tool"),
     (b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
