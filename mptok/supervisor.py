@@ -77,6 +77,11 @@ class ServeOptions:
     max_restarts: int = 5
     restart_window_s: float = 60.0
     restart_delay_s: float = 0.25
+    max_in_flight: int = 16
+    queue_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_messages: int = 4096
 
 
 class RestartPolicy:
@@ -266,6 +271,11 @@ class Supervisor:
             route_timeout_s=options.route_timeout_s,
             route_backoff_s=options.route_backoff_s,
             graceful_timeout_s=options.graceful_timeout_s,
+            max_in_flight=options.max_in_flight,
+            queue_timeout_s=options.queue_timeout_s,
+            read_timeout_s=options.read_timeout_s,
+            max_connections=options.max_connections,
+            max_messages=options.max_messages,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
