@@ -38,6 +38,18 @@ class RawClient:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def read_response(self) -> bytes:
+        """One whole response (its head and a Content-Length body), or what came before the server closed."""
+        data = b""
+        while True:
+            head_end = data.find(b"\r\n\r\n")
+            if head_end >= 0 and len(data) >= head_end + 4 + _content_length(data[:head_end]):
+                return data
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+
     def close(self) -> None:
         self.sock.close()
 
