@@ -9,8 +9,10 @@ uvicorn, as in vLLM and SGLang; everything that costs CPU (parsing,
 rendering the chat template, tokenizing, possibly waiting on a peer, and
 serializing the ids with orjson) runs in ``TokenizeService``'s bounded
 thread pool (``mptok.tokenize_service``), never on the event loop, so
-``/health`` and ``/metrics`` answer while prompts tokenize. This module is
-the HTTP app and the process's lifecycle.
+``/health`` and ``/metrics`` answer while prompts tokenize. Under overload
+``/tokenize`` answers 503 at once (``Admission``); bad clients meet the
+guards of ``mptok.http_protocol``. This module is the HTTP app and the
+process's lifecycle.
 
 Endpoints: ``POST /tokenize`` (shaped like vLLM's), ``GET /health``,
 ``GET /metrics`` (every frontend's counters, see ``mptok.metrics``).

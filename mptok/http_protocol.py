@@ -147,15 +147,18 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if self.cycle is not None and self.cycle.response_started:
-            self.transport.close()  # answered already (refused early); the body is still trickling in
-        else:
-            self._refuse(408, f"the request did not arrive whole within --read-timeout={self.read_timeout_s:g} s")
+        # (If the app answered already, refusing early, this just closes.)
+        self._refuse(408, f"the request did not arrive whole within --read-timeout={self.read_timeout_s:g} s")
 
     def _refuse(self, status: int, message: str, retry_after_s: int | None = None) -> None:
         """Answer ``status`` in mptok's error shape, then close the connection lingering."""
         self._disarm()
+        if self.conn.our_state in (h11.SEND_BODY, h11.DONE, h11.MUST_CLOSE):
+            self.transport.close()  # this request is answered already: a second answer would corrupt the stream
+            return
         self._lingering = True
+        if self.flow is not None:
+            self.flow.resume_reading()  # uvicorn may have paused reading: what comes now is dropped
         path = UNPARSED_PATH
         if self.cycle is not None and not self.cycle.response_complete:
             path = self.cycle.scope["path"]
