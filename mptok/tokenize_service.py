@@ -92,10 +92,6 @@ class Admission:
             with self._lock:
                 self._held -= 1
 
-    @property
-    def held(self) -> int:
-        return self._held
-
 
 @dataclass(frozen=True)
 class SpecialTokenFrame:
