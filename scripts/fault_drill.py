@@ -588,6 +588,7 @@ class Hostile:
     flood_end: float
     flood: Flood
     rss_before: int
+    rss_at_flood: int  # the good clients fill the cache too: growth before the flood is the baseline
     rss_after: int
 
     def good_during(self, flooded: bool) -> list[Result]:
@@ -641,6 +642,7 @@ def run_hostile(server: Server, args: argparse.Namespace, conversations: list[li
     flood = Flood(server.port, args.attackers, args.seed)
     try:
         load.stop.wait(args.flood_seconds)
+        rss_at_flood = frontends_rss(pids)
         flood_start = time.monotonic()
         flood.start()
         load.stop.wait(max(0.0, start + 2 * args.flood_seconds - time.monotonic()))
@@ -649,7 +651,7 @@ def run_hostile(server: Server, args: argparse.Namespace, conversations: list[li
         flood_end = time.monotonic()
         load.join()
         load.stop.set()
-    return Hostile(list(load.results), flood_start, flood_end, flood, rss_before, frontends_rss(pids))
+    return Hostile(list(load.results), flood_start, flood_end, flood, rss_before, rss_at_flood, frontends_rss(pids))
 
 
 def run_abuse(args: argparse.Namespace, conversations: list[list[Prompt]], tokenizer: Any, log_path: Path) -> Abuse:
@@ -724,7 +726,8 @@ def abuse_report(abuse: Abuse, args: argparse.Namespace) -> tuple[str, bool]:
                     ["attackers, seconds", f"{args.attackers}, {h.flood_end - h.flood_start:.1f}"],
                     ["sent by kind", summarize_statuses(h.flood.sent)],
                     ["what they got back", summarize_statuses(h.flood.statuses)],
-                    ["frontends' RSS before / after the phase", f"{mib(h.rss_before)} / {mib(h.rss_after)} ({mib(h.rss_after - h.rss_before)} growth)"],
+                    ["frontends' RSS: start / flood starts / flood ends", f"{mib(h.rss_before)} / {mib(h.rss_at_flood)} / {mib(h.rss_after)}"],
+                    ["RSS growth without / during the flood (the cache fills in both)", f"{mib(h.rss_at_flood - h.rss_before)} / {mib(h.rss_after - h.rss_at_flood)}"],
                 ],
             ),
             "",
