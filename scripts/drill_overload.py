@@ -158,9 +158,9 @@ def frontends_rss(pids: list[int]) -> int:
 # -- the flood -------------------------------------------------------------------
 
 
-def _request_bytes(body: bytes, declared: int | None = None, extra: str = "") -> bytes:
+def _request_bytes(body: bytes, declared: int | None = None, path: str = "/tokenize") -> bytes:
     length = len(body) if declared is None else declared
-    head = f"POST /tokenize HTTP/1.1\r\nHost: drill\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n{extra}Connection: close\r\n\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: drill\r\nContent-Type: application/json\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n"
     return head.encode("ascii") + body
 
 
@@ -179,13 +179,15 @@ def malformed_body(rng: random.Random) -> bytes:
 
 
 def huge_ids(rng: random.Random) -> bytes:
-    """A request with a huge conversation id (1 MiB) or huge numbers."""
+    """A request with a huge conversation id (1 MiB), huge numbers, or huge token ids
+    to detokenize (an endpoint vLLM has; 404 where mptok has not)."""
     choices: list[Callable[[], bytes]] = [
-        lambda: json.dumps({"prompt": "hi", "conversation_id": "c" * (1 << 20)}).encode(),
-        lambda: b'{"prompt": "hi", "add_special_tokens": ' + b"9" * 4000 + b"}",
-        lambda: b'{"prompt": 1e999999}',
+        lambda: _request_bytes(json.dumps({"prompt": "hi", "conversation_id": "c" * (1 << 20)}).encode()),
+        lambda: _request_bytes(b'{"prompt": "hi", "add_special_tokens": ' + b"9" * 4000 + b"}"),
+        lambda: _request_bytes(b'{"prompt": 1e999999}'),
+        lambda: _request_bytes(json.dumps({"tokens": [2**63, -1, 10**30, 2**31]}).encode(), path="/detokenize"),
     ]
-    return _request_bytes(rng.choice(choices)())
+    return rng.choice(choices)()
 
 
 def cut_off(rng: random.Random) -> tuple[bytes, bool]:

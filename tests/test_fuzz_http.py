@@ -84,7 +84,7 @@ _header_values = st.one_of(
 def malformed_requests(draw) -> tuple[bytes, bool]:
     """(the bytes sent, whether they end mid-request: then no answer is owed)."""
     method = draw(st.one_of(st.sampled_from(["POST", "GET", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"]), st.text(alphabet="ABCXYZ /", min_size=0, max_size=8)))
-    path = draw(st.one_of(st.sampled_from(["/tokenize", "/health", "/metrics", "/", "/tokenize/", "//tokenize", "/tokenize?x=1", "/%ff", "*"]), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=30)))
+    path = draw(st.one_of(st.sampled_from(["/tokenize", "/health", "/metrics", "/", "/tokenize/", "//tokenize", "/tokenize?x=1", "/%ff", "*", "/detokenize", "/tokenizer_info"]), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=30)))
     version = draw(st.sampled_from(["HTTP/1.1", "HTTP/1.1", "HTTP/1.1", "HTTP/1.0", "HTTP/2.0", "HTP/1.1", ""]))
     body = draw(_raw_bodies)
     framing = draw(st.sampled_from(["length", "length", "length", "short", "long", "none", "chunked", "bad_chunked", "bad_length"]))

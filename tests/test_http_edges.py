@@ -162,6 +162,13 @@ def mptok_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_help_names_the_admission_and_guard_options():
+    result = mptok_cli("serve", "--help")
+    assert result.returncode == 0
+    for option in ("--max-in-flight", "--queue-timeout", "--read-timeout", "--max-connections", "--max-messages"):
+        assert option in result.stdout
+
+
 def test_version():
     result = mptok_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("mptok "), result
