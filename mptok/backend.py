@@ -23,8 +23,9 @@ the tail's first segment is tokenized with it.
 
 from __future__ import annotations
 
-import json
+import importlib
 import itertools
+import json
 import logging
 import os
 import sys
@@ -109,11 +110,10 @@ def _import_transformers_quietly() -> None:
     start. The switch is set for the import alone, unless the user set it.
     """
     if "transformers" in sys.modules or _ADVISORY_SWITCH in os.environ:
-        import transformers  # noqa: F401
         return
     os.environ[_ADVISORY_SWITCH] = "1"
     try:
-        import transformers  # noqa: F401
+        importlib.import_module("transformers")
     finally:
         os.environ.pop(_ADVISORY_SWITCH, None)
 

@@ -8,7 +8,9 @@ environment the frontends inherit); what serving means is in
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -32,10 +34,21 @@ def _port(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+# Longer waits are surely a typo, and infinite ones overflow the timers they reach.
+_MAX_SECONDS = 86_400.0
+
+
 def _seconds(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    if not (math.isfinite(value) and 0 < value <= _MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {_MAX_SECONDS:,.0f} seconds, got {text}")
     return value
 
 
@@ -63,12 +76,31 @@ _SERVE_OPTIONS = (
      "frontends still running 5 s later are killed (default: %(default)s)"),
     ("--startup-timeout", "startup_timeout_s", _seconds, "S",
      "seconds every frontend gets to become ready at start-up (default: %(default)s)"),
-    ("--max-restarts", "max_restarts", int, "N",
+    ("--max-restarts", "max_restarts", _non_negative_int, "N",
      "a frontend that exits more than N times within --restart-window is given up: a crash loop "
      "(default: %(default)s)"),
     ("--restart-window", "restart_window_s", _seconds, "S",
      "seconds over which --max-restarts counts exits (default: %(default)s)"),
+    ("--max-in-flight", "max_in_flight", _positive_int, "N",
+     "/tokenize requests one frontend holds at once (reading, queued, tokenizing); "
+     "more get 503 with Retry-After at once (default: %(default)s)"),
+    ("--queue-timeout", "queue_timeout_s", _seconds, "S",
+     "seconds a request may wait for a tokenizing thread; then 503 with Retry-After (default: %(default)s)"),
+    ("--read-timeout", "read_timeout_s", _seconds, "S",
+     "seconds a client gets to send a whole request, headers and body, from its first byte; "
+     "then 408 and the connection is closed (default: %(default)s)"),
+    ("--max-connections", "max_connections", _positive_int, "N",
+     "open connections per frontend; beyond, 503 at once (default: %(default)s)"),
+    ("--max-messages", "max_messages", _positive_int, "N",
+     'most "messages" in one request; more get 413 (default: %(default)s)'),
 )  # fmt: skip
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mptok")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "(version unknown: not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults = ServeOptions(frontends=os.cpu_count() or 1)
     parser = argparse.ArgumentParser(prog="mptok", description="Exact prefix-cached tokenization for LLM frontends.")
+    parser.add_argument("--version", action="version", version=f"mptok {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",

@@ -9,8 +9,10 @@ uvicorn, as in vLLM and SGLang; everything that costs CPU (parsing,
 rendering the chat template, tokenizing, possibly waiting on a peer, and
 serializing the ids with orjson) runs in ``TokenizeService``'s bounded
 thread pool (``mptok.tokenize_service``), never on the event loop, so
-``/health`` and ``/metrics`` answer while prompts tokenize. This module is
-the HTTP app and the process's lifecycle.
+``/health`` and ``/metrics`` answer while prompts tokenize. Under overload
+``/tokenize`` answers 503 at once (``Admission``); bad clients meet the
+guards of ``mptok.http_protocol``. This module is the HTTP app and the
+process's lifecycle.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
@@ -33,8 +35,11 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from mptok.chat_template import ChatTemplate
+from mptok.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
 from mptok.logfmt import configure_logging, log_event
 from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
 from mptok.tokenize_request import RequestError, error_body
@@ -45,6 +50,8 @@ logger = logging.getLogger("mptok.frontend")
 
 # Headers that name the conversation when the body does not ("conversation_id").
 CONVERSATION_HEADERS = ("x-session-id", "x-correlation-id")
+# mptok_http_requests_total's code for a request whose client went away unanswered (nginx's).
+CLIENT_GONE = 499
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,12 @@ class FrontendSettings:
     route_timeout_s: float
     route_backoff_s: float
     graceful_timeout_s: float
+    # Admission control and the HTTP guards (docs/SERVE.md, "Overload and bad clients").
+    max_in_flight: int
+    queue_timeout_s: float
+    read_timeout_s: float
+    max_connections: int
+    max_messages: int
     # vLLM's options (see docs/SERVE.md): None/()/False mean vLLM's defaults.
     max_model_len: int | None = None
     served_model_names: tuple[str, ...] = ()
@@ -104,17 +117,41 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         key = next((request.headers[h] for h in CONVERSATION_HEADERS if request.headers.get(h)), None)
+        answer: Answer | None
         try:
-            body = await _read_body(request, service.max_body_bytes)
-            answer = await asyncio.wrap_future(service.submit(body, key))
+            with service.admission.place():
+                body = await _read_body(request, service.max_body_bytes)
+                answer = await _answer_while_connected(service, request, body, key)
         except RequestError as e:
-            answer = Answer(e.status, error_body(e.status, e.message))
+            answer = Answer.of_error(e)
+        except ClientDisconnect:
+            answer = None
+        if answer is None:  # nobody to answer; uvicorn drops what is sent
+            if REFUSED_SCOPE_KEY not in request.scope:  # else the protocol answered and counted it
+                service.count_request("/tokenize", CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
         service.count_request("/tokenize", answer.status)
-        headers = None
-        if answer.tokenize_s is not None:
-            # The same interval as mptok_tokenize_seconds, for one request.
-            headers = {"Server-Timing": f"tokenize;dur={answer.tokenize_s * 1000:.3f}"}
-        return Response(answer.payload, status_code=answer.status, headers=headers, media_type="application/json")
+        return _response(answer)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        # Starlette's 404 and 405, in the error shape of the others; an unknown
+        # path is counted as "-", so that clients cannot mint label values.
+        path = request.url.path
+        if error.status_code == 404:
+            service.count_request(UNPARSED_PATH, 404)
+            message = f"no endpoint {path[:200]!r}"
+        else:
+            service.count_request(path, error.status_code)
+            message = f"{request.method[:20]} {path}: {error.detail}"
+        body = error_body(error.status_code, message)
+        return Response(body, status_code=error.status_code, headers=error.headers, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        # A bug: Starlette sends this answer, then re-raises, so the traceback is logged.
+        service.count_request(UNPARSED_PATH, 500)
+        return Response(error_body(500, f"internal error: {type(error).__name__}"), status_code=500, media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
@@ -133,18 +170,48 @@ def build_app(
     return app
 
 
+async def _answer_while_connected(service: TokenizeService, request: Request, body: bytes, key: str | None) -> Answer | None:
+    """``service.answer`` for a read body, told when its client disconnects."""
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        return await service.answer(body, key, gone)
+    finally:
+        gone.cancel()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected; call only after the body was read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _response(answer: Answer) -> Response:
+    """The HTTP response of ``answer``, with its Server-Timing and Retry-After headers."""
+    headers = {}
+    if answer.tokenize_s is not None:
+        # The same interval as mptok_tokenize_seconds, for one request.
+        headers["Server-Timing"] = f"tokenize;dur={answer.tokenize_s * 1000:.3f}"
+    if answer.retry_after_s is not None:
+        headers["Retry-After"] = str(answer.retry_after_s)
+    return Response(answer.payload, status_code=answer.status, headers=headers, media_type="application/json")
+
+
 def _add_vllm_routes(app: FastAPI, service: TokenizeService, tokenizer_info_payload: bytes | None) -> None:
     """vLLM's other tokenizer endpoints: ``POST /detokenize`` and the opt-in ``GET /tokenizer_info``."""
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         try:
-            body = await _read_body(request, service.max_body_bytes)
-            answer = await asyncio.wrap_future(service.submit_detokenize(body))
+            with service.admission.place():
+                body = await _read_body(request, service.max_body_bytes)
+                answer = await asyncio.wrap_future(service.submit_detokenize(body))
         except RequestError as e:
-            answer = Answer(e.status, error_body(e.status, e.message))
+            answer = Answer.of_error(e)
+        except ClientDisconnect:
+            service.count_request("/detokenize", CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
         service.count_request("/detokenize", answer.status)
-        return Response(answer.payload, status_code=answer.status, media_type="application/json")
+        return _response(answer)
 
     if tokenizer_info_payload is not None:
 
@@ -245,6 +312,9 @@ class Frontend:
                 template,
                 max_prompt_chars=settings.max_prompt_chars,
                 threads=settings.threads,
+                max_in_flight=settings.max_in_flight,
+                queue_timeout_s=settings.queue_timeout_s,
+                max_messages=settings.max_messages,
                 max_model_len=resolve_max_model_len(settings.max_model_len, tokenizer),
                 served_model_names=settings.served_model_names,
             )
@@ -270,6 +340,8 @@ class Frontend:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=self.settings.graceful_timeout_s,
+            http=guarded_protocol(self.settings.read_timeout_s, self.settings.max_connections, self.service.count_request),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         self._server = uvicorn.Server(config)
         if stop.requested:

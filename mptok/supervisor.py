@@ -77,6 +77,11 @@ class ServeOptions:
     max_restarts: int = 5
     restart_window_s: float = 60.0
     restart_delay_s: float = 0.25
+    max_in_flight: int = 16
+    queue_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_messages: int = 4096
     # vLLM's options, as ``vllm serve`` spells them.
     max_model_len: int | None = None
     served_model_names: tuple[str, ...] = ()
@@ -270,6 +275,11 @@ class Supervisor:
             route_timeout_s=options.route_timeout_s,
             route_backoff_s=options.route_backoff_s,
             graceful_timeout_s=options.graceful_timeout_s,
+            max_in_flight=options.max_in_flight,
+            queue_timeout_s=options.queue_timeout_s,
+            read_timeout_s=options.read_timeout_s,
+            max_connections=options.max_connections,
+            max_messages=options.max_messages,
             max_model_len=options.max_model_len,
             served_model_names=tuple(options.served_model_names),
             enable_tokenizer_info_endpoint=options.enable_tokenizer_info_endpoint,

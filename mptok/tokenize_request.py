@@ -9,6 +9,7 @@ names the field, never a 500.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -17,10 +18,11 @@ import orjson
 class RequestError(Exception):
     """A client's mistake: answered with ``status`` and ``message``, never a 500."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s  # sent as Retry-After (503: overloaded or stopping)
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,10 @@ def _json_object(body: bytes) -> dict[str, Any]:
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list):
         raise RequestError(400, f'"messages" must be a non-empty list, not {_json_type(messages)}')
+    if not messages:
+        raise RequestError(400, '"messages" must be a non-empty list; it is empty')
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(400, f"messages[{i}] must be an object, not {_json_type(message)}")
@@ -199,9 +203,18 @@ def _json_type(value: Any) -> str:
     return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "RequestTooLarge",
+    500: "InternalServerError",
+    503: "ServiceUnavailable",
+}
+
+
 def error_body(status: int, message: str) -> bytes:
     """An error in vLLM's shape: ``{"object": "error", "message", "type", "code"}``."""
-    kind = {400: "BadRequestError", 413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
+    kind = _ERROR_TYPES.get(status) or "".join(HTTPStatus(status).phrase.split())
     return orjson.dumps({"object": "error", "message": message, "type": kind, "code": status})
 
 

@@ -5,15 +5,24 @@ HTTP: parse it (``mptok.tokenize_request``), render the chat template,
 tokenize through the frontend's ``PrefixTokenCache`` (which may route the
 prompt to its owner), and serialize the ids with orjson. The HTTP app
 (``mptok.frontend``) only reads bodies and writes answers.
+
+Admission control lives here too, because the pool is what overload fills:
+``Admission`` bounds the requests a frontend holds at once and refuses the
+rest at once (503, Retry-After); ``TokenizeService.answer`` does not start
+work that waited too long for a thread or whose client has gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
+import itertools
 import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +50,8 @@ _SENTINELS = ("Hello world", "x = 1;\n\n\t\u00e9\U0001f642 end")
 # larger than this many bytes per allowed prompt character are refused unread.
 _BODY_BYTES_PER_CHAR = 12
 _BODY_OVERHEAD_BYTES = 1 << 20
+# What a refused client is told to wait before retrying (Retry-After, whole seconds).
+RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,42 @@ class Answer:
     status: int
     payload: bytes
     tokenize_s: float | None = None
+    retry_after_s: int | None = None
+
+    @classmethod
+    def of_error(cls, error: RequestError) -> Answer:
+        return cls(error.status, error_body(error.status, error.message), retry_after_s=error.retry_after_s)
+
+
+class Admission:
+    """At most ``limit`` requests held by one frontend at once; the next one is refused at once.
+
+    A request holds its place from before its body is read until its work
+    has finished or was cancelled unstarted, so bodies in memory, queued
+    work and the waits in the pool's queue are all bounded by ``limit``.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def place(self) -> Iterator[None]:
+        """Hold a place for the ``with`` block; ``RequestError`` (503, Retry-After) if none is free."""
+        with self._lock:
+            if self._held >= self.limit:
+                raise RequestError(
+                    503,
+                    f"this frontend is busy: it holds --max-in-flight={self.limit} requests; retry",
+                    retry_after_s=RETRY_AFTER_S,
+                )
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
 
 
 @dataclass(frozen=True)
@@ -94,7 +141,8 @@ class TokenizeService:
     Everything a request costs runs in the pool's ``threads`` workers.
     Returned ids always equal ``tokenizer(text, add_special_tokens=...)
     ["input_ids"]`` for the rendered text. ``close()`` lets running work
-    finish for at most ``timeout_s`` and refuses new work.
+    finish for at most ``timeout_s`` and refuses new work. ``answer`` adds
+    the queue deadline and skips the work of clients that have gone.
     """
 
     def __init__(
@@ -106,11 +154,17 @@ class TokenizeService:
         *,
         max_prompt_chars: int,
         threads: int,
+        max_in_flight: int,
+        queue_timeout_s: float,
+        max_messages: int,
         max_model_len: int | None = None,
         served_model_names: tuple[str, ...] = (),
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
+        self.admission = Admission(max_in_flight)
+        self.queue_timeout_s = queue_timeout_s
+        self.max_messages = max_messages
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self._cache = cache
@@ -126,6 +180,7 @@ class TokenizeService:
         self.tokenize_seconds = Histogram()
         self._requests: Counter[str] = Counter()
         self._requests_lock = threading.Lock()
+        self._template_failures = itertools.count(1)
         log_event(
             logger,
             logging.INFO,
@@ -155,11 +210,37 @@ class TokenizeService:
         try:
             future = self._pool.submit(work, *args)
         except RuntimeError:
-            raise RequestError(503, "this frontend is shutting down; retry") from None
+            raise RequestError(503, "this frontend is shutting down; retry", retry_after_s=RETRY_AFTER_S) from None
         with self._in_flight_lock:
             self._in_flight.add(future)
         future.add_done_callback(self._done)
         return future
+
+    async def answer(self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future) -> Answer | None:
+        """The answer to a read body, or None if ``client_gone`` finished before its work started.
+
+        Work still waiting for a pool thread ``queue_timeout_s`` after it was
+        submitted is not started: 503 with Retry-After. Work that has started
+        has always finished when this returns (a thread cannot be stopped), so
+        a caller holding an ``Admission`` place holds it while the work runs.
+        Raises ``RequestError`` (503) once closed.
+        """
+        future = self.submit(body, header_conversation_id)
+        work = asyncio.wrap_future(future)
+        await asyncio.wait({work, client_gone}, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and future.cancel():  # still queued: never started
+            if client_gone.done():
+                return None
+            return Answer.of_error(
+                RequestError(
+                    503,
+                    f"this frontend is busy: the request waited --queue-timeout={self.queue_timeout_s:g} s "
+                    "for a tokenizing thread; retry",
+                    retry_after_s=RETRY_AFTER_S,
+                )
+            )
+        await asyncio.wait({work})
+        return work.result()
 
     def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int]:
         """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, through the cache when it can."""
@@ -214,22 +295,37 @@ class TokenizeService:
             text = request.prompt
         else:
             assert request.messages is not None
+            if len(request.messages) > self.max_messages:
+                raise RequestError(
+                    413, f'"messages" has {len(request.messages)} messages; at most --max-messages={self.max_messages}'
+                )
             if sum(map(_content_chars, request.messages)) > self.max_prompt_chars:
                 raise self._too_long("the messages' contents")
-            try:
-                text = self._render(request)
-            except ChatTemplateError as e:
-                raise RequestError(400, str(e)) from None
+            text = self._render(request)
         if len(text) > self.max_prompt_chars:
             raise self._too_long("the prompt")
         return text
+
+    def _render(self, request: TokenizeRequest) -> str:
+        try:
+            return self._render_as_vllm(request)
+        except ChatTemplateError as e:
+            raise RequestError(400, str(e)) from None
+        except Exception as e:
+            # A template's own code failed on these messages (a TypeError from
+            # `content + 1`, say): the client learns why, as vLLM answers it
+            # (400); the operator hears of it, at 1, 2, 4, 8... failures.
+            failures = next(self._template_failures)
+            if failures & (failures - 1) == 0:
+                log_event(logger, logging.WARNING, "chat_template_failed", error=f"{type(e).__name__}: {e}", count=failures)
+            raise RequestError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
 
     def _too_long(self, what: str) -> RequestError:
         return RequestError(413, f"{what} exceeds --max-prompt-chars={self.max_prompt_chars} characters")
 
     # -- vLLM's contract (see docs/SERVE.md, "Endpoints") ------------------------
 
-    def _render(self, request: TokenizeRequest) -> str:
+    def _render_as_vllm(self, request: TokenizeRequest) -> str:
         """The chat as vLLM renders it: its view of the messages and tools, the
         accepted ``chat_template_kwargs``, ``continue_final_message``."""
         assert request.messages is not None
@@ -276,7 +372,7 @@ def _error_answer(error: Exception, event: str, work: str) -> Answer:
     if isinstance(error, UnknownModel):
         return Answer(404, not_found_body(error.message, "model"))
     if isinstance(error, RequestError):
-        return Answer(error.status, error_body(error.status, error.message))
+        return Answer.of_error(error)
     log_event(logger, logging.ERROR, event, error=f"{type(error).__name__}: {error}")
     return Answer(500, error_body(500, f"{work} failed: {type(error).__name__}"))
 

@@ -28,6 +28,19 @@ A failure is put down to the kill (kind a) when the connection was lost
 (reset, closed without an answer, refused, cut short), the request started
 before the killed process had gone and ended after the kill; all other
 failures are kind b.
+
+Then (issue 11), against `mptok serve --frontends 2`: an overload phase, a
+burst of --burst requests of --burst-chars characters each (distinct texts,
+so no cache hits), all released at once, while GET /health is timed every
+50 ms; and a hostile phase: --good-clients run checked conversations for
+--flood-seconds alone, then as long again while --attackers threads flood
+the server with malformed bodies, huge ids, cut-off bodies and slowloris
+headers (scripts/drill_overload.py). It reports the burst's answers and
+longest wait, /health's worst time, the good clients' latency without and
+during the flood, every 5xx other than 503, restarts and the frontends' RSS
+growth. It also exits 1 on any wrong id, any burst request not answered 200
+or 503, any 5xx other than 503, any restart or any failed good request in
+the hostile phase. `--phases` picks the phases to run.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import mptok  # noqa: E402
 from bench_cache import conversation, corpus  # noqa: E402
+from drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
 from helpers_serve import Server, request, scrape, total  # noqa: E402
 from percentiles import percentile  # noqa: E402
 from mptok.routing import FALLBACK_REASONS  # noqa: E402
@@ -529,6 +543,211 @@ def report(drill: Drill) -> tuple[str, bool]:
     return "\n".join(out), passed
 
 
+# -- overload and hostile clients (issue 11) -----------------------------------------
+
+BURST_TARGET_S = 5.0  # issue 11: every burst request answered (200 or 503) within this
+BURST_MIN_SERVED = 8
+HEALTH_TARGET_S = 1.0
+ABUSE_FRONTENDS = 2  # the issue's targets are for `mptok serve --frontends 2`
+
+
+@dataclass
+class Overload:
+    """The burst: its answers, /health's latencies meanwhile, wrong ids among the 200s."""
+
+    chars: int
+    answers: list[Answer]
+    health: list[float]
+    health_failures: list[str]
+    wrong: int
+    rss_before: int
+    rss_after: int
+
+    def count(self, status: int) -> int:
+        return sum(a.status == status for a in self.answers)
+
+    @property
+    def longest_wait(self) -> float:
+        return max(a.latency for a in self.answers)
+
+    @property
+    def unanswered(self) -> list[Answer]:
+        """Requests that got neither a 200 nor a 503 in the error shape with Retry-After."""
+        return [
+            a for a in self.answers
+            if not (a.status == 200 or (a.status == 503 and a.error_shaped and a.retry_after is not None))
+        ]  # fmt: skip
+
+
+@dataclass
+class Hostile:
+    """Good clients without and during a flood of bad requests."""
+
+    good: list[Result]
+    flood_start: float
+    flood_end: float
+    flood: Flood
+    rss_before: int
+    rss_at_flood: int  # the good clients fill the cache too: growth before the flood is the baseline
+    rss_after: int
+
+    def good_during(self, flooded: bool) -> list[Result]:
+        if flooded:
+            return [r for r in self.good if self.flood_start <= r.started < self.flood_end]
+        return [r for r in self.good if r.started < self.flood_start]
+
+
+@dataclass
+class Abuse:
+    """What the overload and hostile phases produced, on one server."""
+
+    command: list[str]
+    overload: Overload | None
+    hostile: Hostile | None
+    metrics: list[tuple[str, dict[str, str], float]]
+
+
+def burst_texts(count: int, chars: int, seed: int) -> list[str]:
+    text = corpus()
+    rng = random.Random(seed)
+    return [text[start : start + chars] for start in (rng.randrange(len(text) - chars) for _ in range(count))]
+
+
+def run_overload(server: Server, args: argparse.Namespace, tokenizer: Any) -> Overload:
+    texts = burst_texts(args.burst, args.burst_chars, args.seed)
+    pids = list(frontend_pids(server).values())
+    rss_before = frontends_rss(pids)
+    print(f"overload: {args.burst} requests of {args.burst_chars:,} characters at once", file=sys.stderr)
+    probe = HealthProbe(server.port).start()
+    try:
+        time.sleep(0.5)  # /health before the burst, for comparison
+        answers = run_burst(server.port, texts, timeout_s=120.0)
+        time.sleep(0.5)
+    finally:
+        probe.stop()
+    rss_after = frontends_rss(pids)
+    wrong = sum(
+        json.loads(a.payload)["tokens"] != tokenizer(t)["input_ids"] for a, t in zip(answers, texts) if a.status == 200
+    )
+    return Overload(args.burst_chars, answers, probe.latencies, probe.failures, wrong, rss_before, rss_after)
+
+
+def run_hostile(server: Server, args: argparse.Namespace, conversations: list[list[Prompt]]) -> Hostile:
+    pids = list(frontend_pids(server).values())
+    rss_before = frontends_rss(pids)
+    print(f"hostile: {args.good_clients} good clients, {args.flood_seconds:g} s alone, then as long with {args.attackers} attackers", file=sys.stderr)
+    start = time.monotonic()
+    load = Load(server.port, conversations, args.good_clients, deadline=start + 2 * args.flood_seconds, max_requests=args.max_requests, timeout_s=60.0)
+    load.start()
+    flood = Flood(server.port, args.attackers, args.seed)
+    try:
+        load.stop.wait(args.flood_seconds)
+        rss_at_flood = frontends_rss(pids)
+        flood_start = time.monotonic()
+        flood.start()
+        load.stop.wait(max(0.0, start + 2 * args.flood_seconds - time.monotonic()))
+    finally:
+        flood.stop()
+        flood_end = time.monotonic()
+        load.join()
+        load.stop.set()
+    return Hostile(list(load.results), flood_start, flood_end, flood, rss_before, rss_at_flood, frontends_rss(pids))
+
+
+def run_abuse(args: argparse.Namespace, conversations: list[list[Prompt]], tokenizer: Any, log_path: Path) -> Abuse:
+    serve_args = ["--frontends", str(ABUSE_FRONTENDS)]
+    with running_server(log_path, serve_args) as server:
+        command = ["mptok", "serve", "--port", str(server.port), *serve_args]
+        overload = run_overload(server, args, tokenizer) if "overload" in args.phases else None
+        hostile = run_hostile(server, args, conversations) if "hostile" in args.phases else None
+        metrics = scrape(server.port)
+    return Abuse(command, overload, hostile, metrics)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def latency_row(name: str, results: list[Result]) -> list[Any]:
+    latencies = [r.latency for r in results if not r.failed]
+    return [
+        name, len(results), sum(r.failed for r in results), sum(r.wrong for r in results),
+        ms(percentile(latencies, 0.5)), ms(percentile(latencies, 0.99)), ms(max(latencies, default=None)),
+    ]  # fmt: skip
+
+
+def abuse_report(abuse: Abuse, args: argparse.Namespace) -> tuple[str, bool]:
+    """The Markdown report of the overload and hostile phases, and whether they passed."""
+    metric_5xx = sum(v for n, ls, v in abuse.metrics if n == "mptok_http_requests_total" and ls.get("code", "").startswith("5") and ls["code"] != "503")
+    restarts = int(total(abuse.metrics, "mptok_frontend_restarts_total"))
+    out = ["## Overload and hostile clients", "", f"`{' '.join(abuse.command)}`, defaults otherwise. Shared 2-core machine: latencies are noisy.", ""]
+    targets: list[list[Any]] = []
+    passed = restarts == 0 and metric_5xx == 0
+    o = abuse.overload
+    if o is not None:
+        served, refused = o.count(200), o.count(503)
+        health_worst = max(o.health, default=math.nan)
+        served_waits = [a.latency for a in o.answers if a.status == 200]
+        out += [
+            table(
+                ["overload: a burst of requests at once", "value"],
+                [
+                    ["requests, characters each", f"{len(o.answers)}, {o.chars:,}"],
+                    ["served (200) / refused (503, Retry-After) / other", f"{served} / {refused} / {len(o.unanswered)}"],
+                    ["longest wait (any answer) / longest wait of a 200", f"{ms(o.longest_wait)} / {ms(max(served_waits, default=None))}"],
+                    ["server's tokenization of a 200 (Server-Timing) p50 / max", f"{ms(percentile([a.tokenize_s for a in o.answers if a.tokenize_s is not None], 0.5))} / {ms(max((a.tokenize_s for a in o.answers if a.tokenize_s is not None), default=None))}"],
+                    ["503 answers' waits p50 / max", f"{ms(percentile([a.latency for a in o.answers if a.status == 503], 0.5))} / {ms(max((a.latency for a in o.answers if a.status == 503), default=None))}"],
+                    ["/health every 50 ms: probes, worst, failures", f"{len(o.health)}, {ms(health_worst)}, {len(o.health_failures)}"],
+                    ["wrong ids among the 200s", o.wrong],
+                    ["frontends' RSS before / after", f"{mib(o.rss_before)} / {mib(o.rss_after)}"],
+                ],
+            ),
+            "",
+        ]
+        targets += [
+            [f"every burst request answered 200 or 503 within {BURST_TARGET_S:g} s", f"{len(o.answers) - len(o.unanswered)} of {len(o.answers)}, longest {ms(o.longest_wait)}", "yes" if not o.unanswered and o.longest_wait <= BURST_TARGET_S else "**no**"],
+            [f"at least {BURST_MIN_SERVED} served", served, "yes" if served >= BURST_MIN_SERVED else "**no**"],
+            [f"/health within {HEALTH_TARGET_S:g} s throughout", ms(health_worst), "yes" if health_worst <= HEALTH_TARGET_S and not o.health_failures else "**no**"],
+        ]
+        passed = passed and not o.unanswered and o.wrong == 0
+    h = abuse.hostile
+    if h is not None:
+        quiet, flooded = h.good_during(False), h.good_during(True)
+        good_5xx = sum(r.status is not None and 500 <= r.status != 503 for r in h.good)
+        flood_5xx = server_errors(h.flood.statuses)
+        failed = sum(r.failed for r in h.good)
+        wrong = sum(r.wrong for r in h.good)
+        out += [
+            table(["good clients", "requests", "failed", "wrong ids", "p50", "p99", "max"], [latency_row("without the flood", quiet), latency_row("during the flood", flooded)]),
+            "",
+            table(
+                ["flood", "value"],
+                [
+                    ["attackers, seconds", f"{args.attackers}, {h.flood_end - h.flood_start:.1f}"],
+                    ["sent by kind", summarize_statuses(h.flood.sent)],
+                    ["what they got back", summarize_statuses(h.flood.statuses)],
+                    ["frontends' RSS: start / flood starts / flood ends", f"{mib(h.rss_before)} / {mib(h.rss_at_flood)} / {mib(h.rss_after)}"],
+                    ["RSS growth without / during the flood (the cache fills in both)", f"{mib(h.rss_at_flood - h.rss_before)} / {mib(h.rss_after - h.rss_at_flood)}"],
+                ],
+            ),
+            "",
+        ]
+        p99_quiet = percentile([r.latency for r in quiet if not r.failed], 0.99)
+        p99_flood = percentile([r.latency for r in flooded if not r.failed], 0.99)
+        targets += [
+            ["good clients: 0 wrong ids, 0 failures", f"{wrong} wrong, {failed} failed", "yes" if wrong == failed == 0 else "**no**"],
+            ["good clients' p99 during the flood against without it", f"{ms(p99_flood)} against {ms(p99_quiet)} ({p99_flood / p99_quiet:.2f}x)", "(reported)"],
+            ["0 answers 5xx other than 503 (attackers, good clients)", flood_5xx + good_5xx, "yes" if flood_5xx + good_5xx == 0 else "**no**"],
+        ]
+        passed = passed and wrong == 0 and failed == 0 and flood_5xx + good_5xx == 0
+    targets += [
+        ["0 answers 5xx other than 503 (the server's /metrics)", int(metric_5xx), "yes" if metric_5xx == 0 else "**no**"],
+        ["0 restarts", restarts, "yes" if restarts == 0 else "**no**"],
+    ]
+    out += [table(["issue 11 target", "measured", "met"], targets)]
+    return "\n".join(out), passed
+
+
 # -- the command -----------------------------------------------------------------
 
 
@@ -543,7 +762,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--conversations", type=int, default=16, help="distinct conversation texts, tokenized before the load (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=5, help="picks the texts and the frontends to kill and stop (default: %(default)s)")
     parser.add_argument("--log", type=Path, help="keep the server's log here (default: a temporary file, removed)")
+    parser.add_argument("--phases", default="kill,overload,hostile", help="comma-separated, of kill, overload, hostile (default: %(default)s)")
+    parser.add_argument("--burst", type=int, default=60, help="requests in the overload burst (default: %(default)s)")
+    parser.add_argument("--burst-chars", type=int, default=400_000, help="characters of each burst request (default: %(default)s)")
+    parser.add_argument("--good-clients", type=int, default=4, help="client threads of the hostile phase (default: %(default)s)")
+    parser.add_argument("--attackers", type=int, default=8, help="attacker threads of the flood (default: %(default)s)")
+    parser.add_argument("--flood-seconds", type=float, default=15.0, help="seconds without the flood, then with it (default: %(default)s)")
     args = parser.parse_args(argv)
+    args.phases = set(args.phases.split(","))
+    if not args.phases or not args.phases <= {"kill", "overload", "hostile"}:
+        parser.error("--phases takes kill, overload and hostile, comma-separated")
+    if args.burst < 1 or args.burst_chars < 1 or args.good_clients < 1 or args.attackers < 1 or not args.flood_seconds > 0:
+        parser.error("--burst, --burst-chars, --good-clients, --attackers and --flood-seconds must be more than 0")
     if args.frontends < 2 or args.clients < 1 or args.conversations < 1 or args.max_requests < args.clients:
         parser.error("need --frontends >= 2, --clients >= 1, --conversations >= 1, --max-requests >= --clients")
     if not (args.duration > 0 and args.stop_seconds > 0 and args.route_timeout > 0):
@@ -558,25 +788,37 @@ def _interrupted(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupted)
+    drill = abuse = None
     try:
         tokenizer = mptok.load_tokenizer()
         print(f"tokenizing {args.conversations} conversations of {TURNS} turns locally...", file=sys.stderr)
         conversations = build_conversations(tokenizer, args.conversations, args.seed)
         with tempfile.TemporaryDirectory(prefix="mptok-drill-") as tmp:
             log_path = args.log or Path(tmp) / "serve.log"
+            abuse_log = log_path.with_name(log_path.stem + "-abuse" + log_path.suffix)
+            current = log_path
             try:
-                drill = run(args, conversations, log_path)
+                if "kill" in args.phases:
+                    drill = run(args, conversations, log_path)
+                if args.phases & {"overload", "hostile"}:
+                    current = abuse_log
+                    abuse = run_abuse(args, conversations, tokenizer, abuse_log)
             except (AssertionError, RuntimeError, psutil.Error, OSError) as e:
-                tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+                tail = current.read_text(errors="replace")[-2000:] if current.exists() else ""
                 print(f"fault drill could not run: {type(e).__name__}: {e}\n{tail}", file=sys.stderr)
                 return 2
     except KeyboardInterrupt:
         print("fault drill interrupted; the server was stopped", file=sys.stderr)
         return 130
-    text, passed = report(drill)
-    print(text)
+    passed = True
+    if drill is not None:
+        text, passed = report(drill)
+        print(text)
+    if abuse is not None:
+        text, abuse_passed = abuse_report(abuse, args)
+        print(("\n" if drill is not None else "") + text)
+        passed = passed and abuse_passed
     return 0 if passed else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -408,7 +408,7 @@ def test_special_tokens_around_cached_ids_are_exact(family):
     hf = load_family_hf(family)
     frame = SpecialTokenFrame.derive(hf)
     assert frame is not None
-    service = TokenizeService(0, hf, mptok.PrefixTokenCache(), ChatTemplate(None, "none"), max_prompt_chars=10**6, threads=1)
+    service = TokenizeService(0, hf, mptok.PrefixTokenCache(), ChatTemplate(None, "none"), max_prompt_chars=10**6, threads=1, max_in_flight=1, queue_timeout_s=1.0, max_messages=1)
     try:
         for key in ("conversation", None):
             for prompt in conversation(11, 4):

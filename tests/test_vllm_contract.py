@@ -33,7 +33,6 @@ import random
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from chat_tokenizers import write_chat_tokenizer
