@@ -92,9 +92,9 @@ class _PeerConnection(TimedConnection):
     """The owner's end of a peer's connection.
 
     During the handshake one deadline bounds everything. Once serving, the
-    wait for the next request is bounded by the idle timeout, and reading a
-    request (once it has begun) and writing a reply each get their own
-    message timeout. A failure inside a request ends the connection with
+    wait for the first byte of the next request is bounded by the idle
+    timeout, and reading the rest of a request (its length header included)
+    and writing a reply each get their own message timeout. A failure inside a request ends the connection with
     ``EOFError`` (the stream cannot be resynchronised), which ends the
     manager's serve loop.
 
@@ -125,12 +125,18 @@ class _PeerConnection(TimedConnection):
         idle = self._limits.idle_timeout_s
         self.deadline = None if idle is None else time.monotonic() + idle
         try:
-            size = self._recv_length()
+            self._wait_for_message()
         except OSError as e:  # TimeoutError included: idle for too long
+            raise EOFError(f"no request: {e!r}") from e
+        # From its first byte on, a request (its header too) has the message
+        # timeout: a half-sent header does not hold the thread until idle.
+        self.deadline = time.monotonic() + self._limits.message_timeout_s
+        try:
+            size = self._recv_length()
+        except OSError as e:  # a bad header, or one that never ended
             raise EOFError(f"no request: {e!r}") from e
         if maxsize is not None and size > maxsize:
             return None
-        self.deadline = time.monotonic() + self._limits.message_timeout_s
         try:
             return self._recv(size)
         except (OSError, EOFError) as e:

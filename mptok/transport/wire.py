@@ -45,6 +45,9 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux
 _SOCKET_BUFFER_BYTES = 4 << 20
 _INBOX_BYTES = 64 << 10
 _MAX_INBOX_BYTES = 1 << 20
+# A header alone never makes a buffer larger than this: a longer message's
+# buffer grows as its bytes arrive (at most the connection's message cap).
+_FIRST_READ_BYTES = 4 << 20
 
 
 def socket_path(ipc_dir: str, frontend_id: int) -> str:
@@ -99,6 +102,10 @@ class MessageTooLarge(OSError):
     """A message longer than the connection accepts; its body was left unread."""
 
 
+class BadFrame(OSError):
+    """A length header no sender of this protocol writes (a negative length, say)."""
+
+
 def time_left(deadline: float | None) -> float | None:
     if deadline is None:
         return None
@@ -129,8 +136,12 @@ class TimedConnection(connection.Connection):
     ``deadline`` (None: no limit), so a message is bounded as a whole however
     the peer trickles it, and a step past the deadline raises
     ``TimeoutError``. ``recv()`` refuses messages longer than
-    ``max_message_bytes`` (``MessageTooLarge``) and pickles that reference
-    globals (``pickle.UnpicklingError``).
+    ``max_message_bytes`` (``MessageTooLarge``), length headers that no
+    sender writes (``BadFrame``: a negative length would otherwise be read
+    as a message of bytes taken from the next one), and pickles that
+    reference globals (``pickle.UnpicklingError``). After either refusal the
+    stream is useless and the connection is shut down. No buffer larger
+    than ``_FIRST_READ_BYTES`` is allocated on the word of a header alone.
 
     Every socket call releases the GIL, and in a process whose main thread
     runs Python it may take a switch interval or far longer to get it back
@@ -210,21 +221,34 @@ class TimedConnection(connection.Connection):
         (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
         if size == -1:
             (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
+        elif size < 0:
+            self.shutdown()
+            raise BadFrame(f"length header {size}: not a message")
         return size
 
     def _recv(self, size: int, read: object = None) -> io.BytesIO:
         if size <= len(self._inbox):
             return io.BytesIO(self._take(size))
-        # Larger than the inbox: what the inbox holds, then the rest in place.
-        data = bytearray(size)
+        # Larger than the inbox: what the inbox holds, then the rest in place,
+        # in a buffer that grows only as the bytes arrive.
+        data = bytearray(min(size, _FIRST_READ_BYTES))
         got = self._end - self._start
         data[:got] = self._inbox[self._start : self._end]
         self._start = self._end = 0
         if len(self._inbox) < _MAX_INBOX_BYTES:
             self._inbox = bytearray(min(_MAX_INBOX_BYTES, 2 * size))
-        with memoryview(data) as view:
-            self._read_exactly(view[got:], got)
+        while got < size:
+            if got == len(data):
+                data.extend(bytes(min(size, 2 * got) - got))
+            with memoryview(data) as view:
+                self._read_exactly(view[got:], got)
+            got = len(data)
         return io.BytesIO(data)
+
+    def _wait_for_message(self) -> None:
+        """Block until the next message's first byte has arrived."""
+        if self._end == self._start:
+            self._fill(1)
 
     def _take(self, size: int) -> bytes:
         """The next ``size`` bytes of the stream (``size`` <= the inbox)."""
