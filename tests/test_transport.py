@@ -432,3 +432,32 @@ def test_a_message_longer_than_a_first_read_arrives_whole(serve):
     _, address = serve(lambda text, key: [len(text)])
     text = "w" * (3 * _FIRST_READ_BYTES)
     assert EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S).encode(text) == [len(text)]
+
+
+# -- the ipc dir: no symbolic links, nothing left behind ----------------------
+
+
+def test_a_planted_symlink_is_refused_and_its_target_left_untouched(ipc_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    address = socket_path(ipc_dir, 0)
+    os.symlink(victim, address + ".lock")
+    with pytest.raises(PermissionError, match="symbolic link"):
+        serve_encode(address, answer_in_full(echo), KEY)
+    assert victim.read_text() == "precious"
+    assert not os.path.exists(address)
+    # The ipc dir itself may not be a link either, even to a good directory.
+    linked = tmp_path / "linked-ipc"
+    linked.symlink_to(ipc_dir)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        secure_ipc_dir(str(linked))
+
+
+def test_shutdown_leaves_neither_socket_nor_lock_file(serve, ipc_dir):
+    manager, address = serve(echo)
+    assert os.path.exists(address + ".lock")
+    assert manager.shutdown()
+    assert os.listdir(ipc_dir) == []
+    # and the path can be served again at once
+    again, _ = serve(echo)
+    assert EncodeProxy(address, KEY).encode("again") == echo("again", None)

@@ -43,6 +43,7 @@ from mptok.transport.wire import (
     MAX_UNIX_PATH_BYTES,
     TimedConnection,
     left_or_zero,
+    open_private_file,
     pack_int32,
 )
 
@@ -390,17 +391,22 @@ class _SocketFile:
     releases when its holder exits, however it exits), says whether a live
     owner holds the path. If one does, opening raises ``OwnerAlreadyServing``
     instead of unlinking a live owner's socket; if none does, a socket file
-    left at the path is stale and is replaced. The lock file stays behind
-    (unlinking it would let two owners lock two different files). A child
-    forked without exec inherits the lock; it is released only when both
-    have exited.
+    left at the path is stale and is replaced. ``close()`` removes the lock
+    file too, while still holding it: whoever opened the file before it was
+    removed sees, once it holds the lock, that the path no longer names its
+    file, and starts over on the path's new file. Only a process killed
+    while serving leaves its lock file (harmless: the next owner takes it).
+    The lock file is never followed through a symbolic link. A child forked
+    without exec inherits the lock; it is released only when both have
+    exited.
     """
 
     def __init__(self, path: str):
         if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
             raise ValueError(f"socket path {path!r} is too long for a Unix socket; use a shorter ipc dir")
         self.path = path
-        self._lock_fd = _lock_or_raise(path + ".lock", path)
+        self._lock_path = path + ".lock"
+        self._lock_fd = _lock_or_raise(self._lock_path, path)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -416,32 +422,48 @@ class _SocketFile:
                 self.sock.close()
                 raise
         except BaseException:
-            os.close(self._lock_fd)
+            self._release_lock()
             raise
 
     def close(self) -> None:
         """Close the socket, remove its file if it is still ours, release the path."""
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(self.path).st_ino == self._inode:
+            if os.lstat(self.path).st_ino == self._inode:
                 os.unlink(self.path)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self._lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
+                os.unlink(self._lock_path)
         os.close(self._lock_fd)
 
 
 def _lock_or_raise(lock_path: str, path: str) -> int:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    """Hold ``lock_path``'s file with ``flock``; the fd is returned once the path names it."""
+    while True:
+        fd = open_private_file(lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OwnerAlreadyServing(
+                f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
+                "stop it first or give this frontend another id"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.lstat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        # The previous holder removed the file between our open and our lock.
         os.close(fd)
-        raise OwnerAlreadyServing(
-            f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
-            "stop it first or give this frontend another id"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd

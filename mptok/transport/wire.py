@@ -17,6 +17,7 @@ side builds one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -59,16 +60,28 @@ def secure_ipc_dir(path: str) -> str:
     """Create ``path`` (mode 0700) if missing and check that only this user can enter it.
 
     With the authkey, the directory is what keeps other users away from the
-    sockets in it. Raises ``PermissionError`` if another user owns it or if
-    group or others have any access to it, ``NotADirectoryError`` if it is
-    not a directory. Returns the absolute path.
+    sockets in it. Raises ``PermissionError`` if ``path`` is a symbolic link
+    (its target is whatever the link says today, not a directory this user
+    made), if another user owns it, or if group or others have any access to
+    it; ``NotADirectoryError`` if it is not a directory. The checks are made
+    on the opened directory itself, so a path swapped between the check and
+    the open cannot pass. Returns the absolute path.
     """
     path = os.path.abspath(path)
     with contextlib.suppress(FileExistsError):
         os.makedirs(path, mode=0o700)
-    st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"ipc dir {path} is not a directory")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if os.path.islink(path):
+            raise PermissionError(f"ipc dir {path} is a symbolic link; give mptok a real directory") from None
+        if e.errno == errno.ENOTDIR:
+            raise NotADirectoryError(f"ipc dir {path} is not a directory") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if st.st_uid != os.geteuid():
         raise PermissionError(
             f"ipc dir {path} belongs to uid {st.st_uid}, not to this process's uid "
@@ -80,6 +93,27 @@ def secure_ipc_dir(path: str) -> str:
             f"must have no access to it (chmod 700 {path})"
         )
     return path
+
+
+def open_private_file(path: str, flags: int) -> int:
+    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link.
+
+    Raises ``PermissionError`` if ``path`` is a symbolic link or anything but
+    a regular file of this user: in the private ipc dir only a bug or
+    another program of this user plants one, and following it would make
+    mptok write wherever it points.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(f"{path} is a symbolic link; mptok refuses to follow it") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise PermissionError(f"{path} is not a regular file of uid {os.geteuid()}; mptok refuses to use it")
+    return fd
 
 
 class TransportError(Exception):
