@@ -329,3 +329,57 @@ def test_soak_frontends_killed_stopped_and_restarted_while_serving(pool, tokeniz
         elif action == "stop":
             frontends[victim].signal(signal.SIGCONT)
         turn += 1
+
+
+# -- owners that are ready when published; one deadline per prompt -----------
+
+
+def test_a_cold_owner_is_ready_when_peers_can_see_it(pool, tokenizer):
+    # Peers give an owner 1 s, less than building a tokenizer backend takes.
+    # Owners start as a library user starts them (no warm-up of their own),
+    # and are asked the moment their record appears: at start, after a
+    # restart, and as the next owner of a killed one's conversation.
+    options = dict(timeout_s=1.0, backoff_s=60.0, warm_up=False)
+    (asker,) = pool.start([2], 3, **options)
+    key = key_owned_by(0, 3, "cold", then=1)
+    turns = conversation(11, 3)
+
+    def published(frontend) -> None:
+        path = record_path(pool.ipc_dir, frontend.frontend_id)
+
+        def by_it() -> bool:
+            record = read_record(path)
+            return record is not None and record.pid == frontend.process.pid
+
+        wait_until(by_it, f"frontend {frontend.frontend_id} to publish")
+
+    (first,) = pool.launch([0], 3, **options)
+    published(first)
+    assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
+    first.kill()
+    (restarted,) = pool.launch([0], 3, **options)
+    published(restarted)
+    assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
+    (next_owner,) = pool.launch([1], 3, **options)
+    published(next_owner)
+    restarted.kill()
+    assert asker.encode(key, turns[2]) == expected(tokenizer, turns[2])
+    stats = routing(asker)
+    assert (stats["routed"], stats["fallback_timeout"], stats["fallback_dead"]) == (3, 0, 1)
+
+
+def test_both_calls_of_a_routed_prompt_share_one_deadline(pool, tokenizer):
+    # The owner forgot the version the asker holds, so the prompt takes two
+    # calls, each 0.7 s: each within the asker's 1 s, together not.
+    from helpers_procs import SLOW_MARKER
+
+    pool.start_scripted_owner(0, delay_s=0.7)
+    (asker,) = pool.start([1], 2, timeout_s=1.0)
+    key = key_owned_by(0, 2, "deadline")
+    first, second = conversation(12, 2)
+    second += SLOW_MARKER
+    assert asker.encode(key, first) == expected(tokenizer, first)
+    assert routing(asker)["routed"] == 1
+    assert asker.encode(key, second) == expected(tokenizer, second)
+    stats = routing(asker)
+    assert (stats["routed"], stats["routed_since"], stats["fallback_timeout"]) == (1, 0, 1)

@@ -112,6 +112,7 @@ class EncodeProxy:
         since: int | None = None,
         shared_chars: int = 0,
         incarnation: Hashable = None,
+        deadline: float | None = None,
     ) -> PeerReply | None:
         """The owner's reply for a prompt of conversation ``key``.
 
@@ -120,8 +121,13 @@ class EncodeProxy:
         is the prompt after its first ``shared_chars`` characters, which it
         shares with that version (see ``PrefixTokenCache.encode_for_peer``);
         None means the owner cannot rebuild the prompt from that version.
+
+        The call ends by ``deadline`` (a ``time.monotonic()`` instant) if
+        given, else ``timeout_s`` from now: calls made for one prompt share
+        one deadline.
         """
-        deadline = time.monotonic() + self._timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         args = (text, key, since, shared_chars)
         link = self._reusable_link(incarnation)
         if link is not None:
@@ -210,7 +216,7 @@ class EncodeProxy:
         if isinstance(e, TransportError):
             return e
         if isinstance(e, TimeoutError):
-            return OwnerTimeout(f"{step} with {self.address}: no answer within {self._timeout_s} s")
+            return OwnerTimeout(f"{step} with {self.address}: no answer by the deadline")
         if isinstance(e, MessageTooLarge):
             return OwnerError(f"{self.address}: {e}")
         if isinstance(e, AuthenticationError):
