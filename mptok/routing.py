@@ -45,6 +45,7 @@ from mptok.transport import (
     serve_encode,
     socket_path,
 )
+from mptok.transport.wire import left_or_zero
 
 __all__ = [
     "FALLBACK_REASONS",
@@ -174,7 +175,9 @@ class TokenizationOwners:
 
     ``close()`` (or leaving the ``with`` block) uninstalls the route,
     unpublishes this owner, closes the connections to peers and stops
-    serving; no socket file and no thread remain. It is idempotent.
+    serving, all within one time budget; no socket file, lock file or
+    thread remains (a thread still tokenizing when the budget runs out ends
+    when its tokenization does). It is idempotent.
 
     The serving threads share this process's GIL: while the frontend runs
     Python code, a peer's call waits for the GIL each time its serving
@@ -214,6 +217,7 @@ class TokenizationOwners:
         self._ipc_dir = secure_ipc_dir(ipc_dir)
         self._cache = cache
         self._timeout_s = timeout_s
+        self._close_timeout_s = (limits if limits is not None else ServerLimits()).close_timeout_s
         self._counters = Counters(_ROUTE_COUNTERS)
         self._route_seconds = Histogram()
         self._close_lock = threading.Lock()
@@ -276,22 +280,31 @@ class TokenizationOwners:
         """
         return {"route_seconds": self._route_seconds.snapshot(), **self._manager.timings()}
 
-    def close(self) -> None:
-        """Stop routing and serving. There is no finalizer: call it (or use ``with``)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop routing and serving within ``timeout_s`` in all (default:
+        ``limits.close_timeout_s``). There is no finalizer: call it (or use ``with``)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = time.monotonic() + (self._close_timeout_s if timeout_s is None else timeout_s)
         # Run last to first, each even if an earlier one raised: new prompts
         # stay here, peers stop choosing this owner, calls to peers fail
-        # fast, then serving stops.
+        # fast, then serving stops. One deadline for all of it.
         with contextlib.ExitStack() as steps:
-            steps.callback(self._manager.shutdown)
-            for proxy in self._proxies.values():
-                steps.callback(proxy.close)
+            steps.callback(lambda: self._manager.shutdown(left_or_zero(deadline)))
+            steps.callback(self._close_proxies, deadline)
             steps.callback(unpublish, self._ipc_dir, self._frontend_id, self._record)
             if getattr(self._cache, "route", None) == self._route:
                 self._cache.route = None
+
+    def _close_proxies(self, deadline: float) -> None:
+        # Every call in flight is woken first, so that they all unwind
+        # together rather than one proxy after another.
+        for proxy in self._proxies.values():
+            proxy.abort()
+        for proxy in self._proxies.values():
+            proxy.close(left_or_zero(deadline))
 
     def __enter__(self) -> TokenizationOwners:
         return self

@@ -515,8 +515,11 @@ class TokenizeManager(BaseManager):
             self._acceptor = _Acceptor(self._socket.sock, server.handle_request, self._limits, self._name)
             self._state.value = State.STARTED
 
-    def shutdown(self) -> bool:  # type: ignore[override]
-        """Stop serving (idempotent). Returns whether every thread ended in time."""
+    def shutdown(self, timeout_s: float | None = None) -> bool:  # type: ignore[override]
+        """Stop serving (idempotent) within ``timeout_s`` (default: ``limits.close_timeout_s``).
+
+        Returns whether every thread ended in time.
+        """
         with self._lifecycle:
             if self._state.value != State.STARTED:
                 self._state.value = State.SHUTDOWN
@@ -524,7 +527,7 @@ class TokenizeManager(BaseManager):
             self._state.value = State.SHUTDOWN
             assert self._server is not None and self._acceptor is not None and self._socket is not None
             self._server.stop_event.set()
-            joined = self._acceptor.close(self._limits.close_timeout_s)
+            joined = self._acceptor.close(self._limits.close_timeout_s if timeout_s is None else timeout_s)
             self._socket.close()
             return joined
 

@@ -137,13 +137,25 @@ class EncodeProxy:
                 pass
         return self._call(self._open(incarnation, deadline), args, deadline)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Close every thread's connection; calls in flight and later calls fail at once."""
+    def abort(self) -> list[_Link]:
+        """Fail calls in flight and later calls at once, without waiting; ``close()`` then frees the connections.
+
+        Returns the connections to free (for ``close()``).
+        """
         with self._links_lock:
             self._closed = True
             links = list(self._links)
         for link in links:
             link.abort()
+        return links
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close every thread's connection; calls in flight and later calls fail at once.
+
+        Waits at most ``timeout_s`` in all for the calls in flight to let go
+        of their connections.
+        """
+        links = self.abort()
         deadline = time.monotonic() + timeout_s
         for link in links:
             if link.in_use.acquire(timeout=left_or_zero(deadline)):
