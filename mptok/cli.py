@@ -68,6 +68,8 @@ _SERVE_OPTIONS = (
      "(default: %(default)s)"),
     ("--restart-window", "restart_window_s", _seconds, "S",
      "seconds over which --max-restarts counts exits (default: %(default)s)"),
+    ("--given-up-retry", "given_up_retry_s", _seconds, "S",
+     "seconds after which a frontend given up for crash-looping is tried again (default: %(default)s)"),
 )  # fmt: skip
 
 
