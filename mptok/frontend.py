@@ -286,7 +286,6 @@ class Frontend:
         )
 
 
-
 def _server_noting_its_stop(uvicorn: Any) -> type:
     """uvicorn's ``Server``, noting when a stop signal first came (``stop_began``, monotonic)."""
 

@@ -461,3 +461,39 @@ def test_shutdown_leaves_neither_socket_nor_lock_file(serve, ipc_dir):
     # and the path can be served again at once
     again, _ = serve(echo)
     assert EncodeProxy(address, KEY).encode("again") == echo("again", None)
+
+
+def test_owners_racing_for_one_path_never_serve_it_at_once(ipc_dir):
+    # close() removes the lock file while holding it; a contender that
+    # opened the old file must not end up holding it beside the next owner.
+    address = socket_path(ipc_dir, 0)
+    holders: list[int] = []
+    overlaps: list[list[int]] = []
+    guard = threading.Lock()
+
+    def contend(me: int) -> None:
+        served = 0
+        for _ in range(20_000):
+            if served == 40:
+                return
+            try:
+                manager = serve_encode(address, answer_in_full(echo), KEY, name=f"mptok-race-{me}")
+            except OwnerAlreadyServing:
+                continue
+            with guard:
+                holders.append(me)
+                if len(holders) > 1:
+                    overlaps.append(list(holders))
+            time.sleep(0.0005)
+            with guard:
+                holders.remove(me)
+            manager.shutdown()
+            served += 1
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_GUARD_S)
+    assert overlaps == []
+    assert os.listdir(ipc_dir) == []
