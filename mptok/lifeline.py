@@ -45,15 +45,7 @@ def stop_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> str:
     if sys.platform.startswith("linux") and _set_pdeathsig(signum):
         how = "pdeathsig"
     else:
-        parent = multiprocessing.parent_process()
-        if parent is None or parent.pid != parent_pid or parent.sentinel is None:
-            logger.warning("cannot watch parent pid %d on this platform", parent_pid)
-            return "none"
-        watch = threading.Thread(
-            target=_signal_when_ready, args=(parent.sentinel, signum), name="mptok-parent-watch", daemon=True
-        )
-        watch.start()
-        how = "sentinel"
+        how = _watch_sentinel(parent_pid, signum)
     if os.getppid() != parent_pid:
         # Re-parented before the watch existed: the parent is already gone.
         os.kill(os.getpid(), signum)
@@ -69,6 +61,18 @@ def _set_pdeathsig(signum: int) -> bool:
     except (OSError, AttributeError) as e:
         logger.warning("prctl(PR_SET_PDEATHSIG) is not available: %r", e)
     return False
+
+
+def _watch_sentinel(parent_pid: int, signum: int) -> str:
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid != parent_pid or parent.sentinel is None:
+        logger.warning("cannot watch parent pid %d on this platform", parent_pid)
+        return "none"
+    watch = threading.Thread(
+        target=_signal_when_ready, args=(parent.sentinel, signum), name="mptok-parent-watch", daemon=True
+    )
+    watch.start()
+    return "sentinel"
 
 
 def _signal_when_ready(sentinel: int, signum: int) -> None:
