@@ -510,3 +510,27 @@ def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_nex
         if holder is not None:
             os.close(holder)
         first.kill()
+
+
+def test_a_frontends_stop_spends_the_graceful_timeout_once(tmp_path):
+    # A tokenization longer than --graceful-timeout is in flight at SIGTERM.
+    # uvicorn spends the budget waiting for its request; the pool must get
+    # what is left of it (nothing), not a second --graceful-timeout.
+    with Server(tmp_path / "serve.log", "--frontends", "1", "--graceful-timeout", "1") as server:
+        text = "".join(conversation(7, 1, first_chars=3_900_000))
+        body = json.dumps({"prompt": text}).encode()
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        try:
+            client.sendall(
+                b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            time.sleep(0.5)  # the body is read and its tokenization (seconds) has begun
+            server.process.send_signal(signal.SIGTERM)
+            assert server.wait(60) == 0
+        finally:
+            client.close()
+        abandoned = re.search(r"event=abandoned_tokenizations count=1 after_s=(\S+)", server.log())
+        assert abandoned is not None, server.log()[-3000:]
+        assert float(abandoned.group(1)) < 1.0
