@@ -93,6 +93,8 @@ _SERVE_OPTIONS = (
      "open connections per frontend; beyond, 503 at once (default: %(default)s)"),
     ("--max-messages", "max_messages", _positive_int, "N",
      'most "messages" in one request; more get 413 (default: %(default)s)'),
+    ("--given-up-retry", "given_up_retry_s", _seconds, "S",
+     "seconds after which a frontend given up for crash-looping is tried again (default: %(default)s)"),
 )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -40,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from mptok.chat_template import ChatTemplate
 from mptok.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.lifeline import stop_with_parent
 from mptok.logfmt import configure_logging, log_event
 from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
 from mptok.tokenize_request import RequestError, error_body
@@ -47,6 +49,9 @@ from mptok.tokenize_service import Answer, TokenizeService
 from mptok.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 
 logger = logging.getLogger("mptok.frontend")
+
+# What the owner's close gets at least, however much of the stop budget is left.
+_OWNERS_CLOSE_FLOOR_S = 0.5
 
 # Headers that name the conversation when the body does not ("conversation_id").
 CONVERSATION_HEADERS = ("x-session-id", "x-correlation-id")
@@ -279,17 +284,15 @@ class Frontend:
         from mptok.routing import TokenizationOwners
 
         self.settings = settings
-        self._parent_pid = os.getppid()
         self._server: Any = None
+        self._stop_deadline: float | None = None
         self._stack = contextlib.ExitStack()
         try:
             tokenizer = mptok.load_tokenizer(settings.tokenizer)
             template = ChatTemplate.for_tokenizer(tokenizer, settings.chat_template)
+            # load_tokenizer has built the cache's tokenizer copy, and
+            # TokenizationOwners runs it once before peers can see this owner.
             cache = mptok.PrefixTokenCache()
-            # Builds the process-wide tokenizer backend (about a second) before
-            # peers can route here, or their first call could time out on it;
-            # on a throwaway cache, so that the served one counts only requests.
-            mptok.PrefixTokenCache().encode_local(tokenizer, "warm up")
             self.socket = self._stack.enter_context(
                 tcp_socket(settings.host, settings.port, reuse_port=True)
             )
@@ -305,6 +308,9 @@ class Frontend:
                     backoff_s=settings.route_backoff_s,
                 )
             )
+            # Runs before the context's own close (a no-op then): with what
+            # is left of the stop's budget.
+            self._stack.callback(lambda: self.owners.close(max(_OWNERS_CLOSE_FLOOR_S, self._budget_left())))
             self.service = TokenizeService(
                 settings.frontend_id,
                 tokenizer,
@@ -318,10 +324,10 @@ class Frontend:
                 max_model_len=resolve_max_model_len(settings.max_model_len, tokenizer),
                 served_model_names=settings.served_model_names,
             )
-            self._stack.callback(self.service.close, settings.graceful_timeout_s)
+            self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)
             self._started = time.time()
-            self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._tick)
+            self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._publish)
             self._housekeeping.start()
             self._stack.callback(self._housekeeping.stop)
             info = tokenizer_info_payload(tokenizer, template) if settings.enable_tokenizer_info_endpoint else None
@@ -343,7 +349,7 @@ class Frontend:
             http=guarded_protocol(self.settings.read_timeout_s, self.settings.max_connections, self.service.count_request),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
-        self._server = uvicorn.Server(config)
+        self._server = _server_noting_its_stop(uvicorn)(config)
         if stop.requested:
             return
         serving = asyncio.create_task(self._server.serve(sockets=[self.socket]))
@@ -357,7 +363,21 @@ class Frontend:
         await serving
 
     def close(self) -> None:
+        """Release everything within one budget: ``graceful_timeout_s`` from the stop signal.
+
+        uvicorn spends what in-flight requests need of it, the tokenize pool
+        and the owner what is left (the owner at least
+        ``_OWNERS_CLOSE_FLOOR_S``, to end its peers' connections cleanly),
+        so the supervisor's kill margin covers the whole stop.
+        """
+        began = getattr(self._server, "stop_began", None) or time.monotonic()
+        self._stop_deadline = began + self.settings.graceful_timeout_s
         self._stack.close()
+
+    def _budget_left(self) -> float:
+        if self._stop_deadline is None:
+            return self.settings.graceful_timeout_s
+        return max(0.0, self._stop_deadline - time.monotonic())
 
     def _publish(self) -> None:
         self._snapshots.write(
@@ -372,21 +392,34 @@ class Frontend:
             },
         )
 
-    def _tick(self) -> None:
-        self._publish()
-        if os.getppid() != self._parent_pid and self._server is not None and not self._server.should_exit:
-            log_event(logger, logging.ERROR, "supervisor_gone", parent_pid=self._parent_pid, action="shutting down")
-            self._server.should_exit = True
+
+def _server_noting_its_stop(uvicorn: Any) -> type:
+    """uvicorn's ``Server``, noting when a stop signal first came (``stop_began``, monotonic)."""
+
+    class StopNotingServer(uvicorn.Server):
+        stop_began: float | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.stop_began is None:
+                self.stop_began = time.monotonic()
+            super().handle_exit(sig, frame)
+
+    return StopNotingServer
 
 
 def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> None:
     """Body of a frontend process (the supervisor's spawn target).
 
     Sends ``("ready", pid)`` once its port listens and it serves its peers,
-    or ``("failed", one_line_reason)`` and exits 1 if it cannot start.
+    or ``("failed", one_line_reason)`` and exits 1 if it cannot start. If the
+    supervisor dies, however it dies, the kernel sends this process SIGTERM
+    (``mptok.lifeline``), and it stops as if the supervisor had stopped it.
     """
     configure_logging("frontend", settings.frontend_id)
     stop = _StopRequests()
+    parent = multiprocessing.parent_process()
+    supervisor_pid = parent.pid if parent is not None else os.getppid()
+    stop_with_parent(supervisor_pid)
     try:
         frontend = Frontend(settings, authkey)
     except Exception as e:
@@ -398,4 +431,6 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
         asyncio.run(frontend.serve(ready, stop))
     finally:
         frontend.close()
+        if os.getppid() != supervisor_pid:
+            log_event(logger, logging.ERROR, "supervisor_gone", supervisor_pid=supervisor_pid, action="stopped")
         log_event(logger, logging.INFO, "frontend_stopped")

@@ -2,10 +2,19 @@
 
 A call to an owner that is dead, stopped or stuck costs a timeout, seconds,
 while tokenizing locally costs milliseconds. So each owner publishes who it
-is (``{pid, create_time, address}``) in the ipc dir once it listens, and
-before each call a peer checks that process with psutil: an owner that is
-gone, a zombie, stopped (SIGSTOP, a debugger), or whose pid now names another
-process is skipped at once.
+is (``{pid, start_ticks, create_time, address}``) in the ipc dir once it
+listens, and before each call a peer checks that process with psutil: an
+owner that is gone, a zombie, stopped (SIGSTOP, a debugger), or whose pid
+now names another process is skipped at once.
+
+Which process a pid names is decided by its start time, and not by
+psutil's ``create_time()``: that one is derived from the wall clock (boot
+time = now - uptime), so a clock step (NTP, a VM resumed) shifts it for
+every process, and every live owner would look like a reused pid. On Linux
+the start time is ``/proc/<pid>/stat``'s field 22, clock ticks since boot,
+which no clock step moves; elsewhere ``create_time()`` is the fallback, and
+since a step can still fool it there, no verdict is final: a skipped owner
+is re-verified like a live one.
 
 psutil cannot see an owner that is alive but stuck (holding the GIL in a long
 native call, say): only a timeout can. An owner that timed out is therefore
@@ -15,8 +24,8 @@ per call.
 The published record is cached: a check costs one ``stat`` of the record and
 one psutil status read, about 30 us. The record is re-read when the file
 changes (a restarted owner replaces it) or after a failed call, and the
-owner's identity (pid plus create_time) is re-verified every
-``revalidate_s``.
+owner's identity (pid plus start time) is re-verified every
+``revalidate_s``, whatever the last verdict was.
 """
 
 from __future__ import annotations
@@ -53,6 +62,30 @@ _STATUS_REASONS = {
 }
 # create_time is computed from clock ticks (10 ms) since boot.
 _CREATE_TIME_TOLERANCE_S = 0.05
+# Field 22 of /proc/<pid>/stat, counted after the ")" that ends field 2.
+_STARTTIME_AFTER_COMM = 22 - 3
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot; None where /proc cannot tell.
+
+    A clock step does not move it, unlike psutil's ``create_time()``.
+    Raises ``psutil.NoSuchProcess`` if there is no such process.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            raise psutil.NoSuchProcess(pid) from None
+        return None
+    except OSError:
+        return None
+    try:
+        # The command name (field 2) may hold spaces and parentheses.
+        return int(stat[stat.rindex(b")") + 2 :].split()[_STARTTIME_AFTER_COMM])
+    except (ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -60,12 +93,15 @@ class OwnerRecord:
     """Who serves a frontend id: its process, and where it listens.
 
     ``nonce`` tells apart two owners that one process ran one after another.
+    ``start_ticks`` (see ``start_ticks()``) identifies the process where
+    the platform tells it, else ``create_time`` does.
     """
 
     pid: int
     create_time: float
     address: str
     nonce: str
+    start_ticks: int | None = None
 
     @property
     def incarnation(self) -> tuple[int, float, str]:
@@ -82,7 +118,8 @@ def publish(ipc_dir: str, frontend_id: int, address: str) -> OwnerRecord:
 
     Atomic: a reader sees the previous record or this one, never part of one.
     """
-    record = OwnerRecord(os.getpid(), psutil.Process().create_time(), address, secrets.token_hex(8))
+    pid = os.getpid()
+    record = OwnerRecord(pid, psutil.Process().create_time(), address, secrets.token_hex(8), start_ticks(pid))
     path = record_path(ipc_dir, frontend_id)
     tmp = f"{path}.{record.pid}.{record.nonce}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -121,6 +158,7 @@ def read_record(path: str) -> OwnerRecord | None:
             create_time=float(fields["create_time"]),
             address=str(fields["address"]),
             nonce=str(fields["nonce"]),
+            start_ticks=None if fields.get("start_ticks") is None else int(fields["start_ticks"]),
         )
     except FileNotFoundError:
         return None
@@ -191,9 +229,10 @@ class _OwnerWatch:
         self._verdict = None
 
     def _stale(self, verdict: _Verdict, now: float) -> bool:
-        # A dead or reused pid stays so for this record; only a live owner's
-        # identity needs re-verifying.
-        return verdict.reason is None and now - verdict.verified_at > self._revalidate_s
+        # Skip verdicts too: one reached on a wrong reading (a clock step
+        # fooling create_time) must not stop routing to a live owner for
+        # good.
+        return now - verdict.verified_at > self._revalidate_s
 
     def _reload(self, stamp: tuple[int, int, int], now: float) -> _Verdict:
         with self._lock:
@@ -211,12 +250,21 @@ def _verify(path: str, stamp: tuple[int, int, int], now: float) -> _Verdict:
         return _Verdict(stamp, None, None, NOT_PUBLISHED, now)
     try:
         proc = psutil.Process(record.pid)
-        create_time = proc.create_time()
+        same = _same_process(proc, record)
     except psutil.NoSuchProcess:
         return _Verdict(stamp, record, None, DEAD, now)
-    if abs(create_time - record.create_time) > _CREATE_TIME_TOLERANCE_S:
+    if not same:
         return _Verdict(stamp, record, None, PID_REUSED, now)
     return _Verdict(stamp, record, proc, None, now)
+
+
+def _same_process(proc: psutil.Process, record: OwnerRecord) -> bool:
+    """Whether ``proc`` is the process that published ``record``."""
+    if record.start_ticks is not None:
+        ticks = start_ticks(record.pid)
+        if ticks is not None:
+            return ticks == record.start_ticks
+    return abs(proc.create_time() - record.create_time) <= _CREATE_TIME_TOLERANCE_S
 
 
 class OwnerLiveness:

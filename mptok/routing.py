@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from mptok.backend import SlowTokenizerError, backend_for
 from mptok.counting import Counters, Histogram
 from mptok.errors import RouteFailed
 from mptok.peer import PeerReply
@@ -44,6 +45,7 @@ from mptok.transport import (
     serve_encode,
     socket_path,
 )
+from mptok.transport.wire import left_or_zero
 
 __all__ = [
     "FALLBACK_REASONS",
@@ -72,6 +74,12 @@ def _answer_peer(
 ) -> PeerReply | None:
     """What this frontend's cache answers a peer (``mptok.transport.PeerAnswer``)."""
     return cache.encode_for_peer(tokenizer, key, text, since=since, shared_chars=shared_chars)
+
+
+def _build_backend(tokenizer: Any) -> None:
+    """Build (and run once) the tokenizer backend an owner answers its peers with."""
+    with contextlib.suppress(SlowTokenizerError):
+        backend_for(tokenizer).encode("warm up")
 
 
 def owner_order(key: str, num_frontends: int) -> list[int]:
@@ -151,18 +159,25 @@ class HeldReplies:
 class TokenizationOwners:
     """Serve this frontend's cache to its peers and route keyed prompts to their owners.
 
-    Starting binds ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
+    Starting builds the tokenizer's backend first (what the cache answers
+    peers with: 1.5 s to 3 s for a large vocabulary), so that an owner is
+    ready when peers can see it and no peer's first call waits on it,
+    whatever its ``timeout_s``. It then binds
+    ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
     ``OwnerAlreadyServing`` while a live process serves this frontend id, and
     ``PermissionError`` for an ipc dir that other users can enter), publishes
     this process as the owner, and installs ``cache.route``. From then on
     ``cache.encode(tokenizer, text, key)`` may be answered by another
-    frontend, with the same ids. A call that fails or takes more than
-    ``timeout_s`` makes the cache tokenize locally; an owner that timed out
-    is skipped for ``backoff_s``.
+    frontend, with the same ids. A prompt that an owner has not answered
+    within ``timeout_s`` (one deadline for the whole route, when the owner
+    needs a second call for the whole text) or whose call failed is
+    tokenized locally; an owner that timed out is skipped for ``backoff_s``.
 
     ``close()`` (or leaving the ``with`` block) uninstalls the route,
     unpublishes this owner, closes the connections to peers and stops
-    serving; no socket file and no thread remain. It is idempotent.
+    serving, all within one time budget; no socket file, lock file or
+    thread remains (a thread still tokenizing when the budget runs out ends
+    when its tokenization does). It is idempotent.
 
     The serving threads share this process's GIL: while the frontend runs
     Python code, a peer's call waits for the GIL each time its serving
@@ -201,6 +216,8 @@ class TokenizationOwners:
         self._num_frontends = num_frontends
         self._ipc_dir = secure_ipc_dir(ipc_dir)
         self._cache = cache
+        self._timeout_s = timeout_s
+        self._close_timeout_s = (limits if limits is not None else ServerLimits()).close_timeout_s
         self._counters = Counters(_ROUTE_COUNTERS)
         self._route_seconds = Histogram()
         self._close_lock = threading.Lock()
@@ -215,6 +232,10 @@ class TokenizationOwners:
         if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
             sys.setswitchinterval(switch_interval_s)
         self._held = HeldReplies()
+        # Peers may call as soon as the socket listens; an owner whose
+        # tokenizer backend is still to be built (1.5 s to 3 s) would time
+        # them out and be backed off from. So it is built first.
+        _build_backend(tokenizer)
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
@@ -259,22 +280,31 @@ class TokenizationOwners:
         """
         return {"route_seconds": self._route_seconds.snapshot(), **self._manager.timings()}
 
-    def close(self) -> None:
-        """Stop routing and serving. There is no finalizer: call it (or use ``with``)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop routing and serving within ``timeout_s`` in all (default:
+        ``limits.close_timeout_s``). There is no finalizer: call it (or use ``with``)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = time.monotonic() + (self._close_timeout_s if timeout_s is None else timeout_s)
         # Run last to first, each even if an earlier one raised: new prompts
         # stay here, peers stop choosing this owner, calls to peers fail
-        # fast, then serving stops.
+        # fast, then serving stops. One deadline for all of it.
         with contextlib.ExitStack() as steps:
-            steps.callback(self._manager.shutdown)
-            for proxy in self._proxies.values():
-                steps.callback(proxy.close)
+            steps.callback(lambda: self._manager.shutdown(left_or_zero(deadline)))
+            steps.callback(self._close_proxies, deadline)
             steps.callback(unpublish, self._ipc_dir, self._frontend_id, self._record)
             if getattr(self._cache, "route", None) == self._route:
                 self._cache.route = None
+
+    def _close_proxies(self, deadline: float) -> None:
+        # Every call in flight is woken first, so that they all unwind
+        # together rather than one proxy after another.
+        for proxy in self._proxies.values():
+            proxy.abort()
+        for proxy in self._proxies.values():
+            proxy.close(left_or_zero(deadline))
 
     def __enter__(self) -> TokenizationOwners:
         return self
@@ -329,20 +359,22 @@ class TokenizationOwners:
         held: _Held | None,
     ) -> list[int]:
         """Ask with what this frontend holds of the conversation at ``owner``,
-        if anything; hold what the owner answers."""
+        if anything; hold what the owner answers. Both calls, when the owner
+        needs the whole text after all, end by one deadline."""
         proxy = self._proxies[frontend]
+        deadline = time.monotonic() + self._timeout_s
         reply = None
         if held is not None:
             shared = common_prefix_length(held.text, text)
             reply = proxy.encode_since(
                 text[shared:], key, since=held.version, shared_chars=shared,
-                incarnation=record.incarnation,
+                incarnation=record.incarnation, deadline=deadline,
             )
             if reply is not None:
                 self._counters.add("routed_since")
         if reply is None:
             held = None
-            reply = proxy.encode_since(text, key, incarnation=record.incarnation)
+            reply = proxy.encode_since(text, key, incarnation=record.incarnation, deadline=deadline)
             if reply is None:
                 raise OwnerError(f"frontend {frontend} asked for a version it was not given")
         if reply.reused > (held.ids.length if held is not None else 0):

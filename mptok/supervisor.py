@@ -1,7 +1,8 @@
 """``mptok serve``: start N frontends on one port, keep them running, stop them cleanly.
 
 The supervisor owns everything the frontends share: the private ipc
-directory (mode 0700, removed at exit) and the authkey (32 random bytes,
+directory (mode 0700, removed at exit; those that SIGKILLed supervisors
+left behind are swept at start, see ``mptok.run_dir``) and the authkey (32 random bytes,
 handed to each child as a spawn-context Process argument, which travels over
 a pipe: never argv, environment, logs or a file). It checks the port before
 starting anything (a plain bind without SO_REUSEPORT, since an SO_REUSEPORT
@@ -10,16 +11,21 @@ the frontends (``mptok.frontend``), and logs ``ready`` once every one has
 reported over its pipe that its port listens and it serves its peers.
 
 While serving, a frontend that dies is restarted under the same id, after a
-back-off that doubles with each recent crash. More than ``max_restarts``
-exits within ``restart_window_s`` is a crash loop: that frontend id is given
-up, loudly, and the others keep serving (its conversations move to the next
-frontend in their order); when every frontend has been given up the
-supervisor exits with status 3.
+back-off that doubles with each recent crash; one that is not ready
+``startup_timeout_s`` after it was started is killed, which counts as an
+exit. More than ``max_restarts`` exits within ``restart_window_s`` is a crash
+loop: that frontend id is given up, loudly, and the others keep serving
+(its conversations move to the next frontend in their order); it is tried
+again, as loudly, after ``given_up_retry_s``. When every frontend is given
+up at once the supervisor exits with status 3.
 
 SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
-its in-flight requests within ``graceful_timeout_s``, and exits; stragglers
-are SIGKILLed after a further ``_EXIT_MARGIN_S``; then the ipc directory is
-removed. Every wait in here has a deadline.
+its in-flight requests and stops within ``graceful_timeout_s`` in all;
+stragglers are SIGKILLed after a further ``_EXIT_MARGIN_S``; then the ipc
+directory is removed. Every wait in here has a deadline. If the supervisor
+itself dies, the kernel sends each frontend SIGTERM (``mptok.lifeline``):
+the frontends are started from the supervisor's main thread, which lives
+as long as it does.
 """
 
 from __future__ import annotations
@@ -30,10 +36,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +47,7 @@ from mptok.chat_template import ChatTemplateError, check_template_source
 from mptok.frontend import FrontendSettings, frontend_main, tcp_socket
 from mptok.logfmt import log_event
 from mptok.metrics import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.run_dir import RunDir, sweep_stale
 
 logger = logging.getLogger("mptok.supervisor")
 
@@ -86,6 +91,7 @@ class ServeOptions:
     max_model_len: int | None = None
     served_model_names: tuple[str, ...] = ()
     enable_tokenizer_info_endpoint: bool = False
+    given_up_retry_s: float = 300.0
 
 
 class RestartPolicy:
@@ -103,6 +109,10 @@ class RestartPolicy:
         self._first_delay_s = first_delay_s
         self._max_delay_s = max_delay_s
         self._exits: deque[float] = deque()
+
+    def forget_exits(self) -> None:
+        """Start counting afresh (a given-up frontend tried again)."""
+        self._exits.clear()
 
     def delay_after_exit(self, now: float) -> float | None:
         self._exits.append(now)
@@ -129,8 +139,10 @@ class _Slot:
     ready: bool = False
     failure: str | None = None  # what the process said when it could not start
     restarts: int = 0
+    started_at: float = 0.0  # monotonic, when the current process was started
     restart_at: float | None = None
     given_up: bool = False
+    times_given_up: int = 0
     exits: list[int] = field(default_factory=list)
 
 
@@ -193,8 +205,10 @@ class Supervisor:
             self._signals = _Signals()
             cleanup.callback(self._signals.close)
             self._preflight()
-            self._ipc_dir = tempfile.mkdtemp(prefix="mptok-serve-")  # mode 0700
-            cleanup.callback(shutil.rmtree, self._ipc_dir, True)
+            sweep_stale()
+            run_dir = RunDir()  # mode 0700
+            cleanup.callback(run_dir.close)
+            self._ipc_dir = run_dir.path
             log_event(
                 logger,
                 logging.INFO,
@@ -294,6 +308,7 @@ class Supervisor:
         child_conn.close()
         slot.process, slot.conn, slot.pid = process, parent_conn, process.pid
         slot.ready, slot.failure, slot.restart_at = False, None, None
+        slot.started_at = time.monotonic()
         log_event(logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts)
         self._publish()
 
@@ -307,12 +322,45 @@ class Supervisor:
             now = time.monotonic()
             for slot in self._slots:
                 if slot.restart_at is not None and slot.restart_at <= now:
+                    if slot.given_up:
+                        self._retry_given_up(slot)
                     slot.restarts += 1
                     self._spawn(slot)
+                elif slot.process is not None and not slot.ready:
+                    self._kill_if_late(slot, now)
             pending = [s.restart_at for s in self._slots if s.restart_at is not None]
             self._wait(min([1.0, *(max(0.0, t - now) for t in pending)]))
         log_event(logger, logging.INFO, "stopping", signal=signal.Signals(self._signals.received[0]).name)
         return EXIT_OK
+
+    def _kill_if_late(self, slot: _Slot, now: float) -> None:
+        """A restarted frontend gets ``startup_timeout_s`` to be ready, as at start-up."""
+        if now - slot.started_at < self.options.startup_timeout_s:
+            return
+        log_event(
+            logger,
+            logging.ERROR,
+            "frontend_start_timeout",
+            frontend=slot.frontend_id,
+            pid=slot.pid,
+            reason=f"not ready after --startup-timeout {self.options.startup_timeout_s:g} s",
+            action="killing it; its exit counts as a crash",
+        )
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            slot.process.kill()
+        slot.started_at = float("inf")  # killed once; its exit is handled as any other
+
+    def _retry_given_up(self, slot: _Slot) -> None:
+        slot.given_up = False
+        slot.policy.forget_exits()
+        log_event(
+            logger,
+            logging.WARNING,
+            "frontend_retry",
+            frontend=slot.frontend_id,
+            times_given_up=slot.times_given_up,
+            reason=f"--given-up-retry {self.options.given_up_retry_s:g} s passed",
+        )
 
     def _wait(self, timeout_s: float) -> None:
         """Wait for a signal, a message from a child, or a child's exit; handle what came."""
@@ -371,6 +419,8 @@ class Supervisor:
         fields = {"frontend": slot.frontend_id, "pid": slot.pid, "exit": _describe_exit(exitcode)}
         if delay is None:
             slot.given_up = True
+            slot.times_given_up += 1
+            slot.restart_at = time.monotonic() + self.options.given_up_retry_s
             log_event(
                 logger,
                 logging.CRITICAL,
@@ -378,8 +428,9 @@ class Supervisor:
                 **fields,
                 reason=f"crash loop: {slot.policy.recent_exits} exits within {self.options.restart_window_s:g} s "
                 f"(--max-restarts {self.options.max_restarts})",
-                action="not restarting it; the other frontends take its conversations; read its last log lines, "
-                "fix the cause, then restart mptok serve",
+                action=f"not restarting it for {self.options.given_up_retry_s:g} s (--given-up-retry); the other "
+                "frontends take its conversations meanwhile; read its last log lines and fix the cause",
+                retry_in_s=f"{self.options.given_up_retry_s:g}",
             )
             self._publish()
             return
@@ -397,11 +448,14 @@ class Supervisor:
         deadline = time.monotonic() + self.options.graceful_timeout_s + _EXIT_MARGIN_S
         for slot in running:
             slot.process.join(max(0.0, deadline - time.monotonic()))
+        stragglers = [slot for slot in running if slot.process.is_alive()]
+        for slot in stragglers:
+            log_event(logger, logging.WARNING, "frontend_killed", frontend=slot.frontend_id, pid=slot.pid, reason="did not stop in time")
+            slot.process.kill()
+        deadline = time.monotonic() + _JOIN_AFTER_KILL_S
+        for slot in stragglers:
+            slot.process.join(max(0.0, deadline - time.monotonic()))
         for slot in running:
-            if slot.process.is_alive():
-                log_event(logger, logging.WARNING, "frontend_killed", frontend=slot.frontend_id, pid=slot.pid, reason="did not stop in time")
-                slot.process.kill()
-                slot.process.join(_JOIN_AFTER_KILL_S)
             exitcode = slot.process.exitcode
             log_event(logger, logging.INFO, "frontend_stopped", frontend=slot.frontend_id, pid=slot.pid, exit=_describe_exit(exitcode))
             if slot.conn is not None:

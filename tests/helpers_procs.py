@@ -11,6 +11,7 @@ broken test fails instead of hanging; no test asserts on durations.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -115,6 +116,7 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
     limits = ServerLimits(**options.pop("limits", {}))
+    warm_up = options.pop("warm_up", True)
     try:
         owners = TokenizationOwners(
             ipc_dir, frontend_id, num_frontends, cache, tokenizer, authkey=AUTHKEY, limits=limits, **options
@@ -122,9 +124,10 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
     except Exception as e:
         conn.send(("failed", type(e).__name__, str(e)))
         return
-    # The cache builds its tokenizer backend on first use (about a second):
-    # before "ready", or a test's first routed call could time out on it.
-    cache.encode_local(tokenizer, "warm up")
+    if warm_up:
+        # Starts the tokenizer as a serving frontend does; without it, the
+        # owner starts as a library user's would.
+        cache.encode_local(tokenizer, "warm up")
     send_lock = threading.Lock()
 
     def reply(message: Any) -> None:
@@ -236,11 +239,23 @@ class FrontendPool:
         self._started: list[Frontend] = []
 
     def start(self, ids: list[int], num_frontends: int, **options: Any) -> list[Frontend]:
-        frontends = [Frontend(self._ctx, self.ipc_dir, i, num_frontends, dict(options)) for i in ids]
-        self._started.extend(frontends)
+        frontends = self.launch(ids, num_frontends, **options)
         for frontend in frontends:
             frontend.wait_ready()
         return frontends
+
+    def launch(self, ids: list[int], num_frontends: int, **options: Any) -> list[Frontend]:
+        """Start frontends without waiting for them to be ready."""
+        frontends = [Frontend(self._ctx, self.ipc_dir, i, num_frontends, dict(options)) for i in ids]
+        self._started.extend(frontends)
+        return frontends
+
+    def start_scripted_owner(self, frontend_id: int, delay_s: float) -> "ScriptedOwner":
+        """An owner whose answers a test scripts (see ``scripted_owner_main``)."""
+        owner = ScriptedOwner(self._ctx, self.ipc_dir, frontend_id, delay_s)
+        self._started.append(owner)  # type: ignore[arg-type]
+        owner.wait_ready()
+        return owner
 
     def start_failing(self, frontend_id: int, num_frontends: int, **options: Any) -> tuple:
         """Start a frontend expected to fail at start-up; returns its error reply."""
@@ -251,3 +266,48 @@ class FrontendPool:
     def close(self) -> None:
         for frontend in self._started:
             frontend.kill()
+
+
+SLOW_MARKER = "[slow]"
+
+
+def scripted_owner_main(conn: Any, ipc_dir: str, frontend_id: int, delay_s: float) -> None:
+    """An owner that remembers no version and takes ``delay_s`` over any text with ``SLOW_MARKER``.
+
+    It answers with the tokenizer's own ids, so what a peer gets is exact
+    whichever way the prompt went; what the test sees is how many calls a
+    prompt took, through the peer's counters.
+    """
+    import mptok
+    from mptok.liveness import publish
+    from mptok.peer import PeerReply
+    from mptok.transport import serve_encode, socket_path
+
+    tokenizer = mptok.load_tokenizer()
+
+    def answer(text: str, key: str | None, since: int | None, shared_chars: int) -> PeerReply | None:
+        if SLOW_MARKER in text:
+            time.sleep(delay_s)
+        if since is not None:
+            return None
+        return PeerReply(1, 0, expected_ids(tokenizer, text))
+
+    address = socket_path(ipc_dir, frontend_id)
+    manager = serve_encode(address, answer, AUTHKEY)
+    publish(ipc_dir, frontend_id, address)
+    conn.send(("ready", os.getpid()))
+    with contextlib.suppress(EOFError):
+        conn.recv()
+    manager.shutdown()
+
+
+class ScriptedOwner(Frontend):
+    def __init__(self, ctx: Any, ipc_dir: str, frontend_id: int, delay_s: float):
+        self.frontend_id = frontend_id
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=scripted_owner_main, args=(child_conn, ipc_dir, frontend_id, delay_s), daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        self.pid = None

@@ -98,7 +98,7 @@ def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels:
 class Server:
     """One ``mptok serve`` subprocess; use as a context manager."""
 
-    def __init__(self, log_path: Path, *args: str, wait_ready: bool = True):
+    def __init__(self, log_path: Path, *args: str, wait_ready: bool = True, env: dict[str, str] | None = None):
         self.log_path = log_path
         self.port = free_port()
         self._log = open(log_path, "wb")
@@ -108,7 +108,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
         )
         if wait_ready:
             self.wait_for_log(r"event=ready ")

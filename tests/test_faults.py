@@ -8,6 +8,7 @@ through the fallback counters, never through wall-clock time.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ from helpers_procs import HANG_GUARD_S, FrontendPool, conversation, key_owned_by
 from helpers_procs import expected_ids as expected
 
 import mptok
-from mptok.liveness import OwnerLiveness, publish, read_record, record_path, unpublish
+from mptok.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
 from mptok.transport import socket_path
 
 
@@ -252,11 +253,11 @@ def child():
         proc.wait(10)
 
 
-def write_record(ipc_dir: str, frontend_id: int, pid: int, create_time: float) -> None:
+def write_record(ipc_dir: str, frontend_id: int, pid: int, create_time: float, **fields) -> None:
     path = record_path(ipc_dir, frontend_id)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write(f'{{"pid": {pid}, "create_time": {create_time}, "address": "x", "nonce": "{time.time_ns()}"}}')
+        json.dump({"pid": pid, "create_time": create_time, "address": "x", "nonce": str(time.time_ns()), **fields}, f)
     os.replace(tmp, path)
 
 
@@ -329,3 +330,105 @@ def test_soak_frontends_killed_stopped_and_restarted_while_serving(pool, tokeniz
         elif action == "stop":
             frontends[victim].signal(signal.SIGCONT)
         turn += 1
+
+
+# -- owners that are ready when published; one deadline per prompt -----------
+
+
+def test_a_cold_owner_is_ready_when_peers_can_see_it(pool, tokenizer):
+    # Peers give an owner 1 s, less than building a tokenizer backend takes.
+    # Owners start as a library user starts them (no warm-up of their own),
+    # and are asked the moment their record appears: at start, after a
+    # restart, and as the next owner of a killed one's conversation.
+    options = dict(timeout_s=1.0, backoff_s=60.0, warm_up=False)
+    (asker,) = pool.start([2], 3, **options)
+    key = key_owned_by(0, 3, "cold", then=1)
+    turns = conversation(11, 3)
+
+    def published(frontend) -> None:
+        path = record_path(pool.ipc_dir, frontend.frontend_id)
+
+        def by_it() -> bool:
+            record = read_record(path)
+            return record is not None and record.pid == frontend.process.pid
+
+        wait_until(by_it, f"frontend {frontend.frontend_id} to publish")
+
+    (first,) = pool.launch([0], 3, **options)
+    published(first)
+    assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
+    first.kill()
+    (restarted,) = pool.launch([0], 3, **options)
+    published(restarted)
+    assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
+    (next_owner,) = pool.launch([1], 3, **options)
+    published(next_owner)
+    restarted.kill()
+    assert asker.encode(key, turns[2]) == expected(tokenizer, turns[2])
+    stats = routing(asker)
+    assert (stats["routed"], stats["fallback_timeout"], stats["fallback_dead"]) == (3, 0, 1)
+
+
+def test_both_calls_of_a_routed_prompt_share_one_deadline(pool, tokenizer):
+    # The owner forgot the version the asker holds, so the prompt takes two
+    # calls, each 0.7 s: each within the asker's 1 s, together not.
+    from helpers_procs import SLOW_MARKER
+
+    pool.start_scripted_owner(0, delay_s=0.7)
+    (asker,) = pool.start([1], 2, timeout_s=1.0)
+    key = key_owned_by(0, 2, "deadline")
+    first, second = conversation(12, 2)
+    second += SLOW_MARKER
+    assert asker.encode(key, first) == expected(tokenizer, first)
+    assert routing(asker)["routed"] == 1
+    assert asker.encode(key, second) == expected(tokenizer, second)
+    stats = routing(asker)
+    assert (stats["routed"], stats["routed_since"], stats["fallback_timeout"]) == (1, 0, 1)
+
+
+# -- liveness and the wall clock ----------------------------------------------
+
+linux_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="start ticks are read from /proc")
+
+
+@linux_proc
+def test_a_clock_step_does_not_make_live_owners_look_like_reused_pids(pool, tokenizer):
+    # psutil's create_time() moves with the wall clock: after a step of 1 s,
+    # psutil reports every process 1 s off from what its owner published.
+    # Shifting the published value is the same thing, seen from the asker.
+    owner, asker = pool.start([0, 1], 2)
+    path = record_path(pool.ipc_dir, 0)
+    with open(path) as f:
+        fields = json.load(f)
+    fields["create_time"] += 1.0
+    write_record(pool.ipc_dir, 0, **fields)
+    key, text = owned_prompts(0, 2, 1, "clock-step")[0]
+    assert asker.encode(key, text) == expected(tokenizer, text)
+    stats = routing(asker)
+    assert (stats["routed"], stats["fallback_pid_reused"]) == (1, 0)
+
+
+@linux_proc
+def test_a_skip_verdict_is_checked_again_though_the_record_did_not_change(tmp_path, child):
+    # A verdict reached on a wrong reading must not stop routing to a live
+    # owner for good. The wrong reading: a record rewritten in place with
+    # the same size and mtime, wrong at first, so that it looks unchanged.
+    ipc_dir = str(tmp_path)
+    live = OwnerLiveness(ipc_dir, backoff_s=60.0, revalidate_s=0.05)
+    proc = child()
+    ticks, create_time = start_ticks(proc.pid), psutil.Process(proc.pid).create_time()
+    path = record_path(ipc_dir, 0)
+
+    def rewrite(ticks: int, create_time: float) -> None:
+        with open(path, "r+" if os.path.exists(path) else "w") as f:
+            f.write(f'{{"pid": {proc.pid}, "create_time": {create_time:.6f}, "start_ticks": {ticks}, '
+                    f'"address": "x", "nonce": "n"}}')
+
+    rewrite(ticks ^ 1, create_time + 100)
+    assert live.check(0)[1] == "pid_reused"
+    before = os.stat(path)
+    rewrite(ticks, create_time)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    wait_until(lambda: live.check(0)[1] is None, "the owner to be found live again", timeout_s=10)

@@ -7,6 +7,8 @@ compared with the tokenizer's own full tokenization of the same text.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -22,7 +24,7 @@ import pytest
 from conversations import plain_delta
 from families import _tokenizer_file, load_family_hf
 from helpers_procs import conversation
-from helpers_serve import SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
+from helpers_serve import HANG_GUARD_S, SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
@@ -373,7 +375,9 @@ def test_help_explains_every_option():
     for option in (
         "--frontends", "--host", "--port", "--tokenizer", "--chat-template", "--max-prompt-chars", "--threads",
         "--route-timeout", "--route-backoff", "--graceful-timeout", "--startup-timeout", "--max-restarts",
-        "--restart-window",
+        "--restart-window", "--given-up-retry", "--max-in-flight", "--queue-timeout", "--read-timeout",
+        "--max-connections", "--max-messages", "--max-model-len", "--served-model-name",
+        "--enable-tokenizer-info-endpoint",
     ):  # fmt: skip
         assert option in result.stdout
 
@@ -434,3 +438,101 @@ def test_the_built_in_template_matches_deepseek_v3(tokenizer):
     assert template.render(tokenizer, messages, False).endswith("<｜User｜>U2")
     with pytest.raises(ChatTemplateError, match="no chat template"):
         ChatTemplate.for_tokenizer(load_family_hf("metaspace_first")).render(tokenizer, messages, True)
+
+
+# -- the supervisor's own lifecycle ---------------------------------------------------
+
+
+def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_path):
+    # Frontend 1 is killed; its replacement is stopped before it is ready
+    # (it never will be): the startup deadline kills it, which is its
+    # second exit, one more than --max-restarts: given up. After the
+    # cool-down it is tried again, and serves.
+    args = ("--frontends", "2", "--max-restarts", "1", "--startup-timeout", "20", "--given-up-retry", "1")
+    with Server(tmp_path / "serve.log", *args) as server:
+        offset = len(server.log())
+        os.kill(server.frontend_pids()[1], signal.SIGKILL)
+        started = server.wait_for_log(r"role=supervisor .*event=frontend_started frontend=1 pid=(\d+) restarts=1", after=offset)
+        late = int(started.group(1))
+        os.kill(late, signal.SIGSTOP)
+        server.wait_for_log(rf"level=ERROR role=supervisor .*event=frontend_start_timeout frontend=1 pid={late}", after=offset)
+        server.wait_for_log(rf"level=CRITICAL role=supervisor .*event=frontend_given_up frontend=1 pid={late} .*retry_in_s=1", after=offset)
+        server.wait_for_log(r"role=supervisor .*event=frontend_retry frontend=1 times_given_up=1", after=offset)
+        server.wait_for_log(r"role=supervisor .*event=frontend_ready frontend=1 pid=\d+ restarts=2", after=offset)
+        assert server.process.poll() is None
+
+
+def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_next_start(tmp_path):
+    from mptok.run_dir import LOCK_NAME
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    first = Server(tmp_path / "first.log", "--frontends", "2", env=env)
+    holder = None
+    try:
+        ipc_dir = first.ipc_dir()
+        frontends = [psutil.Process(pid) for pid in first.frontend_pids().values()]
+        # Publishing a frontend's metrics now fails (a directory sits where
+        # its snapshot goes): nothing that rides on that must be needed to
+        # notice the supervisor's death.
+        for frontend_id in first.frontend_pids():
+            snapshot = os.path.join(ipc_dir, f"metrics-{frontend_id}.json")
+            while not os.path.isdir(snapshot):  # the frontend may replace its file meanwhile
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(snapshot)
+                with contextlib.suppress(FileExistsError):
+                    os.makedirs(os.path.join(snapshot, "blocker"))
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(HANG_GUARD_S)
+        _, alive = psutil.wait_procs(frontends, timeout=60)
+        assert alive == []
+        assert os.path.isdir(ipc_dir)  # left behind
+        assert "event=supervisor_gone" in first.log()
+        # Next to it, what a sweep must leave: a dir whose lock is held, one
+        # with no lock file, and a link to a stale dir.
+        held = tmp / "mptok-serve-held"
+        held.mkdir(mode=0o700)
+        (held / LOCK_NAME).write_text("1")
+        holder = os.open(held / LOCK_NAME, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        unlocked = tmp / "mptok-serve-nolock"
+        unlocked.mkdir(mode=0o700)
+        target = tmp_path / "elsewhere"
+        target.mkdir(mode=0o700)
+        (target / LOCK_NAME).write_text("1")
+        (tmp / "mptok-serve-link").symlink_to(target)
+        with Server(tmp_path / "second.log", "--frontends", "1", env=env) as second:
+            assert f"event=swept_stale_ipc_dir path={ipc_dir}" in second.log()
+            assert not os.path.exists(ipc_dir)
+            assert held.is_dir() and unlocked.is_dir() and (target / LOCK_NAME).exists()
+            assert os.path.islink(tmp / "mptok-serve-link")
+            assert os.path.isdir(second.ipc_dir())
+    finally:
+        if holder is not None:
+            os.close(holder)
+        first.kill()
+
+
+def test_a_frontends_stop_spends_the_graceful_timeout_once(tmp_path):
+    # A tokenization longer than --graceful-timeout is in flight at SIGTERM.
+    # uvicorn spends the budget waiting for its request; the pool must get
+    # what is left of it (nothing), not a second --graceful-timeout.
+    with Server(tmp_path / "serve.log", "--frontends", "1", "--graceful-timeout", "1") as server:
+        text = "".join(conversation(7, 1, first_chars=3_900_000))
+        body = json.dumps({"prompt": text}).encode()
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        try:
+            client.sendall(
+                b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            time.sleep(0.5)  # the body is read and its tokenization (seconds) has begun
+            server.process.send_signal(signal.SIGTERM)
+            assert server.wait(60) == 0
+        finally:
+            client.close()
+        abandoned = re.search(r"event=abandoned_tokenizations count=1 after_s=(\S+)", server.log())
+        assert abandoned is not None, server.log()[-3000:]
+        assert float(abandoned.group(1)) < 1.0

@@ -12,6 +12,7 @@ import functools
 import os
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -348,3 +349,151 @@ def test_messages_cross_intact_however_they_are_split_and_however_many_are_queue
     finally:
         sender.close()
         receiver.close()
+
+
+# -- framing from an authenticated but hostile peer --------------------------
+
+
+def authenticated_socket(address: str) -> socket.socket:
+    """A connection that passed the handshake, to write raw frames on."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    conn = connection.Connection(os.dup(sock.fileno()))
+    try:
+        assert conn.poll(HANG_GUARD_S)
+        connection.answer_challenge(conn, KEY)
+        connection.deliver_challenge(conn, KEY)
+        conn.send((None, "accept_connection", ("raw",), {}))
+        assert conn.poll(HANG_GUARD_S)
+        assert conn.recv() == ("#RETURN", None)
+    finally:
+        conn.close()
+    sock.settimeout(HANG_GUARD_S)
+    return sock
+
+
+def frame(message: object) -> bytes:
+    raw = bytes(connection.reduction.ForkingPickler.dumps(message))
+    return struct.pack("!i", len(raw)) + raw
+
+
+def read_until_eof(sock: socket.socket) -> bytes:
+    """Everything the owner sends before it closes the connection (a hang fails the test)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_negative_frame_length_ends_the_connection_and_runs_nothing(serve):
+    manager, address = serve(echo)
+    request = ("PrefixTokenCache", "encode", ("once", None, None, 0), {})
+    # -1000 reaches back before the start of the inbox: the stream was read
+    # from bytes already consumed, and a request ran again.
+    for length in (-2, -1000, -(1 << 31)):
+        with authenticated_socket(address) as sock:
+            sock.sendall(struct.pack("!i", length) + frame(request) + frame(request))
+            assert read_until_eof(sock) == b""
+    assert manager.stats()["served"] == 0
+    assert EncodeProxy(address, KEY).encode("still serving") == echo("still serving", None)
+
+
+def test_a_header_that_never_ends_times_out_with_the_message_timeout(serve):
+    manager, address = serve(echo, message_timeout_s=0.3, idle_timeout_s=600)
+    with authenticated_socket(address) as sock:
+        sock.sendall(b"\x00\x00")  # half a length header, then silence
+        assert read_until_eof(sock) == b""
+    assert manager.stats()["served"] == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS is read from /proc")
+def test_a_length_header_alone_allocates_no_large_buffer(serve):
+    # 200 MiB announced (under the 256 MiB cap), then a few bytes and silence:
+    # the owner gives up after the message timeout, having allocated little.
+    manager, address = serve(echo, message_timeout_s=0.3)
+
+    def peak_rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak becomes the current RSS
+    before = peak_rss()
+    with authenticated_socket(address) as sock:
+        sock.sendall(struct.pack("!i", 200 << 20) + b"\x80\x04")
+        assert read_until_eof(sock) == b""
+    assert peak_rss() - before < 64 << 20
+    assert manager.stats()["served"] == 0
+
+
+def test_a_message_longer_than_a_first_read_arrives_whole(serve):
+    from mptok.transport.wire import _FIRST_READ_BYTES
+
+    _, address = serve(lambda text, key: [len(text)])
+    text = "w" * (3 * _FIRST_READ_BYTES)
+    assert EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S).encode(text) == [len(text)]
+
+
+# -- the ipc dir: no symbolic links, nothing left behind ----------------------
+
+
+def test_a_planted_symlink_is_refused_and_its_target_left_untouched(ipc_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    address = socket_path(ipc_dir, 0)
+    os.symlink(victim, address + ".lock")
+    with pytest.raises(PermissionError, match="symbolic link"):
+        serve_encode(address, answer_in_full(echo), KEY)
+    assert victim.read_text() == "precious"
+    assert not os.path.exists(address)
+    # The ipc dir itself may not be a link either, even to a good directory.
+    linked = tmp_path / "linked-ipc"
+    linked.symlink_to(ipc_dir)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        secure_ipc_dir(str(linked))
+
+
+def test_shutdown_leaves_neither_socket_nor_lock_file(serve, ipc_dir):
+    manager, address = serve(echo)
+    assert os.path.exists(address + ".lock")
+    assert manager.shutdown()
+    assert os.listdir(ipc_dir) == []
+    # and the path can be served again at once
+    again, _ = serve(echo)
+    assert EncodeProxy(address, KEY).encode("again") == echo("again", None)
+
+
+def test_owners_racing_for_one_path_never_serve_it_at_once(ipc_dir):
+    # close() removes the lock file while holding it; a contender that
+    # opened the old file must not end up holding it beside the next owner.
+    address = socket_path(ipc_dir, 0)
+    holders: list[int] = []
+    overlaps: list[list[int]] = []
+    guard = threading.Lock()
+
+    def contend(me: int) -> None:
+        served = 0
+        for _ in range(20_000):
+            if served == 40:
+                return
+            try:
+                manager = serve_encode(address, answer_in_full(echo), KEY, name=f"mptok-race-{me}")
+            except OwnerAlreadyServing:
+                continue
+            with guard:
+                holders.append(me)
+                if len(holders) > 1:
+                    overlaps.append(list(holders))
+            time.sleep(0.0005)
+            with guard:
+                holders.remove(me)
+            manager.shutdown()
+            served += 1
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_GUARD_S)
+    assert overlaps == []
+    assert os.listdir(ipc_dir) == []

@@ -43,6 +43,7 @@ from mptok.transport.wire import (
     MAX_UNIX_PATH_BYTES,
     TimedConnection,
     left_or_zero,
+    open_private_file,
     pack_int32,
 )
 
@@ -92,9 +93,9 @@ class _PeerConnection(TimedConnection):
     """The owner's end of a peer's connection.
 
     During the handshake one deadline bounds everything. Once serving, the
-    wait for the next request is bounded by the idle timeout, and reading a
-    request (once it has begun) and writing a reply each get their own
-    message timeout. A failure inside a request ends the connection with
+    wait for the first byte of the next request is bounded by the idle
+    timeout, and reading the rest of a request (its length header included)
+    and writing a reply each get their own message timeout. A failure inside a request ends the connection with
     ``EOFError`` (the stream cannot be resynchronised), which ends the
     manager's serve loop.
 
@@ -125,12 +126,18 @@ class _PeerConnection(TimedConnection):
         idle = self._limits.idle_timeout_s
         self.deadline = None if idle is None else time.monotonic() + idle
         try:
-            size = self._recv_length()
+            self._wait_for_message()
         except OSError as e:  # TimeoutError included: idle for too long
+            raise EOFError(f"no request: {e!r}") from e
+        # From its first byte on, a request (its header too) has the message
+        # timeout: a half-sent header does not hold the thread until idle.
+        self.deadline = time.monotonic() + self._limits.message_timeout_s
+        try:
+            size = self._recv_length()
+        except OSError as e:  # a bad header, or one that never ended
             raise EOFError(f"no request: {e!r}") from e
         if maxsize is not None and size > maxsize:
             return None
-        self.deadline = time.monotonic() + self._limits.message_timeout_s
         try:
             return self._recv(size)
         except (OSError, EOFError) as e:
@@ -384,17 +391,22 @@ class _SocketFile:
     releases when its holder exits, however it exits), says whether a live
     owner holds the path. If one does, opening raises ``OwnerAlreadyServing``
     instead of unlinking a live owner's socket; if none does, a socket file
-    left at the path is stale and is replaced. The lock file stays behind
-    (unlinking it would let two owners lock two different files). A child
-    forked without exec inherits the lock; it is released only when both
-    have exited.
+    left at the path is stale and is replaced. ``close()`` removes the lock
+    file too, while still holding it: whoever opened the file before it was
+    removed sees, once it holds the lock, that the path no longer names its
+    file, and starts over on the path's new file. Only a process killed
+    while serving leaves its lock file (harmless: the next owner takes it).
+    The lock file is never followed through a symbolic link. A child forked
+    without exec inherits the lock; it is released only when both have
+    exited.
     """
 
     def __init__(self, path: str):
         if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
             raise ValueError(f"socket path {path!r} is too long for a Unix socket; use a shorter ipc dir")
         self.path = path
-        self._lock_fd = _lock_or_raise(path + ".lock", path)
+        self._lock_path = path + ".lock"
+        self._lock_fd = _lock_or_raise(self._lock_path, path)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -410,32 +422,48 @@ class _SocketFile:
                 self.sock.close()
                 raise
         except BaseException:
-            os.close(self._lock_fd)
+            self._release_lock()
             raise
 
     def close(self) -> None:
         """Close the socket, remove its file if it is still ours, release the path."""
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(self.path).st_ino == self._inode:
+            if os.lstat(self.path).st_ino == self._inode:
                 os.unlink(self.path)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self._lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
+                os.unlink(self._lock_path)
         os.close(self._lock_fd)
 
 
 def _lock_or_raise(lock_path: str, path: str) -> int:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    """Hold ``lock_path``'s file with ``flock``; the fd is returned once the path names it."""
+    while True:
+        fd = open_private_file(lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OwnerAlreadyServing(
+                f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
+                "stop it first or give this frontend another id"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.lstat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        # The previous holder removed the file between our open and our lock.
         os.close(fd)
-        raise OwnerAlreadyServing(
-            f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
-            "stop it first or give this frontend another id"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
@@ -487,8 +515,11 @@ class TokenizeManager(BaseManager):
             self._acceptor = _Acceptor(self._socket.sock, server.handle_request, self._limits, self._name)
             self._state.value = State.STARTED
 
-    def shutdown(self) -> bool:  # type: ignore[override]
-        """Stop serving (idempotent). Returns whether every thread ended in time."""
+    def shutdown(self, timeout_s: float | None = None) -> bool:  # type: ignore[override]
+        """Stop serving (idempotent) within ``timeout_s`` (default: ``limits.close_timeout_s``).
+
+        Returns whether every thread ended in time.
+        """
         with self._lifecycle:
             if self._state.value != State.STARTED:
                 self._state.value = State.SHUTDOWN
@@ -496,7 +527,7 @@ class TokenizeManager(BaseManager):
             self._state.value = State.SHUTDOWN
             assert self._server is not None and self._acceptor is not None and self._socket is not None
             self._server.stop_event.set()
-            joined = self._acceptor.close(self._limits.close_timeout_s)
+            joined = self._acceptor.close(self._limits.close_timeout_s if timeout_s is None else timeout_s)
             self._socket.close()
             return joined
 

@@ -112,6 +112,7 @@ class EncodeProxy:
         since: int | None = None,
         shared_chars: int = 0,
         incarnation: Hashable = None,
+        deadline: float | None = None,
     ) -> PeerReply | None:
         """The owner's reply for a prompt of conversation ``key``.
 
@@ -120,8 +121,13 @@ class EncodeProxy:
         is the prompt after its first ``shared_chars`` characters, which it
         shares with that version (see ``PrefixTokenCache.encode_for_peer``);
         None means the owner cannot rebuild the prompt from that version.
+
+        The call ends by ``deadline`` (a ``time.monotonic()`` instant) if
+        given, else ``timeout_s`` from now: calls made for one prompt share
+        one deadline.
         """
-        deadline = time.monotonic() + self._timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         args = (text, key, since, shared_chars)
         link = self._reusable_link(incarnation)
         if link is not None:
@@ -131,13 +137,25 @@ class EncodeProxy:
                 pass
         return self._call(self._open(incarnation, deadline), args, deadline)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Close every thread's connection; calls in flight and later calls fail at once."""
+    def abort(self) -> list[_Link]:
+        """Fail calls in flight and later calls at once, without waiting; ``close()`` then frees the connections.
+
+        Returns the connections to free (for ``close()``).
+        """
         with self._links_lock:
             self._closed = True
             links = list(self._links)
         for link in links:
             link.abort()
+        return links
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close every thread's connection; calls in flight and later calls fail at once.
+
+        Waits at most ``timeout_s`` in all for the calls in flight to let go
+        of their connections.
+        """
+        links = self.abort()
         deadline = time.monotonic() + timeout_s
         for link in links:
             if link.in_use.acquire(timeout=left_or_zero(deadline)):
@@ -210,7 +228,7 @@ class EncodeProxy:
         if isinstance(e, TransportError):
             return e
         if isinstance(e, TimeoutError):
-            return OwnerTimeout(f"{step} with {self.address}: no answer within {self._timeout_s} s")
+            return OwnerTimeout(f"{step} with {self.address}: no answer by the deadline")
         if isinstance(e, MessageTooLarge):
             return OwnerError(f"{self.address}: {e}")
         if isinstance(e, AuthenticationError):

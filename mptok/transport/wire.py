@@ -17,6 +17,7 @@ side builds one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -45,6 +46,9 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux
 _SOCKET_BUFFER_BYTES = 4 << 20
 _INBOX_BYTES = 64 << 10
 _MAX_INBOX_BYTES = 1 << 20
+# A header alone never makes a buffer larger than this: a longer message's
+# buffer grows as its bytes arrive (at most the connection's message cap).
+_FIRST_READ_BYTES = 4 << 20
 
 
 def socket_path(ipc_dir: str, frontend_id: int) -> str:
@@ -56,16 +60,28 @@ def secure_ipc_dir(path: str) -> str:
     """Create ``path`` (mode 0700) if missing and check that only this user can enter it.
 
     With the authkey, the directory is what keeps other users away from the
-    sockets in it. Raises ``PermissionError`` if another user owns it or if
-    group or others have any access to it, ``NotADirectoryError`` if it is
-    not a directory. Returns the absolute path.
+    sockets in it. Raises ``PermissionError`` if ``path`` is a symbolic link
+    (its target is whatever the link says today, not a directory this user
+    made), if another user owns it, or if group or others have any access to
+    it; ``NotADirectoryError`` if it is not a directory. The checks are made
+    on the opened directory itself, so a path swapped between the check and
+    the open cannot pass. Returns the absolute path.
     """
     path = os.path.abspath(path)
     with contextlib.suppress(FileExistsError):
         os.makedirs(path, mode=0o700)
-    st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"ipc dir {path} is not a directory")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if os.path.islink(path):
+            raise PermissionError(f"ipc dir {path} is a symbolic link; give mptok a real directory") from None
+        if e.errno == errno.ENOTDIR:
+            raise NotADirectoryError(f"ipc dir {path} is not a directory") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if st.st_uid != os.geteuid():
         raise PermissionError(
             f"ipc dir {path} belongs to uid {st.st_uid}, not to this process's uid "
@@ -77,6 +93,27 @@ def secure_ipc_dir(path: str) -> str:
             f"must have no access to it (chmod 700 {path})"
         )
     return path
+
+
+def open_private_file(path: str, flags: int) -> int:
+    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link.
+
+    Raises ``PermissionError`` if ``path`` is a symbolic link or anything but
+    a regular file of this user: in the private ipc dir only a bug or
+    another program of this user plants one, and following it would make
+    mptok write wherever it points.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(f"{path} is a symbolic link; mptok refuses to follow it") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise PermissionError(f"{path} is not a regular file of uid {os.geteuid()}; mptok refuses to use it")
+    return fd
 
 
 class TransportError(Exception):
@@ -97,6 +134,10 @@ class OwnerError(TransportError):
 
 class MessageTooLarge(OSError):
     """A message longer than the connection accepts; its body was left unread."""
+
+
+class BadFrame(OSError):
+    """A length header no sender of this protocol writes (a negative length, say)."""
 
 
 def time_left(deadline: float | None) -> float | None:
@@ -129,8 +170,12 @@ class TimedConnection(connection.Connection):
     ``deadline`` (None: no limit), so a message is bounded as a whole however
     the peer trickles it, and a step past the deadline raises
     ``TimeoutError``. ``recv()`` refuses messages longer than
-    ``max_message_bytes`` (``MessageTooLarge``) and pickles that reference
-    globals (``pickle.UnpicklingError``).
+    ``max_message_bytes`` (``MessageTooLarge``), length headers that no
+    sender writes (``BadFrame``: a negative length would otherwise be read
+    as a message of bytes taken from the next one), and pickles that
+    reference globals (``pickle.UnpicklingError``). After either refusal the
+    stream is useless and the connection is shut down. No buffer larger
+    than ``_FIRST_READ_BYTES`` is allocated on the word of a header alone.
 
     Every socket call releases the GIL, and in a process whose main thread
     runs Python it may take a switch interval or far longer to get it back
@@ -210,21 +255,34 @@ class TimedConnection(connection.Connection):
         (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
         if size == -1:
             (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
+        elif size < 0:
+            self.shutdown()
+            raise BadFrame(f"length header {size}: not a message")
         return size
 
     def _recv(self, size: int, read: object = None) -> io.BytesIO:
         if size <= len(self._inbox):
             return io.BytesIO(self._take(size))
-        # Larger than the inbox: what the inbox holds, then the rest in place.
-        data = bytearray(size)
+        # Larger than the inbox: what the inbox holds, then the rest in place,
+        # in a buffer that grows only as the bytes arrive.
+        data = bytearray(min(size, _FIRST_READ_BYTES))
         got = self._end - self._start
         data[:got] = self._inbox[self._start : self._end]
         self._start = self._end = 0
         if len(self._inbox) < _MAX_INBOX_BYTES:
             self._inbox = bytearray(min(_MAX_INBOX_BYTES, 2 * size))
-        with memoryview(data) as view:
-            self._read_exactly(view[got:], got)
+        while got < size:
+            if got == len(data):
+                data.extend(bytes(min(size, 2 * got) - got))
+            with memoryview(data) as view:
+                self._read_exactly(view[got:], got)
+            got = len(data)
         return io.BytesIO(data)
+
+    def _wait_for_message(self) -> None:
+        """Block until the next message's first byte has arrived."""
+        if self._end == self._start:
+            self._fill(1)
 
     def _take(self, size: int) -> bytes:
         """The next ``size`` bytes of the stream (``size`` <= the inbox)."""

@@ -1,0 +1,119 @@
+"""The private directory of one ``mptok serve``, and the sweep of those whose server died.
+
+A supervisor removes its ipc directory when it exits, unless it is
+SIGKILLed (or the machine loses power): then ``mptok-serve-*`` directories
+pile up in the temporary directory. So each supervisor holds an ``flock``
+on a lock file in its directory for as long as it lives (the kernel
+releases it however the process ends), each frontend holds one on its
+socket's lock file (``mptok.transport``), and at start a supervisor removes
+the directories of this user whose every lock is free.
+
+What is never removed: a symbolic link, anything of another user, a
+directory with a held lock, and a directory with no supervisor lock file
+(one being created, or made by an mptok that did not write one: it cannot
+be told from a live one). The lock file appears under its final name only
+once it is locked, so a sweep cannot take the lock of a starting server.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import tempfile
+
+from mptok.logfmt import log_event
+
+logger = logging.getLogger("mptok.supervisor")
+
+PREFIX = "mptok-serve-"
+LOCK_NAME = "supervisor.lock"
+_LOCK_SUFFIX = ".lock"
+
+
+class RunDir:
+    """A new private directory (mode 0700) claimed by this process until ``close()``.
+
+    ``close()`` removes it with everything in it.
+    """
+
+    def __init__(self, parent: str | None = None):
+        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
+        try:
+            self._lock_fd = _claim(self.path)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)
+
+
+def _claim(path: str) -> int:
+    pending = os.path.join(path, f".{LOCK_NAME}.{os.getpid()}")
+    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, str(os.getpid()).encode())
+        os.rename(pending, os.path.join(path, LOCK_NAME))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sweep_stale(parent: str | None = None) -> list[str]:
+    """Remove this user's ``mptok-serve-*`` directories in ``parent`` whose server is gone.
+
+    ``parent`` defaults to the temporary directory. Returns what was removed;
+    never raises for one directory it cannot judge or remove (it is left).
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            if _remove_if_stale(path):
+                removed.append(path)
+                log_event(logger, logging.WARNING, "swept_stale_ipc_dir", path=path, reason="its server is gone")
+        except OSError as e:
+            logger.debug("left %s: %r", path, e)
+    return removed
+
+
+def _remove_if_stale(path: str) -> bool:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    held: list[int] = []
+    try:
+        if os.fstat(dir_fd).st_ino != st.st_ino:
+            return False
+        lock_names = [n for n in os.listdir(dir_fd) if n.endswith(_LOCK_SUFFIX)]
+        if LOCK_NAME not in lock_names:
+            return False
+        # The supervisor's lock first, then every frontend's: all free, or
+        # the directory is in use (a frontend may outlive its supervisor
+        # while it stops).
+        for name in [LOCK_NAME, *(n for n in lock_names if n != LOCK_NAME)]:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+            held.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        # Holding the supervisor's lock: no other sweep removes it meanwhile.
+        shutil.rmtree(path)
+        return True
+    finally:
+        for fd in held:
+            os.close(fd)
+        os.close(dir_fd)
