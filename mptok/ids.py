@@ -46,8 +46,8 @@ def _grow_to(highest: int) -> None:
         size = len(_shared_ints)
         if highest < size:
             return
-        # Grown by whole powers of two and swapped in whole, so that readers
-        # without the lock see either table, both valid.
+        # Grown by doubling and swapped in whole, so that readers without
+        # the lock see either table, both valid.
         new_size = min(max(size * 2, highest + 1), MAX_INTERNED_ID)
         _shared_ints = _shared_ints + list(range(size, new_size))
 
@@ -58,7 +58,7 @@ def intern_ids(ids: list[int]) -> list[int]:
     if not ids:
         return ids
     highest = max(ids)
-    if highest >= len(_shared_ints):
+    if len(_shared_ints) <= highest < MAX_INTERNED_ID:
         _grow_to(highest)
     table = _shared_ints
     if highest < len(table) and min(ids) >= 0:
