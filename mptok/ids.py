@@ -101,14 +101,10 @@ class IdPieces:
         """A new list of all the ids."""
         if not self.pieces:
             return []
-        if len(self.pieces) == 1:
-            ids, used = self.pieces[0]
-            return ids[:used]
-        out: list[int] = [0] * self.length
-        offset = 0
-        for ids, used in self.pieces:
-            out[offset : offset + used] = ids if used == len(ids) else ids[:used]
-            offset += used
+        (first, used), *rest = self.pieces
+        out = first[:used]
+        for ids, used in rest:  # growing in place beats preallocating (no stores of a filler)
+            out += ids if used == len(ids) else ids[:used]
         return out
 
     def slice(self, start: int, stop: int) -> list[int]:
