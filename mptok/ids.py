@@ -174,7 +174,7 @@ class IdPieces:
 
     def compacted(self) -> IdPieces:
         """The same ids in one list."""
-        joined = self.to_list()
+        joined = exact_list(self.to_list())
         return IdPieces(((joined, len(joined)),), len(joined))
 
     def rebased(self, before: IdPieces, after: IdPieces) -> IdPieces:
