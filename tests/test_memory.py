@@ -219,4 +219,6 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
     assert cache.stats()["hits"] >= 110
     assert abs(counted - traced) <= 0.25 * traced, (counted, traced)
     tokens = sum(len(full_ids(tokenizer, turns[-1])) for turns in texts.values())
-    assert traced / tokens < 10  # 8-byte slots of shared ints, the offsets window, a few versions
+    # 8-byte slots of shared ints, the offsets window, 16 versions' tails: about
+    # 10-11 here; 9.4 on scripts/bench_memory.py's longer conversations.
+    assert traced / tokens < 12
