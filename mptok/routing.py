@@ -65,7 +65,6 @@ _ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "r
 _HASH_PERSON = b"mptok-route-v1"
 
 
-
 def _answer_peer(
     cache: Any, tokenizer: Any, text: str, key: str | None, since: int | None, shared_chars: int
 ) -> PeerReply | None:
@@ -228,7 +227,8 @@ class TokenizationOwners:
         if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
             sys.setswitchinterval(switch_interval_s)
         config = getattr(cache, "config", None)
-        self._held = HeldReplies(max_bytes=config.max_held_bytes if isinstance(config, CacheConfig) else CacheConfig.max_held_bytes)
+        held_budget = config.max_held_bytes if isinstance(config, CacheConfig) else CacheConfig.max_held_bytes
+        self._held = HeldReplies(max_bytes=held_budget)
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
