@@ -55,14 +55,17 @@ def _grow_to(highest: int) -> None:
 def intern_ids(ids: list[int]) -> list[int]:
     """``ids`` (handed over, mutated in place) with each id replaced by the
     process-wide int object of its value; the same list is returned."""
-    if not ids:
+    if not ids or min(ids) < 0:  # a negative index would read the wrong int
         return ids
-    highest = max(ids)
-    if len(_shared_ints) <= highest < MAX_INTERNED_ID:
+    try:
+        # Materialized before anything is assigned: an IndexError leaves ids as they were.
+        ids[:] = map(_shared_ints.__getitem__, ids)
+    except IndexError:
+        highest = max(ids)
+        if highest >= MAX_INTERNED_ID:
+            return ids
         _grow_to(highest)
-    table = _shared_ints
-    if highest < len(table) and min(ids) >= 0:
-        ids[:] = map(table.__getitem__, ids)
+        ids[:] = map(_shared_ints.__getitem__, ids)
     return ids
 
 
