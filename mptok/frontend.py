@@ -89,6 +89,7 @@ class FrontendSettings:
     max_model_len: int | None = None
     served_model_names: tuple[str, ...] = ()
     enable_tokenizer_info_endpoint: bool = False
+    cache_bytes: int | None = None  # None: CacheConfig's (MPTOK_CACHE_MAX_BYTES or its default)
 
 
 # -- HTTP ------------------------------------------------------------------------
@@ -290,9 +291,10 @@ class Frontend:
         try:
             tokenizer = mptok.load_tokenizer(settings.tokenizer)
             template = ChatTemplate.for_tokenizer(tokenizer, settings.chat_template)
+            budget = {} if settings.cache_bytes is None else {"max_bytes": settings.cache_bytes}
             # load_tokenizer has built the cache's tokenizer copy, and
             # TokenizationOwners runs it once before peers can see this owner.
-            cache = mptok.PrefixTokenCache()
+            cache = mptok.PrefixTokenCache(mptok.CacheConfig.from_env(**budget))
             self.socket = self._stack.enter_context(
                 tcp_socket(settings.host, settings.port, reuse_port=True)
             )

@@ -74,6 +74,7 @@ class ServeOptions:
     tokenizer: str | None = None
     chat_template_file: str | None = None
     max_prompt_chars: int = 4_000_000
+    cache_bytes: int | None = None
     threads: int = 4
     route_timeout_s: float = 5.0
     route_backoff_s: float = 10.0
@@ -285,6 +286,7 @@ class Supervisor:
             tokenizer=options.tokenizer,
             chat_template=self._template_source,
             max_prompt_chars=options.max_prompt_chars,
+            cache_bytes=options.cache_bytes,
             threads=options.threads,
             route_timeout_s=options.route_timeout_s,
             route_backoff_s=options.route_backoff_s,
