@@ -4,7 +4,7 @@ A new prompt shares a prefix with a cached one. Re-tokenizing only from a
 *seam* inside that prefix is exact when full tokenization of the new prompt
 splits there too and the text before the seam does not influence the tokens
 after it. Comparing the first re-tokenized ids with the cached ids is not
-enough (see NOTES.md: NFC composes across seams, the legacy SentencePiece
+enough (docs/CACHE.md: NFC composes across seams, the legacy SentencePiece
 layout adds a dummy prefix whose ids still match), so a seam must pass all of:
 
 1. It starts a pre-token (or an added token): BPE, WordPiece and Unigram
