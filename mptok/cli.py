@@ -25,6 +25,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -53,6 +60,11 @@ _SERVE_OPTIONS = (
     ("--max-prompt-chars", "max_prompt_chars", _positive_int, "N",
      "longest prompt (after the chat template) in characters; longer ones get 413 (default: %(default)s)"),
     ("--threads", "threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)"),
+    ("--affinity-chars", "affinity_chars", _non_negative_int, "N",
+     "route a raw prompt that carries no conversation id by a hash of its first N characters "
+     "(0: such prompts are not routed); right only when those characters differ between "
+     "conversations: prompts sharing a longer prefix all go to one frontend. Chats without an id "
+     "are always routed by their first messages (default: %(default)s)"),
     ("--route-timeout", "route_timeout_s", _seconds, "S",
      "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself "
      "(default: %(default)s)"),

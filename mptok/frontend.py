@@ -62,6 +62,7 @@ class FrontendSettings:
     chat_template: str | None  # the template's source, read by the supervisor
     max_prompt_chars: int
     threads: int
+    affinity_chars: int
     route_timeout_s: float
     route_backoff_s: float
     graceful_timeout_s: float
@@ -211,6 +212,7 @@ class Frontend:
                 template,
                 max_prompt_chars=settings.max_prompt_chars,
                 threads=settings.threads,
+                affinity_chars=settings.affinity_chars,
             )
             self._stack.callback(self.service.close, settings.graceful_timeout_s)
             self._snapshots = SnapshotDir(settings.ipc_dir)

@@ -70,6 +70,7 @@ class ServeOptions:
     chat_template_file: str | None = None
     max_prompt_chars: int = 4_000_000
     threads: int = 4
+    affinity_chars: int = 0
     route_timeout_s: float = 5.0
     route_backoff_s: float = 10.0
     graceful_timeout_s: float = 10.0
@@ -263,6 +264,7 @@ class Supervisor:
             chat_template=self._template_source,
             max_prompt_chars=options.max_prompt_chars,
             threads=options.threads,
+            affinity_chars=options.affinity_chars,
             route_timeout_s=options.route_timeout_s,
             route_backoff_s=options.route_backoff_s,
             graceful_timeout_s=options.graceful_timeout_s,

@@ -19,8 +19,9 @@ from typing import Any
 
 import orjson
 
+from mptok.affinity import IdentityKind, identify
 from mptok.chat_template import ChatTemplate, ChatTemplateError
-from mptok.counting import Histogram
+from mptok.counting import Counters, Histogram
 from mptok.logfmt import log_event
 from mptok.tokenize_request import RequestError, TokenizeRequest, error_body, parse_tokenize_request
 
@@ -98,9 +99,11 @@ class TokenizeService:
         *,
         max_prompt_chars: int,
         threads: int,
+        affinity_chars: int = 0,
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
+        self._affinity_chars = affinity_chars
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self._cache = cache
@@ -113,6 +116,7 @@ class TokenizeService:
         self._in_flight: set[concurrent.futures.Future] = set()
         self._in_flight_lock = threading.Lock()
         self.tokenize_seconds = Histogram()
+        self._identities = Counters(tuple(kind.value for kind in IdentityKind))
         self._requests: Counter[str] = Counter()
         self._requests_lock = threading.Lock()
         log_event(
@@ -156,6 +160,7 @@ class TokenizeService:
             "cache": self._cache.stats(),
             "tokenize_seconds": self.tokenize_seconds.snapshot(),
             "requests": requests,
+            "identities": self._identities.snapshot(),
         }
 
     def close(self, timeout_s: float) -> None:
@@ -174,8 +179,10 @@ class TokenizeService:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
             text = self._text_of(request)
+            identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars)
+            self._identities.add(identity.kind.value)
             started = time.perf_counter()
-            ids = self.tokenize(text, request.add_special_tokens, request.conversation_id)
+            ids = self.tokenize(text, request.add_special_tokens, identity.key)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
         except RequestError as e:
