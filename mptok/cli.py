@@ -39,6 +39,18 @@ def _port(text: str) -> int:
     return value
 
 
+def _bytes(text: str) -> int:
+    from mptok.config import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -59,6 +71,9 @@ _SERVE_OPTIONS = (
      "else the built-in DeepSeek V3 template when the tokenizer has its special tokens"),
     ("--max-prompt-chars", "max_prompt_chars", _positive_int, "N",
      "longest prompt (after the chat template) in characters; longer ones get 413 (default: %(default)s)"),
+    ("--cache-bytes", "cache_bytes", _bytes, "SIZE",
+     "memory each frontend's prefix cache may hold for its conversations (text, ids, offsets, "
+     "versions, keys), e.g. 512M or 2G; default: MPTOK_CACHE_MAX_BYTES, else 512MiB"),
     ("--threads", "threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)"),
     ("--affinity-chars", "affinity_chars", _non_negative_int, "N",
      "route a raw prompt that carries no conversation id by a hash of its first N characters "

@@ -66,6 +66,7 @@ class FrontendSettings:
     route_timeout_s: float
     route_backoff_s: float
     graceful_timeout_s: float
+    cache_bytes: int | None = None  # None: CacheConfig's (MPTOK_CACHE_MAX_BYTES or its default)
 
 
 # -- HTTP ------------------------------------------------------------------------
@@ -185,7 +186,8 @@ class Frontend:
         try:
             tokenizer = mptok.load_tokenizer(settings.tokenizer)
             template = ChatTemplate.for_tokenizer(tokenizer, settings.chat_template)
-            cache = mptok.PrefixTokenCache()
+            budget = {} if settings.cache_bytes is None else {"max_bytes": settings.cache_bytes}
+            cache = mptok.PrefixTokenCache(mptok.CacheConfig.from_env(**budget))
             # Builds the process-wide tokenizer backend (about a second) before
             # peers can route here, or their first call could time out on it;
             # on a throwaway cache, so that the served one counts only requests.

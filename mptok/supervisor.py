@@ -69,6 +69,7 @@ class ServeOptions:
     tokenizer: str | None = None
     chat_template_file: str | None = None
     max_prompt_chars: int = 4_000_000
+    cache_bytes: int | None = None
     threads: int = 4
     affinity_chars: int = 0
     route_timeout_s: float = 5.0
@@ -263,6 +264,7 @@ class Supervisor:
             tokenizer=options.tokenizer,
             chat_template=self._template_source,
             max_prompt_chars=options.max_prompt_chars,
+            cache_bytes=options.cache_bytes,
             threads=options.threads,
             affinity_chars=options.affinity_chars,
             route_timeout_s=options.route_timeout_s,
