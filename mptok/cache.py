@@ -48,6 +48,18 @@ Route = Callable[[str, str], "list[int] | None"]
 # character with the newest prompt is of no use to a peer and is dropped.
 PEER_HISTORY = 16
 
+# Prompts kept under one conversation key. Two conversations may share a key
+# (one derived from their identical first messages, ``mptok.affinity``; a
+# client that reuses a session id; a regenerated answer): each keeps a branch
+# of its own, and a prompt extends the branch it shares the most with,
+# instead of the conversations evicting each other turn after turn.
+MAX_BRANCHES = 4
+# A prompt that parts from the branch it extends within this many characters
+# of the end of either replaces that branch (a chat template rewrites its
+# generation prompt, a few characters, every turn; a client resends an
+# earlier turn); one that parts earlier starts a branch of its own.
+BRANCH_SLACK_CHARS = 256
+
 # What an entry costs beyond its text, ids and offsets, which are counted by
 # size: the entry, prompt and IdPieces objects, the holder tuple, the slots of
 # the LRU dict and of the content index. Measured with tracemalloc
@@ -102,6 +114,9 @@ class PrefixTokenCache:
         self.route: Route | None = None
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        # (backend serial, key) -> the holders of that key's branches, oldest first.
+        self._branches: dict[tuple[int, str], list[Hashable]] = {}
+        self._branch_ids = itertools.count(1)
         self._cached_chars = 0
         self._cached_bytes = 0
         self._by_content = PrefixIndex()
@@ -170,11 +185,13 @@ class PrefixTokenCache:
         old_ids = None
         if since is not None:
             with self._lock:
-                entry = self._entries.get((backend.serial, key))
-            known = _version_in(entry, since) if entry is not None else None
-            if known is None or not 0 <= shared_chars <= known[1]:
+                branches = self._branches_of(backend.serial, key)
+            found = next(
+                ((entry, known) for entry in branches if (known := _version_in(entry, since)) is not None), None
+            )
+            if found is None or not 0 <= shared_chars <= found[1][1]:
                 return None
-            old_ids = known[0]
+            entry, (old_ids, _) = found
             text = entry.prompt.text[:shared_chars] + text
         try:
             entry = self._entry_here(backend, text, key)
@@ -279,21 +296,13 @@ class PrefixTokenCache:
             return None
 
     def _encode_cached(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry:
-        holder: Hashable = (backend.serial, key) if key is not None else None
-        with self._lock:
-            if key is None:
-                holder = self._by_content.longest_prefix_of(text)
-                known = self._entries.get(holder) if holder is not None else None
-                if known is None or holder[0] != backend.serial:
-                    holder = (backend.serial, None, next(self._anonymous))
-                    known = None
-            else:
-                known = self._entries.get(holder)
+        if key is None:
+            holder, known, shared = self._kept_by_content(backend, text)
+        else:
+            holder, known, shared = self._branch_for(backend, key, text)
         config = self.config
         prompt = None
-        shared = 0
         if known is not None:
-            shared = common_prefix_length(known.prompt.text, text)
             prompt = extend_prompt(
                 backend,
                 known.prompt,
@@ -320,6 +329,44 @@ class PrefixTokenCache:
         self._keep(holder, entry, by_content=key is None)
         return entry
 
+    def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:
+        """For a keyless prompt: the holder to keep it under, the kept prompt
+        it extends (the longest one it starts with) and their shared length."""
+        with self._lock:
+            holder = self._by_content.longest_prefix_of(text)
+            known = self._entries.get(holder) if holder is not None else None
+        if known is None or holder[0] != backend.serial:
+            return (backend.serial, None, next(self._anonymous)), None, 0
+        return holder, known, len(known.prompt.text)
+
+    def _branch_for(self, backend: TokenizerBackend, key: str, text: str) -> tuple[Hashable, _Entry | None, int]:
+        """For a prompt of conversation ``key``: the holder to keep it under,
+        the kept branch it extends (the one it shares the most characters
+        with) and their shared length. It starts a new branch when the two
+        share more than ``BRANCH_SLACK_CHARS`` characters and part ways more
+        than that before the end of either; else it replaces that branch (a
+        prompt sharing next to nothing restarts the conversation)."""
+        with self._lock:
+            holders = list(self._branches.get((backend.serial, key), ()))
+            candidates = [(holder, self._entries[holder]) for holder in holders]
+        best: tuple[Hashable, _Entry | None, int] = (None, None, -1)
+        for holder, entry in candidates:
+            shared = common_prefix_length(entry.prompt.text, text)
+            if shared > best[2]:
+                best = (holder, entry, shared)
+        holder, known, shared = best
+        if known is None:
+            # The first branch has a fixed holder, so that threads starting
+            # one conversation at once keep one branch, not one each.
+            holder = (backend.serial, key, 0)
+        elif BRANCH_SLACK_CHARS <= shared < min(len(known.prompt.text), len(text)) - BRANCH_SLACK_CHARS:
+            holder = (backend.serial, key, next(self._branch_ids))
+        return holder, known, max(shared, 0)
+
+    def _branches_of(self, serial: int, key: str) -> list[_Entry]:
+        """The kept branches of ``key``, newest first; the caller holds the lock."""
+        return [self._entries[holder] for holder in reversed(self._branches.get((serial, key), ()))]
+
     def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool) -> None:
         """Keep ``entry`` as the newest, then evict the least recently used
         until every limit holds; an entry over the byte budget by itself is
@@ -334,6 +381,11 @@ class PrefixTokenCache:
             self._cached_bytes += entry.nbytes
             if by_content:
                 self._by_content.add(holder, entry.prompt.text)
+            else:
+                branches = self._branches.setdefault(holder[:2], [])
+                branches.append(holder)
+                if len(branches) > MAX_BRANCHES:
+                    self._drop(branches[0])
             while (
                 len(self._entries) > config.max_entries
                 or self._cached_bytes > config.max_bytes
@@ -348,6 +400,11 @@ class PrefixTokenCache:
             self._cached_chars -= len(old.prompt.text)
             self._cached_bytes -= old.nbytes
             self._by_content.discard(holder)
+            branches = self._branches.get(holder[:2])
+            if branches is not None and holder in branches:
+                branches.remove(holder)
+                if not branches:
+                    del self._branches[holder[:2]]
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
         try:
@@ -358,6 +415,7 @@ class PrefixTokenCache:
     def _forget_all(self) -> None:
         """Drop every kept prompt; the caller holds the lock."""
         self._entries.clear()
+        self._branches.clear()
         self._by_content = PrefixIndex()
         self._cached_chars = 0
         self._cached_bytes = 0

@@ -81,6 +81,11 @@ _SERVE_OPTIONS = (
      "memory each frontend's prefix cache may hold for its conversations (text, ids, offsets, "
      "versions, keys), e.g. 512M or 2G; default: MPTOK_CACHE_MAX_BYTES, else 512MiB"),
     ("--threads", "threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)"),
+    ("--affinity-chars", "affinity_chars", _non_negative_int, "N",
+     "route a raw prompt that carries no conversation id by a hash of its first N characters "
+     "(0: such prompts are not routed); right only when those characters differ between "
+     "conversations: prompts sharing a longer prefix all go to one frontend. Chats without an id "
+     "are always routed by their first messages (default: %(default)s)"),
     ("--route-timeout", "route_timeout_s", _seconds, "S",
      "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself "
      "(default: %(default)s)"),

@@ -76,6 +76,7 @@ class FrontendSettings:
     chat_template: str | None  # the template's source, read by the supervisor
     max_prompt_chars: int
     threads: int
+    affinity_chars: int
     route_timeout_s: float
     route_backoff_s: float
     graceful_timeout_s: float
@@ -325,6 +326,7 @@ class Frontend:
                 max_messages=settings.max_messages,
                 max_model_len=resolve_max_model_len(settings.max_model_len, tokenizer),
                 served_model_names=settings.served_model_names,
+                affinity_chars=settings.affinity_chars,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from mptok.affinity import IdentityKind
 from mptok.routing import FALLBACK_REASONS
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,10 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
         for reason in FALLBACK_REASONS:
             value = snap.get("routing", {}).get(f"fallback_{reason}", 0)
             _sample(out, "mptok_route_fallbacks_total", {"frontend": frontend, "reason": reason}, value)
+    _header(out, "mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).")
+    for frontend, snap in frontends:
+        for kind in IdentityKind:
+            _sample(out, "mptok_prompts_total", {"frontend": frontend, "identity": kind.value}, snap.get("identities", {}).get(kind.value, 0))
     _header(out, "mptok_http_requests_total", "counter", "HTTP requests answered, by path and status code.")
     for frontend, snap in frontends:
         for path_code, value in sorted(snap.get("requests", {}).items()):

@@ -76,6 +76,7 @@ class ServeOptions:
     max_prompt_chars: int = 4_000_000
     cache_bytes: int | None = None
     threads: int = 4
+    affinity_chars: int = 0
     route_timeout_s: float = 5.0
     route_backoff_s: float = 10.0
     graceful_timeout_s: float = 10.0
@@ -288,6 +289,7 @@ class Supervisor:
             max_prompt_chars=options.max_prompt_chars,
             cache_bytes=options.cache_bytes,
             threads=options.threads,
+            affinity_chars=options.affinity_chars,
             route_timeout_s=options.route_timeout_s,
             route_backoff_s=options.route_backoff_s,
             graceful_timeout_s=options.graceful_timeout_s,

@@ -89,14 +89,16 @@ def test_history_counts_and_history_sharing_nothing_is_dropped(tokenizer):
     assert with_history - alone >= remembered * 0.9
     reply = cache.encode_for_peer(tokenizer, "c", "", since=_version(cache, "c"), shared_chars=0)
     assert reply is not None
-    # An unrelated prompt under the same key: nothing earlier is kept.
+    # An unrelated prompt under a key: nothing earlier of that key is kept.
+    cache.encode(tokenizer, base, key="d")
+    old_version = _version(cache, "d")
+    before = cache.stats()["cached_bytes"]
     unrelated = "Z" + plain_delta(rng, 1000)
-    old_version = _version(cache, "c")
-    cache.encode(tokenizer, unrelated, key="c")
-    entry = _entry(cache, "c")
+    cache.encode(tokenizer, unrelated, key="d")
+    entry = _entry(cache, "d")
     assert entry.history == ()
-    assert cache.encode_for_peer(tokenizer, "c", "x", since=old_version, shared_chars=0) is None
-    assert cache.stats()["cached_bytes"] < with_history
+    assert cache.encode_for_peer(tokenizer, "d", "x", since=old_version, shared_chars=0) is None
+    assert cache.stats()["cached_bytes"] < before
 
 
 def _entry(cache: PrefixTokenCache, key: str):
