@@ -674,7 +674,7 @@ def main() -> int:
                 by_mode[mode].append(run_mode(mode, conversations, args.frontends, args.clients, work, progress))
     results = [pooled(by_mode[mode]) for mode in modes]
     command = "    .venv/bin/python scripts/replay_bench.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
         if k not in ("no_write", "quiet") and v != parser.get_default(k)
     )
     sizes = [len(c.turns[-1].expected) for c in conversations]
