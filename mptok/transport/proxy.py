@@ -17,11 +17,11 @@ import time
 import weakref
 from array import array
 from collections.abc import Hashable
-from multiprocessing import AuthenticationError, connection
+from multiprocessing import AuthenticationError
 
 from mptok.peer import PeerReply
+from mptok.transport.mp_private import ACCEPT_CONNECTION, authenticate_to_owner
 from mptok.transport.wire import (
-    ACCEPT_CONNECTION,
     ENCODE_TYPEID,
     INT32,
     MessageTooLarge,
@@ -212,8 +212,7 @@ class EncodeProxy:
             sock.connect(self.address)
             conn = TimedConnection(sock, self._max_reply_bytes)
             conn.deadline = deadline
-            connection.answer_challenge(conn, self._authkey)
-            connection.deliver_challenge(conn, self._authkey)
+            authenticate_to_owner(conn, self._authkey)
             conn.send((None, ACCEPT_CONNECTION, ("mptok-peer",), {}))
             kind, result = conn.recv()
             if kind != "#RETURN":
