@@ -49,8 +49,9 @@ form that test checks.
   of exposed methods, reused as it is; it ends its thread with
   ``sys.exit()`` on EOF.
 * ``Server.handle_request(conn)`` and ``Server.accept_connection(c, name)``:
-  overridden (a bounded handshake, then only ``accept_connection``; the
-  thread is not renamed after what the peer sent).
+  overridden (``serve_peer``: a handshake bounded by the connection's
+  deadline, then only ``accept_connection``; the thread is not renamed
+  after what the peer sent).
 * ``Server.public`` and ``Server.fallback_mapping``: overridden to expose
   only ``accept_connection`` and no ``#GETVALUE``/``__str__``/``__repr__``
   fallbacks.
@@ -248,6 +249,9 @@ class OwnerServer(Server):
         self.stop_event.set()
 
     def handle_request(self, conn: ServedConnection) -> None:
+        self.serve_peer(conn)
+
+    def serve_peer(self, conn: ServedConnection) -> None:
         """Authenticate ``conn`` (within whatever bound it has), then serve it until it ends."""
         try:
             authenticate_client(conn, self.authkey)

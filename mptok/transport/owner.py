@@ -116,7 +116,7 @@ class TokenizeManager(InProcessManager):
 
     def _start_listening(self, server: OwnerServer) -> None:
         self._socket = _SocketFile(self.address)
-        self._acceptor = _Acceptor(self._socket.sock, server.handle_request, self._limits, self._name)
+        self._acceptor = _Acceptor(self._socket.sock, server.serve_peer, self._limits, self._name)
 
     def _stop_listening(self, timeout_s: float | None) -> bool:
         """Returns whether every thread ended in time (default budget: ``limits.close_timeout_s``)."""

@@ -88,7 +88,7 @@ class EncodeProxy:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
         self.address = address
-        self._authkey = authkey
+        self._key = authkey
         self._timeout_s = timeout_s
         self._max_reply_bytes = max_reply_bytes
         self._local = threading.local()
@@ -212,7 +212,7 @@ class EncodeProxy:
             sock.connect(self.address)
             conn = TimedConnection(sock, self._max_reply_bytes)
             conn.deadline = deadline
-            authenticate_to_owner(conn, self._authkey)
+            authenticate_to_owner(conn, self._key)
             conn.send((None, ACCEPT_CONNECTION, ("mptok-peer",), {}))
             kind, result = conn.recv()
             if kind != "#RETURN":
