@@ -76,7 +76,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection, process
 from multiprocessing.managers import BaseManager, Server, State
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from mptok.counting import Counters
 
@@ -200,12 +200,15 @@ class HookedConnection(connection.Connection):
         self.close_handle()
 
 
-class ServedConnection(HookedConnection):
-    """What ``OwnerServer`` needs of a connection besides ``Connection``'s own methods."""
+class ServedConnection(Protocol):
+    """What ``OwnerServer`` needs of a connection (``TimedConnection`` and ``start_serving``)."""
+
+    def recv(self) -> Any: ...
+
+    def send(self, obj: Any) -> None: ...
 
     def start_serving(self) -> None:
         """The handshake is over: requests follow."""
-        raise NotImplementedError
 
 
 class OwnerServer(Server):
