@@ -542,10 +542,9 @@ class TokenizeManager(BaseManager):
         stats.update(self._server.counters.snapshot())
         stats.update(self._acceptor.counters.snapshot())
         stats["active_connections"] = self._acceptor.active_connections()
-        for entry in self._server.id_to_obj.values():
-            counters = getattr(entry[0], "counters", None)
-            if isinstance(counters, Counters):
-                stats.update(counters.snapshot())
+        for served, *_ in self._server.id_to_obj.values():
+            if isinstance(served, _EncodeService):
+                stats.update(served.counters.snapshot())
         return stats
 
     def timings(self) -> dict[str, dict[str, Any]]:
@@ -553,9 +552,9 @@ class TokenizeManager(BaseManager):
         timings: dict[str, dict[str, Any]] = {}
         if self._server is None:
             return timings
-        for entry in self._server.id_to_obj.values():
-            for name, histogram in getattr(entry[0], "timings", {}).items():
-                timings[name] = histogram.snapshot()
+        for served, *_ in self._server.id_to_obj.values():
+            if isinstance(served, _EncodeService):
+                timings.update((name, histogram.snapshot()) for name, histogram in served.timings.items())
         return timings
 
 
