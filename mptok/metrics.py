@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from mptok.affinity import IdentityKind
-from mptok.counting import FALLBACK_REASONS
+from mptok.counting import FALLBACK_REASONS, Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +279,27 @@ SUPERVISOR_METRICS: tuple[Metric, ...] = (
     Metric("mptok_frontend_restarts_total", "counter", "Times the supervisor restarted this frontend id.", Table(("restarts",), ("frontend",), _frontend_id, int)),
     Metric("mptok_frontend_given_up", "gauge", "1 while the supervisor has given up restarting this frontend id (--max-restarts within --restart-window).", Table(("given_up",), ("frontend",), _frontend_id, int)),
 )  # fmt: skip
+
+
+def example_frontend_snapshot() -> dict[str, Any]:
+    """A frontend snapshot with a value at every path ``FRONTEND_METRICS`` and ``NOT_RENDERED``
+    name and nothing else: counts 7, one request, one observation per histogram (tests, benchmarks)."""
+    snapshot: dict[str, Any] = {}
+    for metric in FRONTEND_METRICS:
+        for path in [*metric.source.paths(), *NOT_RENDERED]:
+            *sections, key = path
+            place = snapshot
+            for section in sections:
+                place = place.setdefault(section, {})
+            if isinstance(metric.source, Table):
+                place[key] = {"/tokenize 200": 1}
+            elif metric.kind == "histogram" and path == metric.source.paths()[0]:
+                histogram = Histogram()
+                histogram.observe(0.002)
+                place[key] = histogram.snapshot()
+            else:
+                place.setdefault(key, 7)
+    return snapshot
 
 
 # -- the Prometheus text format -----------------------------------------------
