@@ -7,9 +7,10 @@ the audit and the renderer do with a snapshot that does not match.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from mptok.counting import Histogram
-from mptok.metrics import SUPERVISOR_SNAPSHOT, audit, example_frontend_snapshot, render_prometheus
+from mptok.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, audit, example_frontend_snapshot, render_prometheus
 
 
 def test_a_declared_snapshot_renders_whole():
@@ -51,3 +52,9 @@ def test_histogram_buckets_are_cumulative_and_end_at_inf():
         'mptok_tokenize_seconds_count{frontend="0"} 4',
     ]
     assert math.isclose(histogram.snapshot()["sum"], 6.05)
+
+
+def test_every_declared_series_is_in_the_serve_docs():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "SERVE.md").read_text()
+    missing = [metric.name for metric in FRONTEND_METRICS + SUPERVISOR_METRICS if f"`{metric.name}" not in docs]
+    assert missing == []
