@@ -202,6 +202,12 @@ class Metric:
     help: str
     source: Source
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("counter", "gauge", "histogram"):
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not counter, gauge or histogram")
+        if (self.kind == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: a counter's name, and only a counter's, ends with _total")
+
     @property
     def labels(self) -> tuple[str, ...]:
         return self.source.label_names()
