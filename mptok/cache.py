@@ -28,6 +28,7 @@ from typing import Any
 
 from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
 from mptok.config import CacheConfig, check_key
+from mptok.counting import Counters
 from mptok.errors import RouteFailed
 from mptok.ids import IdPieces, common_prefix_length, held_bytes
 from mptok.peer import PeerReply
@@ -126,9 +127,8 @@ class PrefixTokenCache:
         self._versions = itertools.count(secrets.randbits(62) + 1)
         self._disabled = False
         self._warned_slow = False
-        self._counts = dict.fromkeys(
-            ("hits", "misses", "resync_failures", "uncached", "routed", "route_failures", "allocation_failures"),
-            0,
+        self._counters = Counters(
+            ("hits", "misses", "resync_failures", "uncached", "routed", "route_failures", "allocation_failures")
         )
 
     # -- public API ---------------------------------------------------------
@@ -213,7 +213,7 @@ class PrefixTokenCache:
         """
         with self._lock:
             return dict(
-                self._counts,
+                self._counters.snapshot(),
                 entries=len(self._entries),
                 cached_chars=self._cached_chars,
                 cached_bytes=self._cached_bytes,
@@ -287,7 +287,7 @@ class PrefixTokenCache:
             # Memory is short: give back what the cache holds and tokenize
             # in full; the cache fills again from the next prompt on.
             with self._lock:
-                self._counts["allocation_failures"] += 1
+                self._counters.add("allocation_failures")
                 self._forget_all()
             logger.warning("out of memory while caching a prompt; cache emptied, tokenizing in full")
             return None
@@ -421,8 +421,7 @@ class PrefixTokenCache:
         self._cached_bytes = 0
 
     def _count(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
+        self._counters.add(name)
 
     def _disable(self) -> None:
         with self._lock:

@@ -1,10 +1,11 @@
 """Counts that many threads bump at once, kept by the component that counts.
 
 The cache, the transport, routing and the HTTP service each count their own
-events and time their own work; ``mptok.metrics`` only collects their
-snapshots and renders them. Kept apart from both, these two classes let every
-component count without importing the exposition format (which imports
-routing for its fallback reasons).
+events and time their own work with these two classes, and nothing else;
+``mptok.metrics`` only collects their snapshots and renders them. Kept apart
+from both, they let every component count without importing the exposition
+format, and the exposition format read the names of routing's fallback
+reasons without importing routing.
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ from typing import Any
 # Seconds: a cache hit is about 1 ms, a 200k-token prompt in full about
 # 0.5 s, and a request whose routed call timed out (mptok_tokenize_seconds)
 # takes the route timeout.
+# Why a prompt was not tokenized by its conversation's owner: the owner was
+# skipped without a call (the first six), or the call failed. Routing counts
+# them as ``fallback_<reason>``; mptok_route_fallbacks_total{reason} shows them.
+FALLBACK_REASONS = ("not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "error")
+
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Counters:
-    """Named event counts that many threads may bump at once."""
+    """Named event counts that many threads may bump at once; ``snapshot()`` has every name in
+    ``names`` (0 until counted) and every other name counted so far."""
 
     def __init__(self, names: tuple[str, ...] = ()):
         self._lock = threading.Lock()

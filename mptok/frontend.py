@@ -387,7 +387,6 @@ class Frontend:
         self._snapshots.write(
             self.settings.frontend_id,
             {
-                "frontend": self.settings.frontend_id,
                 "pid": os.getpid(),
                 "started": self._started,
                 "routing": self.owners.stats(),

@@ -9,8 +9,17 @@ with a ``frontend`` label on every series: when a frontend restarts, its
 counters restart from zero in its own series, which Prometheus reads as a
 counter reset, not as a drop of the whole server.
 
-The supervisor writes one snapshot too (``supervisor.json``): restarts and
-whether each frontend is up.
+The supervisor writes one snapshot too (``metrics-supervisor.json``):
+whether each frontend is up, its restarts, whether it was given up.
+
+Every series is declared once, in ``FRONTEND_METRICS`` and
+``SUPERVISOR_METRICS``: its name, kind, help, labels and where its values
+are in a snapshot. ``audit`` lists what a snapshot lacks of that
+declaration and what it holds that nothing renders; the tests run it on a
+real server's snapshots, so a renamed counter fails there instead of
+showing zeros. Why snapshots and not ``prometheus_client``'s multiprocess
+mode: docs/SERVE.md ("Why snapshot files", measured by
+``scripts/bench_metrics.py``).
 """
 
 from __future__ import annotations
@@ -21,13 +30,14 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from mptok.affinity import IdentityKind
-from mptok.routing import FALLBACK_REASONS
+from mptok.counting import FALLBACK_REASONS, Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -110,95 +120,273 @@ class PeriodicTask:
             logger.warning("periodic task %s failed", self._thread.name, exc_info=True)
 
 
+# -- what each series is and where its values come from ----------------------
+
+SnapshotPath = tuple[str, ...]
+Labels = dict[str, Any]
+
+
+def _at(snapshot: Mapping[str, Any], path: SnapshotPath) -> Any:
+    """The value at ``path``; raises ``KeyError`` when it is not there (never a default)."""
+    value: Any = snapshot
+    for part in path:
+        value = value[part]
+    return value
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value at ``path``; ``labels`` maps label names to the paths of their values."""
+
+    path: SnapshotPath
+    labels: Mapping[str, SnapshotPath] = field(default_factory=dict)
+
+    def samples(self, snapshot: Mapping[str, Any]) -> Iterator[tuple[Labels, Any]]:
+        yield {name: _at(snapshot, path) for name, path in self.labels.items()}, _at(snapshot, self.path)
+
+    def paths(self) -> list[SnapshotPath]:
+        return [self.path, *self.labels.values()]
+
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(self.labels)
+
+
+@dataclass(frozen=True)
+class OnePerLabel:
+    """One value per value of ``label``, each at its own path (a fixed set)."""
+
+    label: str
+    paths_by_value: Mapping[str, SnapshotPath]
+
+    def samples(self, snapshot: Mapping[str, Any]) -> Iterator[tuple[Labels, Any]]:
+        for value, path in self.paths_by_value.items():
+            yield {self.label: value}, _at(snapshot, path)
+
+    def paths(self) -> list[SnapshotPath]:
+        return list(self.paths_by_value.values())
+
+    def label_names(self) -> tuple[str, ...]:
+        return (self.label,)
+
+
+@dataclass(frozen=True)
+class Table:
+    """Every entry of the mapping at ``path``; ``split`` turns an entry's key into the values of ``labels``."""
+
+    path: SnapshotPath
+    labels: tuple[str, ...]
+    split: Callable[[str], tuple[str, ...]]
+    order: Callable[[str], Any] = str
+
+    def samples(self, snapshot: Mapping[str, Any]) -> Iterator[tuple[Labels, Any]]:
+        for key, value in sorted(_at(snapshot, self.path).items(), key=lambda item: self.order(item[0])):
+            yield dict(zip(self.labels, self.split(key), strict=True)), value
+
+    def paths(self) -> list[SnapshotPath]:
+        return [self.path]
+
+    def label_names(self) -> tuple[str, ...]:
+        return self.labels
+
+
+Source = Value | OnePerLabel | Table
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One Prometheus metric: ``kind`` is counter, gauge or histogram (a histogram's value is a
+    ``Histogram.snapshot()``). Frontend metrics get a ``frontend`` label before ``labels``."""
+
+    name: str
+    kind: str
+    help: str
+    source: Source
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("counter", "gauge", "histogram"):
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not counter, gauge or histogram")
+        if (self.kind == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: a counter's name, and only a counter's, ends with _total")
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.source.label_names()
+
+
+def _path_and_code(key: str) -> tuple[str, str]:
+    path, _, code = key.rpartition(" ")
+    return path, code
+
+
+def _frontend_id(key: str) -> tuple[str]:
+    return (key,)
+
+
+def _counter(name: str, section: str, key: str, help_text: str) -> Metric:
+    return Metric(name, "counter", help_text, Value((section, key)))
+
+
+def _gauge(name: str, section: str, key: str, help_text: str) -> Metric:
+    return Metric(name, "gauge", help_text, Value((section, key)))
+
+
+# A frontend's snapshot: "cache" (PrefixTokenCache.stats()), "routing"
+# (TokenizationOwners.stats()), "routing_seconds" (its timings()),
+# "tokenize_seconds", "requests" and "identities" (TokenizeService.snapshot()),
+# "pid" and "started" (Frontend).
+FRONTEND_METRICS: tuple[Metric, ...] = (
+    _counter("mptok_cache_hits_total", "cache", "hits", "Prompts tokenized from a cached prefix (by the cache that did the work)."),
+    _counter("mptok_cache_misses_total", "cache", "misses", "Cacheable prompts tokenized in full (no kept prompt, or no provable seam)."),
+    _counter("mptok_cache_resync_failures_total", "cache", "resync_failures", "Kept prompts whose seam could not be proven."),
+    _counter("mptok_cache_uncached_total", "cache", "uncached", "Prompts too short or too long to cache, tokenized in full."),
+    _gauge("mptok_cache_entries", "cache", "entries", "Conversations kept by the cache."),
+    _gauge("mptok_cache_cached_chars", "cache", "cached_chars", "Prompt characters kept by the cache."),
+    _gauge("mptok_cache_bytes", "cache", "cached_bytes", "Bytes the cache holds for its conversations (text, ids, offsets, versions, keys, bookkeeping)."),
+    _gauge("mptok_cache_max_bytes", "cache", "max_bytes", "The cache's byte budget (--cache-bytes)."),
+    _counter("mptok_cache_allocation_failures_total", "cache", "allocation_failures", "MemoryErrors while caching; each emptied the cache and the prompt was tokenized in full."),
+    _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes held here of owners' replies for the conversations this frontend routed."),
+    _gauge("mptok_held_reply_entries", "routing", "held_entries", "Owners' replies held here, one per routed conversation."),
+    _gauge("mptok_held_reply_max_bytes", "routing", "held_max_bytes", "The budget of owners' replies held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
+    _gauge("mptok_cache_disabled", "cache", "disabled", "1 once the cache disabled itself after an internal error."),
+    _counter("mptok_routed_total", "routing", "routed", "Prompts arriving here that their conversation's owner tokenized."),
+    _counter("mptok_routed_since_total", "routing", "routed_since", "Routed prompts sent as the characters after a held version, answered with the ids that changed."),
+    _counter("mptok_route_failures_total", "routing", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
+    _counter("mptok_owned_here_total", "routing", "owned_here", "Keyed prompts whose owner is this frontend."),
+    _counter("mptok_taken_over_here_total", "routing", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),
+    _counter("mptok_served_total", "routing", "served", "Prompts this frontend tokenized for its peers."),
+    _counter("mptok_served_since_total", "routing", "served_since", "Peer prompts this frontend rebuilt from a version it remembered."),
+    _counter("mptok_serve_errors_total", "routing", "serve_errors", "Peer calls this frontend failed to answer."),
+    _counter("mptok_owner_connections_accepted_total", "routing", "accepted", "Peer connections this frontend accepted as an owner."),
+    _counter("mptok_owner_connections_refused_total", "routing", "refused", "Peer connections closed at once because this owner served its maximum already."),
+    _gauge("mptok_owner_connections", "routing", "active_connections", "Peer connections this owner serves now."),
+    _counter("mptok_owner_handshake_failures_total", "routing", "handshake_failures", "Peer connections dropped during the authkey handshake."),
+    _counter("mptok_owner_refused_requests_total", "routing", "refused_requests", "Authenticated peer connections that asked for something other than encode."),
+    Metric("mptok_route_fallbacks_total", "counter", "Prompts not tokenized by their owner, by reason.",
+           OnePerLabel("reason", {reason: ("routing", f"fallback_{reason}") for reason in FALLBACK_REASONS})),
+    Metric("mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).",
+           OnePerLabel("identity", {kind.value: ("identities", kind.value) for kind in IdentityKind})),
+    Metric("mptok_http_requests_total", "counter", "HTTP requests answered, by path and status code.", Table(("requests",), ("path", "code"), _path_and_code)),
+    Metric("mptok_tokenize_seconds", "histogram", "Seconds to tokenize a request's text (routing included).", Value(("tokenize_seconds",))),
+    Metric("mptok_route_seconds", "histogram", "Seconds from choosing the owner of a prompt arriving here to holding the ids it answered (liveness check, transport, the owner's work); calls that failed and fell back are not counted.",
+           Value(("routing_seconds", "route_seconds"))),
+    Metric("mptok_peer_serve_seconds", "histogram", "Seconds of this frontend's own work per peer call it answered (its waits for its own GIL included, the transport not); calls it could not answer are not counted.",
+           Value(("routing_seconds", "serve_seconds"))),
+    Metric("mptok_frontend_start_time_seconds", "gauge", "Unix time the frontend process started serving.", Value(("started",), {"pid": ("pid",)})),
+)  # fmt: skip
+
+# Values in a frontend's snapshot that no series shows, and why.
+NOT_RENDERED: Mapping[SnapshotPath, str] = {
+    ("cache", "routed"): "the cache's count of routed prompts; mptok_routed_total is routing's",
+    ("cache", "route_failures"): "the cache's count of failed routes; mptok_route_failures_total is routing's",
+}
+
+SUPERVISOR_METRICS: tuple[Metric, ...] = (
+    Metric("mptok_frontend_up", "gauge", "1 while the supervisor has a ready process for this frontend id.", Table(("up",), ("frontend",), _frontend_id, int)),
+    Metric("mptok_frontend_restarts_total", "counter", "Times the supervisor restarted this frontend id.", Table(("restarts",), ("frontend",), _frontend_id, int)),
+    Metric("mptok_frontend_given_up", "gauge", "1 while the supervisor has given up restarting this frontend id (--max-restarts within --restart-window).", Table(("given_up",), ("frontend",), _frontend_id, int)),
+)  # fmt: skip
+
+
+def example_frontend_snapshot() -> dict[str, Any]:
+    """A frontend snapshot with a value at every path ``FRONTEND_METRICS`` and ``NOT_RENDERED``
+    name and nothing else: counts 7, one request, one observation per histogram (tests, benchmarks)."""
+    snapshot: dict[str, Any] = {}
+    for metric in FRONTEND_METRICS:
+        for path in [*metric.source.paths(), *NOT_RENDERED]:
+            *sections, key = path
+            place = snapshot
+            for section in sections:
+                place = place.setdefault(section, {})
+            if isinstance(metric.source, Table):
+                place[key] = {"/tokenize 200": 1}
+            elif metric.kind == "histogram" and path == metric.source.paths()[0]:
+                histogram = Histogram()
+                histogram.observe(0.002)
+                place[key] = histogram.snapshot()
+            else:
+                place.setdefault(key, 7)
+    return snapshot
+
+
 # -- the Prometheus text format -----------------------------------------------
-
-# (metric name, type, help, where in a frontend snapshot, key there)
-_FRONTEND_SERIES = (
-    ("mptok_cache_hits_total", "counter", "Prompts tokenized from a cached prefix (by the cache that did the work).", "cache", "hits"),
-    ("mptok_cache_misses_total", "counter", "Cacheable prompts tokenized in full (no kept prompt, or no provable seam).", "cache", "misses"),
-    ("mptok_cache_resync_failures_total", "counter", "Kept prompts whose seam could not be proven.", "cache", "resync_failures"),
-    ("mptok_cache_uncached_total", "counter", "Prompts too short or too long to cache, tokenized in full.", "cache", "uncached"),
-    ("mptok_cache_entries", "gauge", "Conversations kept by the cache.", "cache", "entries"),
-    ("mptok_cache_cached_chars", "gauge", "Prompt characters kept by the cache.", "cache", "cached_chars"),
-    ("mptok_cache_bytes", "gauge", "Bytes the cache holds for its conversations (text, ids, offsets, versions, keys, bookkeeping).", "cache", "cached_bytes"),
-    ("mptok_cache_max_bytes", "gauge", "The cache's byte budget (--cache-bytes).", "cache", "max_bytes"),
-    ("mptok_cache_allocation_failures_total", "counter", "MemoryErrors while caching; each emptied the cache and the prompt was tokenized in full.", "cache", "allocation_failures"),
-    ("mptok_held_reply_bytes", "gauge", "Bytes held here of owners' replies for the conversations this frontend routed.", "routing", "held_bytes"),
-    ("mptok_held_reply_entries", "gauge", "Owners' replies held here, one per routed conversation.", "routing", "held_entries"),
-    ("mptok_cache_disabled", "gauge", "1 once the cache disabled itself after an internal error.", "cache", "disabled"),
-    ("mptok_routed_total", "counter", "Prompts arriving here that their conversation's owner tokenized.", "routing", "routed"),
-    ("mptok_routed_since_total", "counter", "Routed prompts sent as the characters after a held version, answered with the ids that changed.", "routing", "routed_since"),
-    ("mptok_route_failures_total", "counter", "Calls to an owner that failed; the prompt was tokenized here.", "routing", "route_failures"),
-    ("mptok_owned_here_total", "counter", "Keyed prompts whose owner is this frontend.", "routing", "owned_here"),
-    ("mptok_taken_over_here_total", "counter", "Keyed prompts tokenized here because their owners were down.", "routing", "taken_over_here"),
-    ("mptok_served_total", "counter", "Prompts this frontend tokenized for its peers.", "routing", "served"),
-    ("mptok_served_since_total", "counter", "Peer prompts this frontend rebuilt from a version it remembered.", "routing", "served_since"),
-    ("mptok_serve_errors_total", "counter", "Peer calls this frontend failed to answer.", "routing", "serve_errors"),
-)  # fmt: skip
-
-
-# (metric name, key in a frontend snapshot's "routing_seconds", help)
-_ROUTING_HISTOGRAMS = (
-    ("mptok_route_seconds", "route_seconds", "Seconds from choosing the owner of a prompt arriving here to holding the ids it answered (liveness check, transport, the owner's work); calls that failed and fell back are not counted."),
-    ("mptok_peer_serve_seconds", "serve_seconds", "Seconds of this frontend's own work per peer call it answered (its waits for its own GIL included, the transport not); calls it could not answer are not counted."),
-)  # fmt: skip
 
 
 def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
     """The Prometheus text exposition (version 0.0.4) of every snapshot.
 
     Frontend snapshots (``SnapshotDir`` names that are frontend ids) give
-    the ``mptok_*`` cache, routing, request, ``mptok_tokenize_seconds``,
-    ``mptok_route_seconds`` and ``mptok_peer_serve_seconds`` series with a
-    ``frontend`` label; the supervisor's gives
-    ``mptok_frontend_up`` and ``mptok_frontend_restarts_total``.
+    ``FRONTEND_METRICS`` with a ``frontend`` label; the supervisor's gives
+    ``SUPERVISOR_METRICS``. A value missing from a snapshot is left out of
+    the text, with a warning, never shown as 0 (``audit`` finds it first).
     """
     frontends = sorted(
         ((int(name), snap) for name, snap in snapshots.items() if name.isdigit()), key=lambda item: item[0]
     )
     out: list[str] = []
-    for metric, kind, help_text, section, key in _FRONTEND_SERIES:
-        _header(out, metric, kind, help_text)
+    for metric in FRONTEND_METRICS:
+        _header(out, metric)
         for frontend, snap in frontends:
-            _sample(out, metric, {"frontend": frontend}, snap.get(section, {}).get(key, 0))
-    _header(out, "mptok_route_fallbacks_total", "counter", "Prompts not tokenized by their owner, by reason.")
-    for frontend, snap in frontends:
-        for reason in FALLBACK_REASONS:
-            value = snap.get("routing", {}).get(f"fallback_{reason}", 0)
-            _sample(out, "mptok_route_fallbacks_total", {"frontend": frontend, "reason": reason}, value)
-    _header(out, "mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).")
-    for frontend, snap in frontends:
-        for kind in IdentityKind:
-            _sample(out, "mptok_prompts_total", {"frontend": frontend, "identity": kind.value}, snap.get("identities", {}).get(kind.value, 0))
-    _header(out, "mptok_http_requests_total", "counter", "HTTP requests answered, by path and status code.")
-    for frontend, snap in frontends:
-        for path_code, value in sorted(snap.get("requests", {}).items()):
-            path, _, code = path_code.rpartition(" ")
-            _sample(out, "mptok_http_requests_total", {"frontend": frontend, "path": path, "code": code}, value)
-    _header(out, "mptok_tokenize_seconds", "histogram", "Seconds to tokenize a request's text (routing included).")
-    for frontend, snap in frontends:
-        _histogram(out, "mptok_tokenize_seconds", frontend, snap.get("tokenize_seconds"))
-    for metric, key, help_text in _ROUTING_HISTOGRAMS:
-        _header(out, metric, "histogram", help_text)
-        for frontend, snap in frontends:
-            _histogram(out, metric, frontend, snap.get("routing_seconds", {}).get(key))
-    _header(out, "mptok_frontend_start_time_seconds", "gauge", "Unix time the frontend process started serving.")
-    for frontend, snap in frontends:
-        _sample(out, "mptok_frontend_start_time_seconds", {"frontend": frontend, "pid": snap.get("pid", 0)}, snap.get("started", 0))
+            _samples(out, metric, snap, {"frontend": frontend})
     supervisor = snapshots.get(SUPERVISOR_SNAPSHOT)
     if supervisor is not None:
-        _header(out, "mptok_frontend_up", "gauge", "1 while the supervisor has a ready process for this frontend id.")
-        for frontend, up in sorted(supervisor.get("up", {}).items(), key=lambda item: int(item[0])):
-            _sample(out, "mptok_frontend_up", {"frontend": frontend}, up)
-        _header(out, "mptok_frontend_restarts_total", "counter", "Times the supervisor restarted this frontend id.")
-        for frontend, n in sorted(supervisor.get("restarts", {}).items(), key=lambda item: int(item[0])):
-            _sample(out, "mptok_frontend_restarts_total", {"frontend": frontend}, n)
+        for metric in SUPERVISOR_METRICS:
+            _header(out, metric)
+            _samples(out, metric, supervisor, {})
     return "\n".join(out) + "\n"
 
 
-def _header(out: list[str], metric: str, kind: str, help_text: str) -> None:
-    out.append(f"# HELP {metric} {help_text}")
-    out.append(f"# TYPE {metric} {kind}")
+def audit(snapshots: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """What keeps ``render_prometheus`` from showing these snapshots whole: every declared
+    value a snapshot lacks, and every value it holds that no metric renders (nor
+    ``NOT_RENDERED`` explains). Empty when all is well."""
+    problems = []
+    for name, snap in sorted(snapshots.items()):
+        if name.isdigit():
+            metrics, ignored = FRONTEND_METRICS, set(NOT_RENDERED)
+        elif name == SUPERVISOR_SNAPSHOT:
+            metrics, ignored = SUPERVISOR_METRICS, set()
+        else:
+            problems.append(f"snapshot {name!r} is neither a frontend's nor the supervisor's")
+            continue
+        for metric in metrics:
+            try:
+                list(metric.source.samples(snap))
+            except (KeyError, TypeError) as e:
+                problems.append(f"snapshot {name}: {metric.name} has no value ({type(e).__name__}: {e})")
+        rendered = {path for metric in metrics for path in metric.source.paths()} | ignored
+        problems.extend(
+            f"snapshot {name}: {'.'.join(path)} is not rendered"
+            for path in _leaves(snap)
+            if not any(path[: len(prefix)] == prefix for prefix in rendered)
+        )
+    return problems
+
+
+def _leaves(snapshot: Mapping[str, Any], prefix: SnapshotPath = ()) -> Iterator[SnapshotPath]:
+    """The paths of a snapshot's values; a histogram (a mapping with ``bounds``) is one value."""
+    for key, value in snapshot.items():
+        if isinstance(value, Mapping) and value and "bounds" not in value:
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key)
+
+
+def _header(out: list[str], metric: Metric) -> None:
+    out.append(f"# HELP {metric.name} {metric.help}")
+    out.append(f"# TYPE {metric.name} {metric.kind}")
+
+
+def _samples(out: list[str], metric: Metric, snap: Mapping[str, Any], base: Labels) -> None:
+    try:
+        samples = list(metric.source.samples(snap))
+    except (KeyError, TypeError) as e:
+        logger.warning("metric %s left out of %s: its value is missing (%r)", metric.name, base or "the supervisor", e)
+        return
+    for labels, value in samples:
+        if metric.kind == "histogram":
+            _histogram(out, metric.name, {**base, **labels}, value)
+        else:
+            _sample(out, metric.name, {**base, **labels}, value)
 
 
 def _sample(out: list[str], metric: str, labels: Mapping[str, Any], value: float) -> None:
@@ -206,16 +394,14 @@ def _sample(out: list[str], metric: str, labels: Mapping[str, Any], value: float
     out.append(f"{metric}{{{rendered}}} {_number(value)}")
 
 
-def _histogram(out: list[str], metric: str, frontend: int, snap: Mapping[str, Any] | None) -> None:
-    if not snap:
-        return
+def _histogram(out: list[str], metric: str, labels: Labels, snap: Mapping[str, Any]) -> None:
     cumulative = 0
-    for bound, count in zip([*snap["bounds"], math.inf], snap["counts"]):
+    for bound, count in zip([*snap["bounds"], math.inf], snap["counts"], strict=True):
         cumulative += count
         le = "+Inf" if bound == math.inf else repr(float(bound))
-        _sample(out, f"{metric}_bucket", {"frontend": frontend, "le": le}, cumulative)
-    _sample(out, f"{metric}_sum", {"frontend": frontend}, snap["sum"])
-    _sample(out, f"{metric}_count", {"frontend": frontend}, cumulative)
+        _sample(out, f"{metric}_bucket", {**labels, "le": le}, cumulative)
+    _sample(out, f"{metric}_sum", labels, snap["sum"])
+    _sample(out, f"{metric}_count", labels, cumulative)
 
 
 def _label_value(value: Any) -> str:

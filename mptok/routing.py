@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from mptok.backend import SlowTokenizerError, backend_for
-from mptok.counting import Counters, Histogram
+from mptok.counting import FALLBACK_REASONS, Counters, Histogram
 from mptok.errors import RouteFailed
 from mptok.peer import PeerReply
 from mptok.config import CacheConfig
@@ -56,10 +56,6 @@ __all__ = [
     "owner_of",
     "owner_order",
 ]
-
-# Why a prompt was not tokenized by its conversation's owner: the owner was
-# skipped without a call (the first six), or the call failed.
-FALLBACK_REASONS = ("not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "error")
 
 _ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures") + tuple(
     f"fallback_{reason}" for reason in FALLBACK_REASONS

@@ -21,7 +21,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -182,8 +181,7 @@ class TokenizeService:
         self._in_flight_lock = threading.Lock()
         self.tokenize_seconds = Histogram()
         self._identities = Counters(tuple(kind.value for kind in IdentityKind))
-        self._requests: Counter[str] = Counter()
-        self._requests_lock = threading.Lock()
+        self._requests = Counters()  # by "<path> <status>"
         self._template_failures = itertools.count(1)
         log_event(
             logger,
@@ -256,16 +254,13 @@ class TokenizeService:
             return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def count_request(self, path: str, status: int) -> None:
-        with self._requests_lock:
-            self._requests[f"{path} {status}"] += 1
+        self._requests.add(f"{path} {status}")
 
     def snapshot(self) -> dict[str, Any]:
-        with self._requests_lock:
-            requests = dict(self._requests)
         return {
             "cache": self._cache.stats(),
             "tokenize_seconds": self.tokenize_seconds.snapshot(),
-            "requests": requests,
+            "requests": self._requests.snapshot(),
             "identities": self._identities.snapshot(),
         }
 

@@ -29,6 +29,7 @@ from helpers_serve import HANG_GUARD_S, SUPERVISE, Server, free_port, request, s
 import mptok
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.frontend import tcp_socket
+from mptok.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, SnapshotDir, audit
 from mptok.tokenize_service import SpecialTokenFrame, TokenizeService
 from mptok.routing import FALLBACK_REASONS
 
@@ -164,6 +165,18 @@ def test_metrics_cover_every_frontend_whichever_answers(server):
     assert buckets[-1][0] == "+Inf"
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
     assert total(samples, "mptok_frontend_up") == FRONTENDS
+
+
+def test_every_declared_metric_has_a_value_and_every_value_a_metric(server):
+    # A renamed counter or a moved snapshot key fails here instead of showing zeros.
+    wait_for_snapshots()
+    snapshots = SnapshotDir(server.ipc_dir()).read_all()
+    assert set(snapshots) == {str(i) for i in range(FRONTENDS)} | {SUPERVISOR_SNAPSHOT}
+    assert audit(snapshots) == []
+    scraped = {name for name, _, _ in scrape(server.port)}
+    for metric in FRONTEND_METRICS + SUPERVISOR_METRICS:
+        suffixes = ("_bucket", "_sum", "_count") if metric.kind == "histogram" else ("",)
+        assert {metric.name + suffix for suffix in suffixes} <= scraped, metric.name
 
 
 def test_prompts_without_a_conversation_id_are_exact(server, tokenizer):

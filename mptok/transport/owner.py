@@ -135,9 +135,8 @@ class TokenizeManager(InProcessManager):
         stats.update(self._acceptor.counters.snapshot())
         stats["active_connections"] = self._acceptor.active_connections()
         for served in server.served_objects():
-            counters = getattr(served, "counters", None)
-            if isinstance(counters, Counters):
-                stats.update(counters.snapshot())
+            if isinstance(served, _EncodeService):
+                stats.update(served.counters.snapshot())
         return stats
 
     def timings(self) -> dict[str, dict[str, Any]]:
@@ -147,8 +146,8 @@ class TokenizeManager(InProcessManager):
         if server is None:
             return timings
         for served in server.served_objects():
-            for name, histogram in getattr(served, "timings", {}).items():
-                timings[name] = histogram.snapshot()
+            if isinstance(served, _EncodeService):
+                timings.update((name, histogram.snapshot()) for name, histogram in served.timings.items())
         return timings
 
 

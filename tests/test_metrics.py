@@ -1,0 +1,60 @@
+"""The /metrics declaration: a value that is missing or left over is found, never shown as 0.
+
+``test_serve.py`` audits a real server's snapshots; these tests show what
+the audit and the renderer do with a snapshot that does not match.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from mptok.counting import Histogram
+from mptok.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, audit, example_frontend_snapshot, render_prometheus
+
+
+def test_a_declared_snapshot_renders_whole():
+    snapshots = {"0": example_frontend_snapshot(), SUPERVISOR_SNAPSHOT: {"up": {"0": 1}, "restarts": {"0": 2}, "given_up": {"0": 0}}}
+    assert audit(snapshots) == []
+    text = render_prometheus(snapshots)
+    assert 'mptok_cache_hits_total{frontend="0"} 7' in text
+    assert 'mptok_http_requests_total{frontend="0",path="/tokenize",code="200"} 1' in text
+    assert 'mptok_tokenize_seconds_bucket{frontend="0",le="+Inf"} 1' in text
+    assert 'mptok_frontend_restarts_total{frontend="0"} 2' in text
+
+
+def test_a_renamed_value_is_reported_and_left_out_never_zero():
+    snapshot = example_frontend_snapshot()
+    snapshot["cache"]["hit"] = snapshot["cache"].pop("hits")
+    snapshot["routing"].pop("fallback_timeout")
+    problems = audit({"0": snapshot})
+    assert any("mptok_cache_hits_total has no value" in p for p in problems), problems
+    assert any("cache.hit is not rendered" in p for p in problems), problems
+    assert any("mptok_route_fallbacks_total has no value" in p for p in problems), problems
+    assert len(problems) == 3, problems
+    text = render_prometheus({"0": snapshot})
+    assert "mptok_cache_hits_total{" not in text and "mptok_route_fallbacks_total{" not in text
+    assert 'mptok_cache_misses_total{frontend="0"} 7' in text
+
+
+def test_histogram_buckets_are_cumulative_and_end_at_inf():
+    snapshot = example_frontend_snapshot()
+    histogram = Histogram(bounds=(0.1, 1.0))
+    for value in (0.05, 0.5, 0.5, 5.0):
+        histogram.observe(value)
+    snapshot["tokenize_seconds"] = histogram.snapshot()
+    lines = [line for line in render_prometheus({"0": snapshot}).splitlines() if line.startswith("mptok_tokenize_seconds")]
+    assert lines == [
+        'mptok_tokenize_seconds_bucket{frontend="0",le="0.1"} 1',
+        'mptok_tokenize_seconds_bucket{frontend="0",le="1.0"} 3',
+        'mptok_tokenize_seconds_bucket{frontend="0",le="+Inf"} 4',
+        f'mptok_tokenize_seconds_sum{{frontend="0"}} {float(0.05 + 0.5 + 0.5 + 5.0)!r}',
+        'mptok_tokenize_seconds_count{frontend="0"} 4',
+    ]
+    assert math.isclose(histogram.snapshot()["sum"], 6.05)
+
+
+def test_every_declared_series_is_in_the_serve_docs():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "SERVE.md").read_text()
+    missing = [metric.name for metric in FRONTEND_METRICS + SUPERVISOR_METRICS if f"`{metric.name}" not in docs]
+    assert missing == []
