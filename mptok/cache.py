@@ -168,17 +168,8 @@ class PrefixTokenCache:
         prompt as kept, with its new version, or its ids if it was not kept
         (too short or long, a tokenizer the cache cannot serve)."""
         _check_input(text, key)
-        try:
-            backend = backend_for(tokenizer)
-        except SlowTokenizerError:
-            return self._encode_here(tokenizer, text, key)
-        try:
-            entry = self._entry_here(backend, text, key)
-        except TokenizerRefused:
-            return _call_tokenizer(tokenizer, text)
-        if entry is None:
-            return self._encode_full(backend, tokenizer, text)
-        return entry.kept()
+        entry = self._entry_or_ids(tokenizer, text, key)
+        return entry.kept() if isinstance(entry, _Entry) else entry
 
     def kept_branches(self, tokenizer: Any, key: str) -> list[Kept]:
         """The prompts kept for conversation ``key`` with ``tokenizer``,
@@ -229,6 +220,11 @@ class PrefixTokenCache:
     def _encode_here(self, tokenizer: Any, text: str, key: str | None) -> list[int]:
         if not text:
             return []
+        entry = self._entry_or_ids(tokenizer, text, key)
+        return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
+
+    def _entry_or_ids(self, tokenizer: Any, text: str, key: str | None) -> _Entry | list[int]:
+        """The entry kept for ``text``, made here, or its ids if it is not kept."""
         try:
             backend = backend_for(tokenizer)
         except SlowTokenizerError as e:
@@ -242,7 +238,7 @@ class PrefixTokenCache:
             return _call_tokenizer(tokenizer, text)
         if entry is None:
             return self._encode_full(backend, tokenizer, text)
-        return entry.prompt.ids.to_list()
+        return entry
 
     def _entry_here(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry | None:
         """The entry kept for ``text``, made here; None if the text is not kept.
@@ -414,7 +410,7 @@ class PrefixTokenCache:
             warnings.warn(
                 f"mptok cannot cache for {type(tokenizer).__name__} ({reason}); "
                 "it tokenizes every prompt in full with the tokenizer itself",
-                stacklevel=4,
+                stacklevel=5,
             )
 
 

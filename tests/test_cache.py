@@ -344,7 +344,7 @@ def test_peer_gets_only_the_ids_after_its_version(tokenizer):
         peer = peers[turn * 7 % 3]
         if peer in held:
             version, old_text, old_ids = held[peer]
-            from mptok.seam import common_prefix_length
+            from mptok.ids import common_prefix_length
 
             shared = common_prefix_length(old_text, text)
             reply = answer_peer(cache, tokenizer, text[shared:], "conv", since=version, shared_chars=shared)
