@@ -1,8 +1,9 @@
 """mptok: tokenize long multi-turn prompts once, across frontend processes.
 
 ``PrefixTokenCache`` tokenizes only the new tail of each prompt, exactly;
-``TokenizationOwners`` makes each frontend process serve its cache to the
-others and sends each conversation to the frontend whose cache holds it.
+``TokenizationOwners``, a layer above it, makes each frontend process serve
+its cache to the others, and its ``encode`` sends each conversation to the
+frontend whose cache holds it.
 """
 
 from mptok.backend import load_tokenizer

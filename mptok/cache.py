@@ -8,8 +8,10 @@ prompt departs from it (``mptok.seam``), so a 200k-token prompt costs about
 what its last few hundred tokens cost. Whatever it returns equals
 ``tokenizer(text, add_special_tokens=False)["input_ids"]``.
 
-It is also the point where routing plugs in: ``route`` may hand a prompt to
-the frontend process that holds its conversation (``mptok.routing``).
+It only ever tokenizes here. Each kept prompt carries a version and the
+versions before it, which the peer delta protocol (``mptok.peer``) reads
+through ``kept_branches`` and ``encode_kept``; routing a prompt to the
+frontend that holds its conversation is a layer above (``mptok.routing``).
 """
 
 from __future__ import annotations
@@ -22,32 +24,19 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
 from mptok.config import CacheConfig, check_key
 from mptok.counting import Counters
-from mptok.errors import RouteFailed
-from mptok.ids import IdPieces, common_prefix_length, held_bytes
-from mptok.peer import PeerReply
+from mptok.ids import common_prefix_length, held_bytes
+from mptok.peer import History, Kept, history_after
 from mptok.prefix_index import PrefixIndex
 from mptok.seam import CachedPrompt, extend_prompt, tokenize_prompt
 
 logger = logging.getLogger(__name__)
-
-Route = Callable[[str, str], "list[int] | None"]
-
-# Earlier versions of a conversation whose ids an owner remembers, so that a
-# peer holding one of them gets only the ids that changed (``encode_for_peer``).
-# A peer last saw a conversation about F turns ago, but the gap is geometric:
-# with F = 4, 8 versions left 7% of routed prompts (replayed) needing a second
-# call with the whole text; 16 leave about 1% ((3/4)^16). The versions share
-# their id lists (``IdPieces``) until a splice compacts them, so the ids kept
-# for 16 are a few lists per conversation, not 16. A version that shares no
-# character with the newest prompt is of no use to a peer and is dropped.
-PEER_HISTORY = 16
 
 # Prompts kept under one conversation key. Two conversations may share a key
 # (one derived from their identical first messages, ``mptok.affinity``; a
@@ -73,16 +62,19 @@ VERSION_OVERHEAD_BYTES = 256
 @dataclass(frozen=True)
 class _Entry:
     """A kept prompt, its version, and what the owner remembers of the
-    versions before it: ``(version, ids, chars shared with this prompt)``;
-    ``nbytes`` is what it all costs (``entry_bytes``)."""
+    versions before it (``mptok.peer.History``); ``nbytes`` is what it all
+    costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
     version: int
-    history: tuple[tuple[int, IdPieces, int], ...]
+    history: History
     nbytes: int = 0
 
+    def kept(self) -> Kept:
+        return Kept(self.prompt.text, self.version, self.prompt.ids, self.history)
 
-def entry_bytes(holder: Hashable, prompt: CachedPrompt, history: tuple[tuple[int, IdPieces, int], ...]) -> int:
+
+def entry_bytes(holder: Hashable, prompt: CachedPrompt, history: History) -> int:
     """Bytes a kept prompt holds: its key, text, the lists of its ids and of
     its remembered versions' ids (each list once: versions share them), its
     offsets window and bookkeeping. O(pieces), not O(tokens)."""
@@ -96,23 +88,42 @@ def entry_bytes(holder: Hashable, prompt: CachedPrompt, history: tuple[tuple[int
     )
 
 
+class Encoder(Protocol):
+    """Anything that tokenizes like ``PrefixTokenCache.encode``: the cache
+    itself, or routing above it (``mptok.TokenizationOwners``)."""
+
+    def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
+        """Exactly ``tokenizer(text, add_special_tokens=False)["input_ids"]``."""
+        ...
+
+
+class TokenCache(Encoder, Protocol):
+    """What routing and the frontend rely on from a cache (``PrefixTokenCache``)."""
+
+    config: CacheConfig
+
+    def would_keep(self, text: str, key: str | None = None) -> bool:
+        """Whether ``encode`` would keep this prompt; raises for bad input as ``encode`` does."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters and sizes, for /metrics."""
+        ...
+
+
 class PrefixTokenCache:
     """Exact prefix-tokenization cache, safe to share between threads.
 
     ``encode`` returns a new list each call, equal to
     ``tokenizer(text, add_special_tokens=False)["input_ids"]`` for a
     transformers fast tokenizer or to ``tokenizer.encode(text,
-    add_special_tokens=False).ids`` for a ``tokenizers.Tokenizer``.
-
-    ``route``: None, or a callable ``(key, text) -> list[int] | None`` that
-    may tokenize a keyed prompt elsewhere; returning None or raising
-    ``RouteFailed`` makes the cache tokenize here. Only prompts the cache
-    would keep, and that carry a key, are offered to it.
+    add_special_tokens=False).ids`` for a ``tokenizers.Tokenizer``. It
+    always tokenizes in this process; ``mptok.TokenizationOwners.encode``
+    is the same call that may have another frontend do it.
     """
 
     def __init__(self, config: CacheConfig | None = None):
         self.config = config if config is not None else CacheConfig.from_env()
-        self.route: Route | None = None
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         # (backend serial, key) -> the holders of that key's branches, oldest first.
@@ -128,13 +139,13 @@ class PrefixTokenCache:
         self._disabled = False
         self._warned_slow = False
         self._counters = Counters(
-            ("hits", "misses", "resync_failures", "uncached", "routed", "route_failures", "allocation_failures")
+            ("hits", "misses", "resync_failures", "uncached", "allocation_failures")
         )
 
     # -- public API ---------------------------------------------------------
 
     def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
-        """Token ids of ``text``; may ask ``route`` to tokenize it elsewhere.
+        """Token ids of ``text``, tokenized here.
 
         ``key`` names the conversation; without it, the longest kept prompt
         that ``text`` starts with is extended. Raises ``TypeError`` for text
@@ -143,65 +154,34 @@ class PrefixTokenCache:
         tokenizer itself raises.
         """
         _check_input(text, key)
-        route = self.route
-        if route is not None and key is not None and self._keeps(text):
-            routed = self._try_route(route, key, text)
-            if routed is not None:
-                return routed
         return self._encode_here(tokenizer, text, key)
 
-    def encode_local(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
-        """Like ``encode``, but never routes: what an owner runs for its peers."""
+    def would_keep(self, text: str, key: str | None = None) -> bool:
+        """Whether ``encode(tokenizer, text, key)`` would keep the prompt
+        (its length is within the limits and the cache is enabled); raises
+        for bad input as ``encode`` does."""
         _check_input(text, key)
-        return self._encode_here(tokenizer, text, key)
+        return self._keeps(text)
 
-    def encode_for_peer(
-        self,
-        tokenizer: Any,
-        key: str | None,
-        text: str,
-        *,
-        since: int | None = None,
-        shared_chars: int = 0,
-    ) -> PeerReply | None:
-        """Tokenize a prompt of conversation ``key`` for a peer; never routes.
-
-        Without ``since``, ``text`` is the whole prompt and the reply holds
-        all its ids. With ``since``, the peer holds the ids of this
-        conversation's prompt version ``since``, and ``text`` holds only the
-        characters after the first ``shared_chars``, which the new prompt
-        shares with that version. Returns None when this cache cannot rebuild
-        the prompt (it does not remember that version, or not that many of
-        its characters); the peer then sends the whole text. A prompt without
-        a key has no versions: it is answered whole.
-        """
+    def encode_kept(self, tokenizer: Any, text: str, key: str) -> Kept | list[int]:
+        """Tokenize ``text`` of conversation ``key`` as ``encode`` does; the
+        prompt as kept, with its new version, or its ids if it was not kept
+        (too short or long, a tokenizer the cache cannot serve)."""
         _check_input(text, key)
-        if key is None:
-            return None if since is not None else PeerReply(0, 0, self._encode_here(tokenizer, text, None))
+        entry = self._entry_or_ids(tokenizer, text, key)
+        return entry.kept() if isinstance(entry, _Entry) else entry
+
+    def kept_branches(self, tokenizer: Any, key: str) -> list[Kept]:
+        """The prompts kept for conversation ``key`` with ``tokenizer``,
+        newest first (at most ``MAX_BRANCHES``); empty for a tokenizer the
+        cache cannot serve."""
+        check_key(key)
         try:
             backend = backend_for(tokenizer)
         except SlowTokenizerError:
-            return None if since is not None else PeerReply(0, 0, self.encode_local(tokenizer, text, key))
-        old_ids = None
-        if since is not None:
-            with self._lock:
-                branches = self._branches_of(backend.serial, key)
-            found = next(
-                ((entry, known) for entry in branches if (known := _version_in(entry, since)) is not None), None
-            )
-            if found is None or not 0 <= shared_chars <= found[1][1]:
-                return None
-            entry, (old_ids, _) = found
-            text = entry.prompt.text[:shared_chars] + text
-        try:
-            entry = self._entry_here(backend, text, key)
-        except TokenizerRefused:
-            return PeerReply(0, 0, _call_tokenizer(tokenizer, text))
-        if entry is None:  # not kept
-            return PeerReply(0, 0, self._encode_full(backend, tokenizer, text))
-        ids = entry.prompt.ids
-        reused = old_ids.common_prefix(ids) if old_ids is not None else 0
-        return PeerReply(entry.version, reused, ids.slice(reused, ids.length))
+            return []
+        with self._lock:
+            return [entry.kept() for entry in self._branches_of(backend.serial, key)]
 
     def stats(self) -> dict[str, int]:
         """Counters since creation, and the current size of the cache.
@@ -237,25 +217,14 @@ class PrefixTokenCache:
             and len(text) > 0
         )
 
-    def _try_route(self, route: Route, key: str, text: str) -> list[int] | None:
-        try:
-            ids = route(key, text)
-        except RouteFailed as e:
-            logger.debug("route for %r failed: %s", key, e)
-            self._count("route_failures")
-            return None
-        except Exception:
-            logger.warning("route hook raised; tokenizing locally", exc_info=True)
-            self._count("route_failures")
-            return None
-        if ids is None:
-            return None
-        self._count("routed")
-        return ids
-
     def _encode_here(self, tokenizer: Any, text: str, key: str | None) -> list[int]:
         if not text:
             return []
+        entry = self._entry_or_ids(tokenizer, text, key)
+        return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
+
+    def _entry_or_ids(self, tokenizer: Any, text: str, key: str | None) -> _Entry | list[int]:
+        """The entry kept for ``text``, made here, or its ids if it is not kept."""
         try:
             backend = backend_for(tokenizer)
         except SlowTokenizerError as e:
@@ -269,7 +238,7 @@ class PrefixTokenCache:
             return _call_tokenizer(tokenizer, text)
         if entry is None:
             return self._encode_full(backend, tokenizer, text)
-        return entry.prompt.ids.to_list()
+        return entry
 
     def _entry_here(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry | None:
         """The entry kept for ``text``, made here; None if the text is not kept.
@@ -318,7 +287,7 @@ class PrefixTokenCache:
             self._count("misses")
         else:
             self._count("hits")
-        history = _history_after(known, shared)
+        history = history_after(known.kept() if known is not None else None, shared)
         compact = prompt.ids.bounded()
         if compact is not prompt.ids:
             # Joined into one list: the remembered versions move onto it, or
@@ -440,30 +409,8 @@ class PrefixTokenCache:
             warnings.warn(
                 f"mptok cannot cache for {type(tokenizer).__name__} ({reason}); "
                 "it tokenizes every prompt in full with the tokenizer itself",
-                stacklevel=4,
+                stacklevel=5,
             )
-
-
-def _history_after(known: _Entry | None, shared: int) -> tuple[tuple[int, IdPieces, int], ...]:
-    """The history of the entry that replaces ``known`` with a prompt sharing
-    its first ``shared`` characters."""
-    if known is None or shared == 0:
-        return ()
-    history = ((known.version, known.prompt.ids, shared),) + tuple(
-        (version, ids, min(chars, shared)) for version, ids, chars in known.history if chars > 0
-    )
-    return history[:PEER_HISTORY]
-
-
-def _version_in(entry: _Entry, version: int) -> tuple[IdPieces, int] | None:
-    """The ids of ``version`` of ``entry``'s conversation, and how many of its
-    characters ``entry``'s prompt shares; None if it is not remembered."""
-    if entry.version == version:
-        return entry.prompt.ids, len(entry.prompt.text)
-    for known, ids, shared in entry.history:
-        if known == version:
-            return ids, shared
-    return None
 
 
 def _check_input(text: object, key: object) -> None:

@@ -4,6 +4,7 @@
 class RouteFailed(Exception):
     """The frontend that owns a conversation did not tokenize its prompt.
 
-    Raised by a cache's ``route`` hook; the cache then tokenizes the prompt
-    locally and counts the failure. It never reaches the caller of ``encode``.
+    Raised inside ``mptok.TokenizationOwners`` when a call to an owner
+    fails; the prompt is then tokenized locally and the failure counted. It
+    never reaches the caller of ``encode``.
     """

@@ -327,6 +327,7 @@ class Frontend:
                 max_model_len=resolve_max_model_len(settings.max_model_len, tokenizer),
                 served_model_names=settings.served_model_names,
                 affinity_chars=settings.affinity_chars,
+                encoder=self.owners,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)

@@ -275,10 +275,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
 )  # fmt: skip
 
 # Values in a frontend's snapshot that no series shows, and why.
-NOT_RENDERED: Mapping[SnapshotPath, str] = {
-    ("cache", "routed"): "the cache's count of routed prompts; mptok_routed_total is routing's",
-    ("cache", "route_failures"): "the cache's count of failed routes; mptok_route_failures_total is routing's",
-}
+NOT_RENDERED: Mapping[SnapshotPath, str] = {}
 
 SUPERVISOR_METRICS: tuple[Metric, ...] = (
     Metric("mptok_frontend_up", "gauge", "1 while the supervisor has a ready process for this frontend id.", Table(("up",), ("frontend",), _frontend_id, int)),

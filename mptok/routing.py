@@ -11,6 +11,11 @@ down, every process sends its conversations to the same next frontend in
 their order, whose cache then holds them; when the owner is back, they go
 back to it. A prompt that no owner tokenizes in time is tokenized where it
 arrived: routing changes where the work is done, never the ids.
+
+Routing is a layer above the cache: ``TokenizationOwners.encode`` either
+asks the owner (through the peer delta protocol, ``mptok.peer``) or calls
+the local cache's ``encode``; the cache never calls back up. The owner side
+of the transport answers peers with ``mptok.peer.answer_peer`` directly.
 """
 
 from __future__ import annotations
@@ -18,21 +23,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Hashable
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from mptok.backend import SlowTokenizerError, backend_for
+from mptok.cache import TokenCache
 from mptok.counting import FALLBACK_REASONS, Counters, Histogram
 from mptok.errors import RouteFailed
-from mptok.peer import PeerReply
-from mptok.config import CacheConfig
-from mptok.ids import NO_IDS, IdPieces, common_prefix_length, held_bytes
+from mptok.peer import BadReply, HeldReplies, PeerCache, PeerReply, answer_peer
 from mptok.liveness import OwnerLiveness, OwnerRecord, publish, unpublish
 from mptok.transport import (
     EncodeProxy,
@@ -51,23 +53,19 @@ from mptok.transport.wire import left_or_zero
 __all__ = [
     "FALLBACK_REASONS",
     "OwnerAlreadyServing",
+    "RoutableCache",
     "ServerLimits",
     "TokenizationOwners",
     "owner_of",
     "owner_order",
 ]
 
+logger = logging.getLogger(__name__)
+
 _ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures") + tuple(
     f"fallback_{reason}" for reason in FALLBACK_REASONS
 )
 _HASH_PERSON = b"mptok-route-v1"
-
-
-def _answer_peer(
-    cache: Any, tokenizer: Any, text: str, key: str | None, since: int | None, shared_chars: int
-) -> PeerReply | None:
-    """What this frontend's cache answers a peer (``mptok.transport.PeerAnswer``)."""
-    return cache.encode_for_peer(tokenizer, key, text, since=since, shared_chars=shared_chars)
 
 
 def _build_backend(tokenizer: Any) -> None:
@@ -102,70 +100,17 @@ def owner_of(key: str, num_frontends: int) -> int:
     return owner_order(key, num_frontends)[0]
 
 
-@dataclass(frozen=True)
-class _Held:
-    """The last reply an owner sent this frontend for one conversation."""
-
-    version: int
-    text: str
-    ids: IdPieces
-
-
-# What a held reply costs beyond its key, text and id lists: the _Held and
-# IdPieces objects, piece tuples, the LRU dict's slot (scripts/bench_memory.py).
-HELD_OVERHEAD_BYTES = 512
-
-
-class HeldReplies:
-    """What this frontend holds of each conversation it routed: the owner's
-    last reply, with its version, text and ids.
-
-    The next turn of that conversation then sends the owner only the
-    characters after those it shares with the held text and gets back only
-    the ids that changed (``PrefixTokenCache.encode_for_peer``). LRU, bounded
-    by entries and by bytes, counted as the cache counts its own
-    (``CacheConfig.max_held_bytes``): key, text, id lists, bookkeeping. A
-    reply over the budget by itself is not held. Thread-safe.
-    """
-
-    def __init__(self, max_entries: int = 1024, max_bytes: int = CacheConfig.max_held_bytes):
-        self._max_entries = max_entries
-        self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._held: OrderedDict[Hashable, tuple[_Held, int]] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, owner: Hashable, key: str) -> _Held | None:
-        with self._lock:
-            held = self._held.get((owner, key))
-            if held is None:
-                return None
-            self._held.move_to_end((owner, key))
-            return held[0]
-
-    def put(self, owner: Hashable, key: str, held: _Held | None) -> None:
-        """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
-        nbytes = 0 if held is None else held_bytes((owner, key), held.text, held.ids) + HELD_OVERHEAD_BYTES
-        with self._lock:
-            old = self._held.pop((owner, key), None)
-            if old is not None:
-                self._bytes -= old[1]
-            if held is None or nbytes > self._max_bytes:
-                return
-            self._held[(owner, key)] = (held, nbytes)
-            self._bytes += nbytes
-            while len(self._held) > self._max_entries or self._bytes > self._max_bytes:
-                _, (_, evicted_bytes) = self._held.popitem(last=False)
-                self._bytes -= evicted_bytes
-
-    def stats(self) -> dict[str, int]:
-        """``held_entries`` and ``held_bytes`` (never more than ``held_max_bytes``)."""
-        with self._lock:
-            return {"held_entries": len(self._held), "held_bytes": self._bytes, "held_max_bytes": self._max_bytes}
+class RoutableCache(TokenCache, PeerCache, Protocol):
+    """What routing needs from this frontend's cache: encode here, and keep
+    the versions an owner answers its peers from (``PrefixTokenCache``)."""
 
 
 class TokenizationOwners:
     """Serve this frontend's cache to its peers and route keyed prompts to their owners.
+
+    ``encode(tokenizer, text, key)`` is the routed ``cache.encode``: the same
+    ids, tokenized by the conversation's owner when that is another live
+    frontend, else by ``cache`` here.
 
     Starting builds the tokenizer's backend first (what the cache answers
     peers with: 1.5 s to 3 s for a large vocabulary), so that an owner is
@@ -174,15 +119,15 @@ class TokenizationOwners:
     ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
     ``OwnerAlreadyServing`` while a live process serves this frontend id, and
     ``PermissionError`` for an ipc dir that other users can enter), publishes
-    this process as the owner, and installs ``cache.route``. From then on
-    ``cache.encode(tokenizer, text, key)`` may be answered by another
-    frontend, with the same ids. A prompt that an owner has not answered
-    within ``timeout_s`` (one deadline for the whole route, when the owner
-    needs a second call for the whole text) or whose call failed is
-    tokenized locally; an owner that timed out is skipped for ``backoff_s``.
+    this process as the owner. Only keyed prompts that the cache would keep,
+    for the ``tokenizer`` given here, are routed. A prompt that an owner has
+    not answered within ``timeout_s`` (one deadline for the whole route,
+    when the owner needs a second call for the whole text) or whose call
+    failed is tokenized locally; an owner that timed out is skipped for
+    ``backoff_s``.
 
-    ``close()`` (or leaving the ``with`` block) uninstalls the route,
-    unpublishes this owner, closes the connections to peers and stops
+    ``close()`` (or leaving the ``with`` block) makes ``encode`` tokenize
+    everything here, unpublishes this owner, closes the connections to peers and stops
     serving, all within one time budget; no socket file, lock file or
     thread remains (a thread still tokenizing when the budget runs out ends
     when its tokenization does). It is idempotent.
@@ -209,7 +154,7 @@ class TokenizationOwners:
         ipc_dir: str,
         frontend_id: int,
         num_frontends: int,
-        cache: Any,
+        cache: RoutableCache,
         tokenizer: Any,
         *,
         authkey: bytes,
@@ -224,6 +169,8 @@ class TokenizationOwners:
         self._num_frontends = num_frontends
         self._ipc_dir = secure_ipc_dir(ipc_dir)
         self._cache = cache
+        self._tokenizer = tokenizer
+        self._routing = True
         self._timeout_s = timeout_s
         self._close_timeout_s = (limits if limits is not None else ServerLimits()).close_timeout_s
         self._counters = Counters(_ROUTE_COUNTERS)
@@ -239,9 +186,7 @@ class TokenizationOwners:
         }
         if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
             sys.setswitchinterval(switch_interval_s)
-        config = getattr(cache, "config", None)
-        held_budget = config.max_held_bytes if isinstance(config, CacheConfig) else CacheConfig.max_held_bytes
-        self._held = HeldReplies(max_bytes=held_budget)
+        self._held = HeldReplies(max_bytes=cache.config.max_held_bytes)
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
@@ -249,7 +194,7 @@ class TokenizationOwners:
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
-            functools.partial(_answer_peer, cache, tokenizer),
+            functools.partial(answer_peer, cache, tokenizer),
             authkey,
             limits,
             name=f"mptok-owner-{frontend_id}",
@@ -259,11 +204,25 @@ class TokenizationOwners:
         except BaseException:
             self._manager.shutdown()
             raise
-        cache.route = self._route
 
     @property
     def frontend_id(self) -> int:
         return self._frontend_id
+
+    def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
+        """Exactly ``cache.encode(tokenizer, text, key)``'s ids, from the
+        conversation's owner or from ``cache``: never fails because an owner
+        did (see the class). Raises what ``cache.encode`` raises for bad input."""
+        if (
+            self._routing
+            and key is not None
+            and tokenizer is self._tokenizer
+            and self._cache.would_keep(text, key)
+        ):
+            ids = self._route(key, text)
+            if ids is not None:
+                return ids
+        return self._cache.encode(tokenizer, text, key)
 
     def stats(self) -> dict[str, int]:
         """Counters since start, for /metrics.
@@ -306,8 +265,7 @@ class TokenizationOwners:
             steps.callback(lambda: self._manager.shutdown(left_or_zero(deadline)))
             steps.callback(self._close_proxies, deadline)
             steps.callback(unpublish, self._ipc_dir, self._frontend_id, self._record)
-            if getattr(self._cache, "route", None) == self._route:
-                self._cache.route = None
+            self._routing = False
 
     def _close_proxies(self, deadline: float) -> None:
         # Every call in flight is woken first, so that they all unwind
@@ -329,6 +287,8 @@ class TokenizationOwners:
         self.close()
 
     def _route(self, key: str, text: str) -> list[int] | None:
+        """The ids from the conversation's owner; None to tokenize here (this
+        frontend is the first live one in the order, or the call failed)."""
         started = time.perf_counter()
         order = owner_order(key, self._num_frontends)
         for frontend in order:
@@ -338,64 +298,50 @@ class TokenizationOwners:
             record, reason = self._liveness.check(frontend)
             if reason is None:
                 assert record is not None
-                ids = self._ask(frontend, record, key, text)
+                try:
+                    ids = self._ask(frontend, record, key, text)
+                except RouteFailed as e:
+                    logger.debug("route for %r failed: %s", key, e)
+                    return None
+                except Exception:
+                    logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
+                    self._count_failure("error")
+                    return None
                 self._route_seconds.observe(time.perf_counter() - started)
                 return ids
             self._counters.add(f"fallback_{reason}")
         raise AssertionError("this frontend is in every order")
 
     def _ask(self, frontend: int, record: OwnerRecord, key: str, text: str) -> list[int]:
-        owner = (frontend, record.incarnation)
-        held = self._held.get(owner, key)
+        """Ask ``frontend`` through the delta protocol; both calls, when the
+        owner needs the whole text after all, end by one deadline."""
+        proxy = self._proxies[frontend]
+        deadline = time.monotonic() + self._timeout_s
+
+        def call(sent: str, since: int | None, shared_chars: int) -> PeerReply | None:
+            return proxy.encode_since(
+                sent, key, since=since, shared_chars=shared_chars, incarnation=record.incarnation, deadline=deadline
+            )
+
         try:
-            ids = self._ask_since(frontend, owner, record, key, text, held)
+            ids, answered_since = self._held.ask((frontend, record.incarnation), key, text, call)
         except OwnerTimeout as e:
             self._liveness.timed_out(frontend, record)
             raise self._failed("timeout", frontend, e) from e
         except OwnerUnreachable as e:
             self._liveness.failed(frontend)
             raise self._failed("error", frontend, e) from e
-        except OwnerError as e:
+        except (OwnerError, BadReply) as e:
             raise self._failed("error", frontend, e) from e
+        if answered_since:
+            self._counters.add("routed_since")
         self._counters.add("routed")
         return ids
 
-    def _ask_since(
-        self,
-        frontend: int,
-        owner: Hashable,
-        record: OwnerRecord,
-        key: str,
-        text: str,
-        held: _Held | None,
-    ) -> list[int]:
-        """Ask with what this frontend holds of the conversation at ``owner``,
-        if anything; hold what the owner answers. Both calls, when the owner
-        needs the whole text after all, end by one deadline."""
-        proxy = self._proxies[frontend]
-        deadline = time.monotonic() + self._timeout_s
-        reply = None
-        if held is not None:
-            shared = common_prefix_length(held.text, text)
-            reply = proxy.encode_since(
-                text[shared:], key, since=held.version, shared_chars=shared,
-                incarnation=record.incarnation, deadline=deadline,
-            )
-            if reply is not None:
-                self._counters.add("routed_since")
-        if reply is None:
-            held = None
-            reply = proxy.encode_since(text, key, incarnation=record.incarnation, deadline=deadline)
-            if reply is None:
-                raise OwnerError(f"frontend {frontend} asked for a version it was not given")
-        if reply.reused > (held.ids.length if held is not None else 0):
-            self._held.put(owner, key, None)
-            raise OwnerError(f"frontend {frontend} reused more ids than this frontend holds")
-        ids = (held.ids if held is not None else NO_IDS).spliced(reply.reused, reply.ids).bounded()
-        self._held.put(owner, key, _Held(reply.version, text, ids) if reply.version else None)
-        return ids.to_list()
+    def _failed(self, reason: str, frontend: int, error: TransportError | BadReply) -> RouteFailed:
+        self._count_failure(reason)
+        return RouteFailed(f"frontend {frontend} did not tokenize the prompt: {error}")
 
-    def _failed(self, reason: str, frontend: int, error: TransportError) -> RouteFailed:
+    def _count_failure(self, reason: str) -> None:
         self._counters.add(f"fallback_{reason}")
         self._counters.add("route_failures")
-        return RouteFailed(f"frontend {frontend} did not tokenize the prompt: {error}")

@@ -2,8 +2,8 @@
 
 ``TokenizeService`` is everything a frontend does for one request apart from
 HTTP: parse it (``mptok.tokenize_request``), render the chat template,
-tokenize through the frontend's ``PrefixTokenCache`` (which may route the
-prompt to its owner), and serialize the ids with orjson. The HTTP app
+tokenize through the frontend's routing layer (``TokenizationOwners.encode``:
+the conversation's owner, or the local ``PrefixTokenCache``), and serialize the ids with orjson. The HTTP app
 (``mptok.frontend``) only reads bodies and writes answers.
 
 Admission control lives here too, because the pool is what overload fills:
@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from mptok.affinity import IdentityKind, identify
+from mptok.cache import Encoder, TokenCache
 from mptok.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
 from mptok.counting import Counters, Histogram
 from mptok.logfmt import log_event
@@ -149,7 +150,7 @@ class TokenizeService:
         self,
         frontend_id: int,
         tokenizer: Any,
-        cache: Any,
+        cache: TokenCache,
         template: ChatTemplate,
         *,
         max_prompt_chars: int,
@@ -160,6 +161,7 @@ class TokenizeService:
         max_model_len: int | None = None,
         served_model_names: tuple[str, ...] = (),
         affinity_chars: int = 0,
+        encoder: Encoder | None = None,
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
@@ -170,6 +172,8 @@ class TokenizeService:
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self._cache = cache
+        # What tokenizes: routing above the cache (TokenizationOwners), or the cache itself.
+        self._encoder: Encoder = encoder if encoder is not None else cache
         self._template = template
         self._frame = SpecialTokenFrame.derive(tokenizer)
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
@@ -247,9 +251,9 @@ class TokenizeService:
     def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int]:
         """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, through the cache when it can."""
         if not add_special_tokens:
-            return self._cache.encode(self._tokenizer, text, key=key)
+            return self._encoder.encode(self._tokenizer, text, key=key)
         if self._frame is not None and text:
-            return [*self._frame.prefix, *self._cache.encode(self._tokenizer, text, key=key), *self._frame.suffix]
+            return [*self._frame.prefix, *self._encoder.encode(self._tokenizer, text, key=key), *self._frame.suffix]
         with self._direct_lock:
             return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 

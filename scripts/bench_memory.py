@@ -199,7 +199,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = mptok.load_tokenizer()
-    mptok.PrefixTokenCache().encode_local(tokenizer, "warm up")
+    mptok.PrefixTokenCache().encode(tokenizer, "warm up")
     # The shared int objects are a fixed cost per process, made up front so
     # that they are not read as a cost per cached token.
     intern_ids(list(range(len(tokenizer) + 1)))

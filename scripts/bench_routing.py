@@ -93,7 +93,7 @@ def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
     owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
-    cache.encode_local(tokenizer, "warm up")
+    cache.encode(tokenizer, "warm up")
     manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), answer_in_full(lambda text, key: fixed_ids), authkey)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.bind(os.path.join(ipc_dir, "raw.sock"))
@@ -127,7 +127,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def conversation_run(
-    tokenizer, routed_cache, local_cache, owners, seed: int, first_chars: int, turns: int, full_reps: int
+    tokenizer, local_cache, owners, seed: int, first_chars: int, turns: int, full_reps: int
 ) -> dict[str, float]:
     """Median seconds per turn of a routed hit, a local hit, and full tokenization."""
     routed_before = owners.stats()["routed"]
@@ -135,15 +135,15 @@ def conversation_run(
     routed_key = _key_owned_by(0, f"routed-{seed}")
     local_key = f"local-{seed}"
     # Turn 0 fills both caches (a miss); the measured turns are hits.
-    routed_cache.encode(tokenizer, prompts[0], key=routed_key)
+    owners.encode(tokenizer, prompts[0], key=routed_key)
     local_cache.encode(tokenizer, prompts[0], key=local_key)
     routed, local = [], []
     for text in prompts[1:]:
-        routed.append(timed(functools.partial(routed_cache.encode, tokenizer, text, key=routed_key)))
+        routed.append(timed(functools.partial(owners.encode, tokenizer, text, key=routed_key)))
         local.append(timed(functools.partial(local_cache.encode, tokenizer, text, key=local_key)))
     last = prompts[-1]
     want = tokenizer(last, add_special_tokens=False)["input_ids"]
-    if routed_cache.encode(tokenizer, last, key=routed_key) != want or local_cache.encode(
+    if owners.encode(tokenizer, last, key=routed_key) != want or local_cache.encode(
         tokenizer, last, key=local_key
     ) != want:
         raise SystemExit("a cached result differs from full tokenization")
@@ -221,9 +221,9 @@ def main() -> None:
                 raise SystemExit("the owner process did not start")
             routed_cache = mptok.PrefixTokenCache()
             local_cache = mptok.PrefixTokenCache()
-            local_cache.encode_local(tokenizer, "warm up")
+            local_cache.encode(tokenizer, "warm up")
             with TokenizationOwners(ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY) as owners:
-                rows = measure(args, tokenizer, routed_cache, local_cache, owners, parent, ipc_dir)
+                rows = measure(args, tokenizer, local_cache, owners, parent, ipc_dir)
             parent.send("exit")
         finally:
             owner.join(30)
@@ -233,12 +233,12 @@ def main() -> None:
     print_table(rows, args)
 
 
-def measure(args, tokenizer, routed_cache, local_cache, owners, owner_conn, ipc_dir: str) -> list[tuple]:
+def measure(args, tokenizer, local_cache, owners, owner_conn, ipc_dir: str) -> list[tuple]:
     rows = []
     for label, first_chars, full_reps in (("38k", 137_000, 7), ("200k", 720_000, 3)):
         runs = [
             conversation_run(
-                tokenizer, routed_cache, local_cache, owners, 100 * r + len(label), first_chars, args.turns, full_reps
+                tokenizer, local_cache, owners, 100 * r + len(label), first_chars, args.turns, full_reps
             )
             for r in range(args.runs)
         ]
@@ -281,7 +281,7 @@ def measure(args, tokenizer, routed_cache, local_cache, owners, owner_conn, ipc_
     owner_conn.recv()
     try:
         busy = [
-            conversation_run(tokenizer, routed_cache, local_cache, owners, 9000 + r, 137_000, args.turns, 1)
+            conversation_run(tokenizer, local_cache, owners, 9000 + r, 137_000, args.turns, 1)
             for r in range(max(1, args.runs // 2))
         ]
     finally:

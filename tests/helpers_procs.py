@@ -86,16 +86,16 @@ def key_owned_by(owner: int, num_frontends: int, prefix: str, *, then: int | Non
     raise AssertionError("no such key")
 
 
-def _run_encode(cache: Any, tokenizer: Any, key: str | None, text: str) -> tuple:
+def _run_encode(encoder: Any, tokenizer: Any, key: str | None, text: str) -> tuple:
     try:
-        return ("ok", cache.encode(tokenizer, text, key=key))
+        return ("ok", encoder.encode(tokenizer, text, key=key))
     except Exception as e:
         return ("raised", type(e).__name__, str(e))
 
 
-def _run_encode_together(barrier: threading.Barrier, cache: Any, tokenizer: Any, key: str | None, text: str) -> tuple:
+def _run_encode_together(barrier: threading.Barrier, encoder: Any, tokenizer: Any, key: str | None, text: str) -> tuple:
     barrier.wait(HANG_GUARD_S)
-    return _run_encode(cache, tokenizer, key, text)
+    return _run_encode(encoder, tokenizer, key, text)
 
 
 def _reply_when_done(reply: Callable[[Any], None], futures: list[concurrent.futures.Future]) -> None:
@@ -127,7 +127,7 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
     if warm_up:
         # Starts the tokenizer as a serving frontend does; without it, the
         # owner starts as a library user's would.
-        cache.encode_local(tokenizer, "warm up")
+        cache.encode(tokenizer, "warm up")
     send_lock = threading.Lock()
 
     def reply(message: Any) -> None:
@@ -142,16 +142,16 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
         except EOFError:
             break
         if command == "encode":
-            reply(_run_encode(cache, tokenizer, *args))
+            reply(_run_encode(owners, tokenizer, *args))
         elif command == "encode_many":
             items, threads = args
             barrier = threading.Barrier(min(threads, len(items)))
             with concurrent.futures.ThreadPoolExecutor(threads) as batch:
-                futures = [batch.submit(_run_encode_together, barrier, cache, tokenizer, *item) for item in items]
+                futures = [batch.submit(_run_encode_together, barrier, owners, tokenizer, *item) for item in items]
                 reply([f.result() for f in futures])
         elif command == "encode_async":
             # Answered later with ("done", results), while the loop goes on.
-            futures = [pool.submit(_run_encode, cache, tokenizer, *item) for item in args[0]]
+            futures = [pool.submit(_run_encode, owners, tokenizer, *item) for item in args[0]]
             pool.submit(_reply_when_done, reply, futures)
         elif command == "stats":
             reply({"routing": owners.stats(), "cache": cache.stats()})

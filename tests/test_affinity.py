@@ -17,6 +17,7 @@ from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 import mptok
 from mptok.affinity import IdentityKind, chat_identity, identify, prompt_identity
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE
+from mptok.peer import answer_peer
 
 FRONTENDS = 4
 FLEET = 16
@@ -141,5 +142,5 @@ def test_conversations_sharing_an_identity_keep_a_branch_each(tokenizer):
     # A peer holding the first chat's previous version is answered from its
     # branch, though the second chat was kept after it.
     text = tokenizer.apply_chat_template(chats[0] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}], chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=True, tokenize=False)
-    whole = cache.encode_for_peer(tokenizer, key, text)
+    whole = answer_peer(cache, tokenizer, text, key)
     assert whole is not None and whole.ids == tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -17,9 +17,10 @@ from transformers import PreTrainedTokenizer
 import mptok
 import mptok.cache
 import mptok.peer
+from mptok.peer import answer_peer
 from conversations import adversarial_delta, plain_delta
 from families import CHAT_MARKERS, load_family
-from mptok import CacheConfig, PrefixTokenCache, RouteFailed
+from mptok import CacheConfig, PrefixTokenCache
 
 
 @pytest.fixture(scope="module")
@@ -114,52 +115,6 @@ def test_conversations_of_different_tokenizers_do_not_mix(tokenizer):
         longer, add_special_tokens=False
     ).ids
     assert cache.encode(tokenizer, longer, key="same-key") == full_ids(tokenizer, longer)
-
-
-# -- the routing hook -------------------------------------------------------------
-
-
-def test_route_answer_is_returned_and_counted(tokenizer):
-    cache = PrefixTokenCache(CacheConfig(min_chars=0))
-    seen = []
-
-    def route(key, text):
-        seen.append((key, text))
-        return cache.encode_local(tokenizer, text, key)
-
-    cache.route = route
-    text = prompt(random.Random(6), 100)
-    assert cache.encode(tokenizer, text, key="r") == full_ids(tokenizer, text)
-    assert seen == [("r", text)]
-    assert cache.stats()["routed"] == 1
-
-
-def test_route_is_offered_only_keyed_cacheable_prompts(tokenizer):
-    cache = PrefixTokenCache(CacheConfig(min_chars=100))
-    calls = []
-    cache.route = lambda key, text: calls.append(key)  # returns None: tokenize here
-    rng = random.Random(7)
-    cache.encode(tokenizer, prompt(rng, 100))  # no key
-    cache.encode(tokenizer, "short", key="k")  # under min_chars
-    text = prompt(rng, 100)
-    assert cache.encode(tokenizer, text, key="k") == full_ids(tokenizer, text)
-    assert calls == ["k"]
-    assert cache.stats()["routed"] == 0
-
-
-@pytest.mark.parametrize("failure", [RouteFailed("owner down"), RuntimeError("bug in hook")])
-def test_failed_route_tokenizes_here_and_counts(tokenizer, failure):
-    cache = PrefixTokenCache(CacheConfig(min_chars=0))
-
-    def route(key, text):
-        raise failure
-
-    cache.route = route
-    text = prompt(random.Random(8), 100)
-    assert cache.encode(tokenizer, text, key="k") == full_ids(tokenizer, text)
-    stats = cache.stats()
-    assert stats["route_failures"] == 1 and stats["routed"] == 0
-    assert stats["misses"] == 1 and stats["entries"] == 1
 
 
 # -- concurrency ------------------------------------------------------------------
@@ -389,18 +344,16 @@ def test_peer_gets_only_the_ids_after_its_version(tokenizer):
         peer = peers[turn * 7 % 3]
         if peer in held:
             version, old_text, old_ids = held[peer]
-            from mptok.seam import common_prefix_length
+            from mptok.ids import common_prefix_length
 
             shared = common_prefix_length(old_text, text)
-            reply = cache.encode_for_peer(
-                tokenizer, "conv", text[shared:], since=version, shared_chars=shared
-            )
+            reply = answer_peer(cache, tokenizer, text[shared:], "conv", since=version, shared_chars=shared)
             assert reply is not None
             ids = old_ids[: reply.reused] + reply.ids
             # Everything but the rewritten generation prompt is reused.
             small_replies += reply.reused >= len(old_ids) - 20
         else:
-            reply = cache.encode_for_peer(tokenizer, "conv", text)
+            reply = answer_peer(cache, tokenizer, text, "conv")
             assert reply.reused == 0
             ids = reply.ids
         assert ids == full_ids(tokenizer, text)
@@ -413,36 +366,34 @@ def test_peer_naming_an_unknown_version_is_asked_for_the_whole_text(tokenizer):
     cache = PrefixTokenCache()
     rng = random.Random(14)
     text = prompt(rng, 300)
-    first = cache.encode_for_peer(tokenizer, "conv", text)
+    first = answer_peer(cache, tokenizer, text, "conv")
     longer = text + prompt(rng, 20)
-    assert cache.encode_for_peer(tokenizer, "conv", longer, since=first.version + 1) is None
-    assert cache.encode_for_peer(tokenizer, "other", longer, since=first.version) is None
+    assert answer_peer(cache, tokenizer, longer, "conv", since=first.version + 1) is None
+    assert answer_peer(cache, tokenizer, longer, "other", since=first.version) is None
     # More characters than that version had: not rebuilt from it.
     assert (
-        cache.encode_for_peer(
-            tokenizer, "conv", "x", since=first.version, shared_chars=len(text) + 1
-        )
+        answer_peer(cache, tokenizer, "x", "conv", since=first.version, shared_chars=len(text) + 1)
         is None
     )
-    whole = cache.encode_for_peer(tokenizer, "conv", longer)
+    whole = answer_peer(cache, tokenizer, longer, "conv")
     assert whole.ids == full_ids(tokenizer, longer) and whole.reused == 0
     assert whole.version != first.version
     # A prompt without a key has no versions: answered whole, or not rebuilt.
-    assert cache.encode_for_peer(tokenizer, None, longer) == mptok.peer.PeerReply(
+    assert answer_peer(cache, tokenizer, longer, None) == mptok.peer.PeerReply(
         0, 0, full_ids(tokenizer, longer)
     )
-    assert cache.encode_for_peer(tokenizer, None, "x", since=whole.version, shared_chars=1) is None
+    assert answer_peer(cache, tokenizer, "x", None, since=whole.version, shared_chars=1) is None
 
 
 def test_peer_versions_are_forgotten_past_the_history(tokenizer):
     cache = PrefixTokenCache()
     rng = random.Random(15)
     text = prompt(rng, 300)
-    first = cache.encode_for_peer(tokenizer, "conv", text)
-    for _ in range(mptok.cache.PEER_HISTORY + 1):
+    first = answer_peer(cache, tokenizer, text, "conv")
+    for _ in range(mptok.peer.PEER_HISTORY + 1):
         text += prompt(rng, 10)
-        cache.encode_for_peer(tokenizer, "conv", text)
-    assert cache.encode_for_peer(tokenizer, "conv", "more", since=first.version, shared_chars=10) is None
+        answer_peer(cache, tokenizer, text, "conv")
+    assert answer_peer(cache, tokenizer, "more", "conv", since=first.version, shared_chars=10) is None
 
 
 def test_long_tokenization_lets_other_threads_run(tokenizer):

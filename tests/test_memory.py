@@ -17,7 +17,7 @@ from conversations import plain_delta
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.config import MAX_KEY_BYTES
 from mptok.ids import IdPieces, intern_ids
-from mptok.routing import HeldReplies, _Held
+from mptok.peer import Held, HeldReplies, answer_peer
 from mptok.tokenize_request import RequestError, parse_tokenize_request
 
 MiB = 1024 * 1024
@@ -87,7 +87,7 @@ def test_history_counts_and_history_sharing_nothing_is_dropped(tokenizer):
     with_history = cache.stats()["cached_bytes"]
     remembered = len(full_ids(tokenizer, base)) * 8
     assert with_history - alone >= remembered * 0.9
-    reply = cache.encode_for_peer(tokenizer, "c", "", since=_version(cache, "c"), shared_chars=0)
+    reply = answer_peer(cache, tokenizer, "", "c", since=_version(cache, "c"), shared_chars=0)
     assert reply is not None
     # An unrelated prompt under a key: nothing earlier of that key is kept.
     cache.encode(tokenizer, base, key="d")
@@ -97,7 +97,7 @@ def test_history_counts_and_history_sharing_nothing_is_dropped(tokenizer):
     cache.encode(tokenizer, unrelated, key="d")
     entry = _entry(cache, "d")
     assert entry.history == ()
-    assert cache.encode_for_peer(tokenizer, "d", "x", since=old_version, shared_chars=0) is None
+    assert answer_peer(cache, tokenizer, "x", "d", since=old_version, shared_chars=0) is None
     assert cache.stats()["cached_bytes"] < before
 
 
@@ -118,7 +118,7 @@ def test_conversation_ids_longer_than_the_limit_are_refused(tokenizer):
         with pytest.raises(ValueError, match=f"at most {MAX_KEY_BYTES} bytes"):
             cache.encode(tokenizer, text, key=key)
         with pytest.raises(ValueError):
-            cache.encode_for_peer(tokenizer, key, text)
+            answer_peer(cache, tokenizer, text, key)
     assert cache.stats()["entries"] == 2
     # Over HTTP the same limit is a 400, from the body or from the header.
     with pytest.raises(RequestError) as refused:
@@ -184,13 +184,13 @@ def test_held_replies_are_bounded_by_bytes():
     held = HeldReplies(max_bytes=budget)
     for i in range(40):
         ids = IdPieces.of(list(range(1000 + i, 6000 + i)))
-        held.put((1, 7), f"conversation-{i}", _Held(i + 1, "x" * 10_000, ids))
+        held.put((1, 7), f"conversation-{i}", Held(i + 1, "x" * 10_000, ids))
         assert held.stats()["held_bytes"] <= budget
     stats = held.stats()
     assert 0 < stats["held_entries"] < 40
     assert held.get((1, 7), "conversation-39") is not None
     assert held.get((1, 7), "conversation-0") is None
-    held.put((1, 7), "huge", _Held(99, "y" * budget, IdPieces.of([1, 2, 3])))
+    held.put((1, 7), "huge", Held(99, "y" * budget, IdPieces.of([1, 2, 3])))
     assert held.get((1, 7), "huge") is None and held.stats()["held_bytes"] <= budget
 
 

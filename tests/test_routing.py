@@ -226,7 +226,7 @@ def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenize
         for owner in (0, 1):
             for text in conversation(owner, 3):
                 key = key_owned_by(owner, 3, f"in-process-{owner}")
-                assert caches[2].encode(tokenizer, text, key=key) == expected(tokenizer, text)
+                assert owners[2].encode(tokenizer, text, key=key) == expected(tokenizer, text)
         served = [o.stats()["served"] for o in owners]
         assert served == [3, 3, 0]
         # After the first turn, frontend 2 holds each conversation's ids and
@@ -239,6 +239,38 @@ def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenize
     assert not [p for p in os.listdir(ipc_dir) if p.endswith((".sock", ".json"))]
 
 
+def test_only_keyed_prompts_the_cache_would_keep_are_routed(tmp_path, tokenizer):
+    """The routed encoder asks an owner only for keyed prompts that the cache
+    would keep, with the tokenizer it serves; anything else, and everything
+    once it is closed, is tokenized by the local cache, with no call."""
+    with in_process_owners(str(tmp_path / "ipc"), tokenizer, 2) as (caches, owners):
+        key = key_owned_by(0, 2, "offered")
+        rng = random.Random(6)
+        long_text = conversation(6, 1)[0]
+        assert len(long_text) >= caches[1].config.min_chars
+        short = "short prompt"
+        assert owners[1].encode(tokenizer, long_text + " keyless") == expected(tokenizer, long_text + " keyless")
+        assert owners[1].encode(tokenizer, short, key=key) == expected(tokenizer, short)
+        assert owners[0].stats()["served"] == 0 and owners[1].stats()["routed"] == 0
+        assert caches[1].stats()["uncached"] == 1 and caches[1].stats()["misses"] == 1
+        assert owners[1].encode(tokenizer, long_text, key=key) == expected(tokenizer, long_text)
+        assert (owners[0].stats()["served"], owners[1].stats()["routed"]) == (1, 1)
+        assert caches[0].stats()["entries"] == 1 and caches[1].stats()["entries"] == 1
+        with pytest.raises(TypeError):
+            owners[1].encode(tokenizer, b"bytes", key=key)
+        with pytest.raises(ValueError):
+            owners[1].encode(tokenizer, long_text, key="k" * 1000)
+        owners[1].close()
+        later = long_text + plain_words(rng)
+        assert owners[1].encode(tokenizer, later, key=key) == expected(tokenizer, later)
+        assert owners[0].stats()["served"] == 1 and owners[1].stats()["routed"] == 1
+        assert caches[1].stats()["entries"] == 2
+
+
+def plain_words(rng: random.Random) -> str:
+    return " " + " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(20))
+
+
 def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, tokenizer):
     """Turns of one conversation land on different frontends, as SO_REUSEPORT
     spreads them: each asker sends only the characters after what it holds,
@@ -249,11 +281,11 @@ def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, 
     with in_process_owners(str(tmp_path / "ipc"), tokenizer, 4) as (caches, owners):
         key = key_owned_by(0, 4, "alternating")
         # Frontend 3 then waits longer than the owner remembers versions.
-        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * (mptok.cache.PEER_HISTORY + 2)
+        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * (mptok.peer.PEER_HISTORY + 2)
         prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=len(askers))
         for asker, prompt in zip(askers, prompts):
-            assert caches[asker].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
-        assert caches[3].encode(tokenizer, prompts[-1] + "x", key=key) == expected(
+            assert owners[asker].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
+        assert owners[3].encode(tokenizer, prompts[-1] + "x", key=key) == expected(
             tokenizer, prompts[-1] + "x"
         )
         served, since = owners[0].stats()["served"], owners[0].stats()["served_since"]

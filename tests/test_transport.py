@@ -107,7 +107,7 @@ def test_the_handshake_is_this_pythons_own(serve, monkeypatch):
 def test_a_real_cache_answers_exactly_and_reports_what_it_cannot_tokenize(serve):
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
-    manager, address = serve(functools.partial(cache.encode_local, tokenizer))
+    manager, address = serve(functools.partial(cache.encode, tokenizer))
     proxy = EncodeProxy(address, KEY, timeout_s=30)
     text = "Routed prompts come back exact, emoji 🙂 and all. " * 3000
     assert proxy.encode(text, "conversation") == tokenizer(text, add_special_tokens=False)["input_ids"]

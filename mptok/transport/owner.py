@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 # What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
-# as ``PrefixTokenCache.encode_for_peer`` with its tokenizer bound.
+# as ``mptok.peer.answer_peer`` with its cache and tokenizer bound.
 PeerAnswer = Callable[[str, "str | None", "int | None", int], "PeerReply | None"]
 
 

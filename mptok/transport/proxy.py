@@ -119,7 +119,7 @@ class EncodeProxy:
         Without ``since``, ``text`` is the whole prompt. With it, the caller
         holds the ids of the conversation's version ``since`` and ``text``
         is the prompt after its first ``shared_chars`` characters, which it
-        shares with that version (see ``PrefixTokenCache.encode_for_peer``);
+        shares with that version (see ``mptok.peer.answer_peer``);
         None means the owner cannot rebuild the prompt from that version.
 
         The call ends by ``deadline`` (a ``time.monotonic()`` instant) if
