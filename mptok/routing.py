@@ -52,6 +52,7 @@ __all__ = [
     "OwnerAlreadyServing",
     "ServerLimits",
     "TokenizationOwners",
+    "lower_switch_interval",
     "owner_of",
     "owner_order",
 ]
@@ -156,6 +157,18 @@ class HeldReplies:
                 self._chars -= len(evicted.text)
 
 
+PEER_SWITCH_INTERVAL_S = 0.001
+
+
+def lower_switch_interval(seconds: float = PEER_SWITCH_INTERVAL_S) -> None:
+    """Lower this process's ``sys.setswitchinterval`` to ``seconds`` (never raise it), so
+    that a peer's call waits about 1 ms instead of 5 ms for the GIL while the main
+    thread runs Python (see ``TokenizationOwners``). Process-wide: call it from the
+    process's entry point."""
+    if sys.getswitchinterval() > seconds:
+        sys.setswitchinterval(seconds)
+
+
 class TokenizationOwners:
     """Serve this frontend's cache to its peers and route keyed prompts to their owners.
 
@@ -192,8 +205,9 @@ class TokenizationOwners:
     nearly every race for it: a routed 38k-token hit then took from 4 ms to
     seconds (8000 futile wake-ups per call), whatever the switch interval
     (5 ms down to 0.02 ms), and about 4 ms with both threads on one CPU.
-    Unless ``switch_interval_s`` is None, the process-wide
-    ``sys.setswitchinterval`` is lowered to it (never raised) and stays so.
+    The switch interval is process-wide, so this class leaves it alone: a
+    process that serves peers should call ``lower_switch_interval()`` once
+    at start (``mptok serve``'s frontends do).
     """
 
     def __init__(
@@ -207,7 +221,6 @@ class TokenizationOwners:
         authkey: bytes,
         timeout_s: float = 5.0,
         backoff_s: float = 10.0,
-        switch_interval_s: float | None = 0.001,
         limits: ServerLimits | None = None,
     ):
         if not 0 <= frontend_id < num_frontends:
@@ -229,8 +242,6 @@ class TokenizationOwners:
             for peer in range(num_frontends)
             if peer != frontend_id
         }
-        if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
-            sys.setswitchinterval(switch_interval_s)
         self._held = HeldReplies()
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
