@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run bench replay drill test test-quick test-versions ci clean
+.PHONY: run bench bench-memory replay drill test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -30,6 +30,11 @@ $(BIN)/.installed-bench: $(BIN)/.installed-test
 # The cache benchmark, with hit rates per tokenizer family.
 bench: $(BIN)/.installed-test
 	$(BIN)/python scripts/bench_cache.py --families
+
+# What the cache's memory costs (bytes per cached token, tracemalloc), a flood
+# against a small --budget, and the RSS of `mptok serve --cache-bytes`.
+bench-memory: $(BIN)/.installed
+	$(BIN)/python scripts/bench_memory.py $(ARGS)
 
 # Issue 5's side-by-side replay (no cache, cache per instance, mptok, sticky
 # nginx): the table and plot in docs/RESULTS.md (`make replay ARGS="--help"`).

@@ -14,9 +14,11 @@ the frontend process that holds its conversation (``mptok.routing``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -25,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
-from mptok.config import CacheConfig
+from mptok.config import CacheConfig, check_key
 from mptok.errors import RouteFailed
+from mptok.ids import IdPieces, common_prefix_length, held_bytes
 from mptok.peer import PeerReply
 from mptok.prefix_index import PrefixIndex
-from mptok.seam import CachedPrompt, IdPieces, common_prefix_length, extend_prompt, tokenize_prompt
+from mptok.seam import CachedPrompt, extend_prompt, tokenize_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +44,55 @@ Route = Callable[[str, str], "list[int] | None"]
 # with F = 4, 8 versions left 7% of routed prompts (replayed) needing a second
 # call with the whole text; 16 leave about 1% ((3/4)^16). The versions share
 # their id lists (``IdPieces``) until a splice compacts them, so the ids kept
-# for 16 are a few lists per conversation, not 16.
+# for 16 are a few lists per conversation, not 16. A version that shares no
+# character with the newest prompt is of no use to a peer and is dropped.
 PEER_HISTORY = 16
+
+# Prompts kept under one conversation key. Two conversations may share a key
+# (one derived from their identical first messages, ``mptok.affinity``; a
+# client that reuses a session id; a regenerated answer): each keeps a branch
+# of its own, and a prompt extends the branch it shares the most with,
+# instead of the conversations evicting each other turn after turn.
+MAX_BRANCHES = 4
+# A prompt that parts from the branch it extends within this many characters
+# of the end of either replaces that branch (a chat template rewrites its
+# generation prompt, a few characters, every turn; a client resends an
+# earlier turn); one that parts earlier starts a branch of its own.
+BRANCH_SLACK_CHARS = 256
+
+# What an entry costs beyond its text, ids and offsets, which are counted by
+# size: the entry, prompt and IdPieces objects, the holder tuple, the slots of
+# the LRU dict and of the content index. Measured with tracemalloc
+# (scripts/bench_memory.py) and rounded up.
+ENTRY_OVERHEAD_BYTES = 1024
+# Per remembered version: its tuple, IdPieces and piece tuples.
+VERSION_OVERHEAD_BYTES = 256
 
 
 @dataclass(frozen=True)
 class _Entry:
     """A kept prompt, its version, and what the owner remembers of the
-    versions before it: ``(version, ids, chars shared with this prompt)``."""
+    versions before it: ``(version, ids, chars shared with this prompt)``;
+    ``nbytes`` is what it all costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
     version: int
     history: tuple[tuple[int, IdPieces, int], ...]
+    nbytes: int = 0
+
+
+def entry_bytes(holder: Hashable, prompt: CachedPrompt, history: tuple[tuple[int, IdPieces, int], ...]) -> int:
+    """Bytes a kept prompt holds: its key, text, the lists of its ids and of
+    its remembered versions' ids (each list once: versions share them), its
+    offsets window and bookkeeping. O(pieces), not O(tokens)."""
+    return (
+        held_bytes(holder, prompt.text, prompt.ids, *(ids for _, ids, _ in history))
+        + sys.getsizeof(prompt.starts)
+        + sys.getsizeof(prompt.ends)
+        + sys.getsizeof(prompt.word_starts)
+        + ENTRY_OVERHEAD_BYTES
+        + VERSION_OVERHEAD_BYTES * len(history)
+    )
 
 
 class PrefixTokenCache:
@@ -73,8 +113,12 @@ class PrefixTokenCache:
         self.config = config if config is not None else CacheConfig.from_env()
         self.route: Route | None = None
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, CachedPrompt] = OrderedDict()
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        # (backend serial, key) -> the holders of that key's branches, oldest first.
+        self._branches: dict[tuple[int, str], list[Hashable]] = {}
+        self._branch_ids = itertools.count(1)
         self._cached_chars = 0
+        self._cached_bytes = 0
         self._by_content = PrefixIndex()
         self._anonymous = itertools.count()
         # Versions start at a random number: a peer that names a version of a
@@ -83,7 +127,8 @@ class PrefixTokenCache:
         self._disabled = False
         self._warned_slow = False
         self._counts = dict.fromkeys(
-            ("hits", "misses", "resync_failures", "uncached", "routed", "route_failures"), 0
+            ("hits", "misses", "resync_failures", "uncached", "routed", "route_failures", "allocation_failures"),
+            0,
         )
 
     # -- public API ---------------------------------------------------------
@@ -93,7 +138,9 @@ class PrefixTokenCache:
 
         ``key`` names the conversation; without it, the longest kept prompt
         that ``text`` starts with is extended. Raises ``TypeError`` for text
-        that is not a str, and whatever the tokenizer itself raises.
+        that is not a str, ``ValueError`` for a key longer than
+        ``mptok.config.MAX_KEY_BYTES`` (256 UTF-8 bytes), and whatever the
+        tokenizer itself raises.
         """
         _check_input(text, key)
         route = self.route
@@ -138,11 +185,13 @@ class PrefixTokenCache:
         old_ids = None
         if since is not None:
             with self._lock:
-                entry = self._entries.get((backend.serial, key))
-            known = _version_in(entry, since) if entry is not None else None
-            if known is None or not 0 <= shared_chars <= known[1]:
+                branches = self._branches_of(backend.serial, key)
+            found = next(
+                ((entry, known) for entry in branches if (known := _version_in(entry, since)) is not None), None
+            )
+            if found is None or not 0 <= shared_chars <= found[1][1]:
                 return None
-            old_ids = known[0]
+            entry, (old_ids, _) = found
             text = entry.prompt.text[:shared_chars] + text
         try:
             entry = self._entry_here(backend, text, key)
@@ -155,12 +204,20 @@ class PrefixTokenCache:
         return PeerReply(entry.version, reused, ids.slice(reused, ids.length))
 
     def stats(self) -> dict[str, int]:
-        """Counters since creation, and the current size of the cache."""
+        """Counters since creation, and the current size of the cache.
+
+        ``cached_bytes`` is everything the kept conversations hold (see
+        ``CacheConfig.max_bytes``), never more than ``max_bytes``.
+        ``allocation_failures`` counts ``MemoryError``s while caching: each
+        emptied the cache, and the prompt was tokenized in full.
+        """
         with self._lock:
             return dict(
                 self._counts,
                 entries=len(self._entries),
                 cached_chars=self._cached_chars,
+                cached_bytes=self._cached_bytes,
+                max_bytes=self.config.max_bytes,
                 disabled=int(self._disabled),
             )
 
@@ -172,9 +229,11 @@ class PrefixTokenCache:
     # -- internals ----------------------------------------------------------
 
     def _keeps(self, text: str) -> bool:
+        config = self.config
         return (
             not self._disabled
-            and self.config.min_chars <= len(text) <= self.config.max_cached_chars
+            and config.min_chars <= len(text) < config.max_bytes  # a text costs at least a byte a character
+            and (config.max_cached_chars is None or len(text) <= config.max_cached_chars)
             and len(text) > 0
         )
 
@@ -224,26 +283,26 @@ class PrefixTokenCache:
             return self._encode_cached(backend, text, key)
         except TokenizerRefused:
             raise
+        except MemoryError:
+            # Memory is short: give back what the cache holds and tokenize
+            # in full; the cache fills again from the next prompt on.
+            with self._lock:
+                self._counts["allocation_failures"] += 1
+                self._forget_all()
+            logger.warning("out of memory while caching a prompt; cache emptied, tokenizing in full")
+            return None
         except Exception:
             self._disable()
             return None
 
     def _encode_cached(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry:
-        holder: Hashable = (backend.serial, key) if key is not None else None
-        with self._lock:
-            if key is None:
-                holder = self._by_content.longest_prefix_of(text)
-                known = self._entries.get(holder) if holder is not None else None
-                if known is None or holder[0] != backend.serial:
-                    holder = (backend.serial, None, next(self._anonymous))
-                    known = None
-            else:
-                known = self._entries.get(holder)
+        if key is None:
+            holder, known, shared = self._kept_by_content(backend, text)
+        else:
+            holder, known, shared = self._branch_for(backend, key, text)
         config = self.config
         prompt = None
-        shared = 0
         if known is not None:
-            shared = common_prefix_length(known.prompt.text, text)
             prompt = extend_prompt(
                 backend,
                 known.prompt,
@@ -259,26 +318,93 @@ class PrefixTokenCache:
             self._count("misses")
         else:
             self._count("hits")
-        entry = _Entry(prompt, next(self._versions), _history_after(known, shared))
+        history = _history_after(known, shared)
+        compact = prompt.ids.bounded()
+        if compact is not prompt.ids:
+            # Joined into one list: the remembered versions move onto it, or
+            # they would keep the old lists alive beside the new one.
+            history = tuple((version, ids.rebased(prompt.ids, compact), chars) for version, ids, chars in history)
+            prompt = dataclasses.replace(prompt, ids=compact)
+        entry = _Entry(prompt, next(self._versions), history, entry_bytes(holder, prompt, history))
         self._keep(holder, entry, by_content=key is None)
         return entry
 
-    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool) -> None:
+    def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:
+        """For a keyless prompt: the holder to keep it under, the kept prompt
+        it extends (the longest one it starts with) and their shared length."""
         with self._lock:
-            old = self._entries.pop(holder, None)
-            if old is not None:
-                self._cached_chars -= len(old.prompt.text)
+            holder = self._by_content.longest_prefix_of(text)
+            known = self._entries.get(holder) if holder is not None else None
+        if known is None or holder[0] != backend.serial:
+            return (backend.serial, None, next(self._anonymous)), None, 0
+        return holder, known, len(known.prompt.text)
+
+    def _branch_for(self, backend: TokenizerBackend, key: str, text: str) -> tuple[Hashable, _Entry | None, int]:
+        """For a prompt of conversation ``key``: the holder to keep it under,
+        the kept branch it extends (the one it shares the most characters
+        with) and their shared length. It starts a new branch when the two
+        share more than ``BRANCH_SLACK_CHARS`` characters and part ways more
+        than that before the end of either; else it replaces that branch (a
+        prompt sharing next to nothing restarts the conversation)."""
+        with self._lock:
+            holders = list(self._branches.get((backend.serial, key), ()))
+            candidates = [(holder, self._entries[holder]) for holder in holders]
+        best: tuple[Hashable, _Entry | None, int] = (None, None, -1)
+        for holder, entry in candidates:
+            shared = common_prefix_length(entry.prompt.text, text)
+            if shared > best[2]:
+                best = (holder, entry, shared)
+        holder, known, shared = best
+        if known is None:
+            # The first branch has a fixed holder, so that threads starting
+            # one conversation at once keep one branch, not one each.
+            holder = (backend.serial, key, 0)
+        elif BRANCH_SLACK_CHARS <= shared < min(len(known.prompt.text), len(text)) - BRANCH_SLACK_CHARS:
+            holder = (backend.serial, key, next(self._branch_ids))
+        return holder, known, max(shared, 0)
+
+    def _branches_of(self, serial: int, key: str) -> list[_Entry]:
+        """The kept branches of ``key``, newest first; the caller holds the lock."""
+        return [self._entries[holder] for holder in reversed(self._branches.get((serial, key), ()))]
+
+    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool) -> None:
+        """Keep ``entry`` as the newest, then evict the least recently used
+        until every limit holds; an entry over the byte budget by itself is
+        not kept (and what ``holder`` had is forgotten)."""
+        config = self.config
+        with self._lock:
+            self._drop(holder)
+            if entry.nbytes > config.max_bytes:
+                return
             self._entries[holder] = entry
             self._cached_chars += len(entry.prompt.text)
+            self._cached_bytes += entry.nbytes
             if by_content:
                 self._by_content.add(holder, entry.prompt.text)
+            else:
+                branches = self._branches.setdefault(holder[:2], [])
+                branches.append(holder)
+                if len(branches) > MAX_BRANCHES:
+                    self._drop(branches[0])
             while (
-                len(self._entries) > self.config.max_entries
-                or self._cached_chars > self.config.max_cached_chars
+                len(self._entries) > config.max_entries
+                or self._cached_bytes > config.max_bytes
+                or (config.max_cached_chars is not None and self._cached_chars > config.max_cached_chars)
             ):
-                evicted_holder, evicted = self._entries.popitem(last=False)
-                self._cached_chars -= len(evicted.prompt.text)
-                self._by_content.discard(evicted_holder)
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, holder: Hashable) -> None:
+        """Forget what ``holder`` has kept, if anything; the caller holds the lock."""
+        old = self._entries.pop(holder, None)
+        if old is not None:
+            self._cached_chars -= len(old.prompt.text)
+            self._cached_bytes -= old.nbytes
+            self._by_content.discard(holder)
+            branches = self._branches.get(holder[:2])
+            if branches is not None and holder in branches:
+                branches.remove(holder)
+                if not branches:
+                    del self._branches[holder[:2]]
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
         try:
@@ -289,8 +415,10 @@ class PrefixTokenCache:
     def _forget_all(self) -> None:
         """Drop every kept prompt; the caller holds the lock."""
         self._entries.clear()
+        self._branches.clear()
         self._by_content = PrefixIndex()
         self._cached_chars = 0
+        self._cached_bytes = 0
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -320,10 +448,10 @@ class PrefixTokenCache:
 def _history_after(known: _Entry | None, shared: int) -> tuple[tuple[int, IdPieces, int], ...]:
     """The history of the entry that replaces ``known`` with a prompt sharing
     its first ``shared`` characters."""
-    if known is None:
+    if known is None or shared == 0:
         return ()
     history = ((known.version, known.prompt.ids, shared),) + tuple(
-        (version, ids, min(chars, shared)) for version, ids, chars in known.history
+        (version, ids, min(chars, shared)) for version, ids, chars in known.history if chars > 0
     )
     return history[:PEER_HISTORY]
 
@@ -342,8 +470,10 @@ def _version_in(entry: _Entry, version: int) -> tuple[IdPieces, int] | None:
 def _check_input(text: object, key: object) -> None:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, not {type(text).__name__}")
-    if key is not None and not isinstance(key, str):
-        raise TypeError(f"key must be a str or None, not {type(key).__name__}")
+    if key is not None:
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str or None, not {type(key).__name__}")
+        check_key(key)
 
 
 def _call_tokenizer(tokenizer: Any, text: str) -> list[int]:

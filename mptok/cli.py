@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _environment_help() -> str:
-    cache = ", ".join(f"{ENV_PREFIX}{f.name.upper()} (default {f.default})" for f in dataclasses.fields(CacheConfig))
+    cache = ", ".join(
+        ENV_PREFIX + f.name.upper() + ("" if f.default is None else f" (default {f.default})") for f in dataclasses.fields(CacheConfig)
+    )
     return (
         f"Environment: the cache's limits, read by every frontend at start (docs/CACHE.md): {cache}; "
         "prompts shorter than MIN_CHARS characters are not cached. "

@@ -10,10 +10,42 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 ENV_PREFIX = "MPTOK_CACHE_"
+
+# Longest conversation id, in UTF-8 bytes. Ids are kept whole as cache keys
+# (and routed by), so an unbounded one would be memory a client controls.
+MAX_KEY_BYTES = 256
+
+MiB = 1024 * 1024
+
+
+def check_key(key: str) -> None:
+    """``ValueError`` if conversation id ``key`` is longer than ``MAX_KEY_BYTES``."""
+    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"a conversation id may be at most {MAX_KEY_BYTES} bytes (UTF-8), "
+            f"got {len(key.encode('utf-8', 'surrogatepass'))}"
+        )
+
+
+_BYTE_UNITS = {"": 1, "K": 1024, "M": MiB, "G": 1024 * MiB, "T": 1024 * 1024 * MiB}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: ``536870912``, ``512M``, ``512MiB``, ``1G`` (units of 1024).
+
+    Raises ``ValueError`` for anything else.
+    """
+    raw = text.strip().replace("_", "")
+    number = raw.rstrip("BbiIKkMmGgTt")
+    unit = raw[len(number) :].upper().removesuffix("B").removesuffix("I")
+    if unit not in _BYTE_UNITS or not number.isdigit():
+        raise ValueError(f"{text!r} is not a size in bytes (say 536870912, 512M or 1GiB)")
+    return int(number) * _BYTE_UNITS[unit]
 
 
 @dataclass(frozen=True)
@@ -22,8 +54,15 @@ class CacheConfig:
 
     max_entries: conversations kept (one entry each), least recently used
         evicted first.
-    max_cached_chars: total characters of the prompts kept; a prompt longer
-        than this is tokenized but not kept.
+    max_bytes: memory the cache may hold for its conversations: prompt
+        text, ids, offsets, earlier versions, keys and bookkeeping, counted
+        as Python allocates them; least recently used conversations are
+        evicted to stay within it, and a prompt that alone exceeds it is
+        tokenized but not kept.
+    max_held_bytes: the same budget for the replies a frontend holds of the
+        conversations it routed to their owners (``mptok.routing``).
+    max_cached_chars: deprecated (use ``max_bytes``); still enforced as a
+        limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither
         looked up nor kept (0 caches everything).
     seam_window_tokens: how many tokens at the end of each kept prompt are
@@ -34,7 +73,9 @@ class CacheConfig:
     """
 
     max_entries: int = 1024
-    max_cached_chars: int = 256 * 1024 * 1024
+    max_bytes: int = 512 * MiB
+    max_held_bytes: int = 256 * MiB
+    max_cached_chars: int | None = None
     min_chars: int = 256
     seam_window_tokens: int = 4096
     max_seam_attempts: int = 4
@@ -42,6 +83,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         lower_bounds = {
             "max_entries": 1,
+            "max_bytes": 1,
+            "max_held_bytes": 1,
             "max_cached_chars": 1,
             "min_chars": 0,
             "seam_window_tokens": 16,
@@ -49,17 +92,29 @@ class CacheConfig:
         }
         for name, lowest in lower_bounds.items():
             value = getattr(self, name)
+            if value is None and name == "max_cached_chars":
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
             if value < lowest:
                 raise ValueError(f"CacheConfig.{name} must be at least {lowest}, got {value}")
+        if self.max_cached_chars is not None:
+            warnings.warn(
+                "CacheConfig.max_cached_chars (MPTOK_CACHE_MAX_CACHED_CHARS) is deprecated: the cache is "
+                "bounded in bytes by max_bytes (MPTOK_CACHE_MAX_BYTES, mptok serve --cache-bytes); "
+                f"max_cached_chars={self.max_cached_chars} still limits the characters kept",
+                FutureWarning,
+                stacklevel=3,
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int) -> CacheConfig:
         """Defaults, then ``MPTOK_CACHE_<FIELD>`` variables, then ``overrides``.
 
-        ``MPTOK_CACHE_MAX_ENTRIES=64`` sets ``max_entries``. A value that is
-        not a whole number raises ``ValueError`` naming the variable.
+        ``MPTOK_CACHE_MAX_ENTRIES=64`` sets ``max_entries``;
+        ``MPTOK_CACHE_MAX_BYTES=1G`` sets ``max_bytes`` (sizes take K, M, G
+        suffixes). A value that is not a whole number raises ``ValueError``
+        naming the variable.
         """
         environ = os.environ if environ is None else environ
         values: dict[str, int] = {}
@@ -69,7 +124,10 @@ class CacheConfig:
             if raw is None or raw.strip() == "":
                 continue
             try:
-                values[field.name] = int(raw.strip().replace("_", ""))
+                if field.name.endswith("_bytes"):
+                    values[field.name] = parse_bytes(raw)
+                else:
+                    values[field.name] = int(raw.strip().replace("_", ""))
             except ValueError:
                 raise ValueError(f"{variable}={raw!r} is not a whole number") from None
         values.update(overrides)

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from mptok.affinity import IdentityKind
 from mptok.routing import FALLBACK_REASONS
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,11 @@ _FRONTEND_SERIES = (
     ("mptok_cache_uncached_total", "counter", "Prompts too short or too long to cache, tokenized in full.", "cache", "uncached"),
     ("mptok_cache_entries", "gauge", "Conversations kept by the cache.", "cache", "entries"),
     ("mptok_cache_cached_chars", "gauge", "Prompt characters kept by the cache.", "cache", "cached_chars"),
+    ("mptok_cache_bytes", "gauge", "Bytes the cache holds for its conversations (text, ids, offsets, versions, keys, bookkeeping).", "cache", "cached_bytes"),
+    ("mptok_cache_max_bytes", "gauge", "The cache's byte budget (--cache-bytes).", "cache", "max_bytes"),
+    ("mptok_cache_allocation_failures_total", "counter", "MemoryErrors while caching; each emptied the cache and the prompt was tokenized in full.", "cache", "allocation_failures"),
+    ("mptok_held_reply_bytes", "gauge", "Bytes held here of owners' replies for the conversations this frontend routed.", "routing", "held_bytes"),
+    ("mptok_held_reply_entries", "gauge", "Owners' replies held here, one per routed conversation.", "routing", "held_entries"),
     ("mptok_cache_disabled", "gauge", "1 once the cache disabled itself after an internal error.", "cache", "disabled"),
     ("mptok_routed_total", "counter", "Prompts arriving here that their conversation's owner tokenized.", "routing", "routed"),
     ("mptok_routed_since_total", "counter", "Routed prompts sent as the characters after a held version, answered with the ids that changed.", "routing", "routed_since"),
@@ -160,6 +166,10 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
         for reason in FALLBACK_REASONS:
             value = snap.get("routing", {}).get(f"fallback_{reason}", 0)
             _sample(out, "mptok_route_fallbacks_total", {"frontend": frontend, "reason": reason}, value)
+    _header(out, "mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).")
+    for frontend, snap in frontends:
+        for kind in IdentityKind:
+            _sample(out, "mptok_prompts_total", {"frontend": frontend, "identity": kind.value}, snap.get("identities", {}).get(kind.value, 0))
     _header(out, "mptok_http_requests_total", "counter", "HTTP requests answered, by path and status code.")
     for frontend, snap in frontends:
         for path_code, value in sorted(snap.get("requests", {}).items()):

@@ -31,7 +31,8 @@ from mptok.backend import SlowTokenizerError, backend_for
 from mptok.counting import Counters, Histogram
 from mptok.errors import RouteFailed
 from mptok.peer import PeerReply
-from mptok.seam import IdPieces, common_prefix_length
+from mptok.config import CacheConfig
+from mptok.ids import NO_IDS, IdPieces, common_prefix_length, held_bytes
 from mptok.liveness import OwnerLiveness, OwnerRecord, publish, unpublish
 from mptok.transport import (
     EncodeProxy,
@@ -65,9 +66,6 @@ _ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "r
     f"fallback_{reason}" for reason in FALLBACK_REASONS
 )
 _HASH_PERSON = b"mptok-route-v1"
-
-
-_NO_IDS = IdPieces((), 0)
 
 
 def _answer_peer(
@@ -118,6 +116,11 @@ class _Held:
     ids: IdPieces
 
 
+# What a held reply costs beyond its key, text and id lists: the _Held and
+# IdPieces objects, piece tuples, the LRU dict's slot (scripts/bench_memory.py).
+HELD_OVERHEAD_BYTES = 512
+
+
 class HeldReplies:
     """What this frontend holds of each conversation it routed: the owner's
     last reply, with its version, text and ids.
@@ -125,36 +128,45 @@ class HeldReplies:
     The next turn of that conversation then sends the owner only the
     characters after those it shares with the held text and gets back only
     the ids that changed (``PrefixTokenCache.encode_for_peer``). LRU, bounded
-    by entries and by characters; thread-safe.
+    by entries and by bytes, counted as the cache counts its own
+    (``CacheConfig.max_held_bytes``): key, text, id lists, bookkeeping. A
+    reply over the budget by itself is not held. Thread-safe.
     """
 
-    def __init__(self, max_entries: int = 1024, max_chars: int = 64 * 1024 * 1024):
+    def __init__(self, max_entries: int = 1024, max_bytes: int = CacheConfig.max_held_bytes):
         self._max_entries = max_entries
-        self._max_chars = max_chars
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._held: OrderedDict[Hashable, _Held] = OrderedDict()
-        self._chars = 0
+        self._held: OrderedDict[Hashable, tuple[_Held, int]] = OrderedDict()
+        self._bytes = 0
 
     def get(self, owner: Hashable, key: str) -> _Held | None:
         with self._lock:
             held = self._held.get((owner, key))
-            if held is not None:
-                self._held.move_to_end((owner, key))
-            return held
+            if held is None:
+                return None
+            self._held.move_to_end((owner, key))
+            return held[0]
 
     def put(self, owner: Hashable, key: str, held: _Held | None) -> None:
         """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
+        nbytes = 0 if held is None else held_bytes((owner, key), held.text, held.ids) + HELD_OVERHEAD_BYTES
         with self._lock:
             old = self._held.pop((owner, key), None)
             if old is not None:
-                self._chars -= len(old.text)
-            if held is None or len(held.text) > self._max_chars:
+                self._bytes -= old[1]
+            if held is None or nbytes > self._max_bytes:
                 return
-            self._held[(owner, key)] = held
-            self._chars += len(held.text)
-            while len(self._held) > self._max_entries or self._chars > self._max_chars:
-                _, evicted = self._held.popitem(last=False)
-                self._chars -= len(evicted.text)
+            self._held[(owner, key)] = (held, nbytes)
+            self._bytes += nbytes
+            while len(self._held) > self._max_entries or self._bytes > self._max_bytes:
+                _, (_, evicted_bytes) = self._held.popitem(last=False)
+                self._bytes -= evicted_bytes
+
+    def stats(self) -> dict[str, int]:
+        """``held_entries`` and ``held_bytes`` (never more than ``held_max_bytes``)."""
+        with self._lock:
+            return {"held_entries": len(self._held), "held_bytes": self._bytes, "held_max_bytes": self._max_bytes}
 
 
 PEER_SWITCH_INTERVAL_S = 0.001
@@ -242,7 +254,9 @@ class TokenizationOwners:
             for peer in range(num_frontends)
             if peer != frontend_id
         }
-        self._held = HeldReplies()
+        config = getattr(cache, "config", None)
+        held_budget = config.max_held_bytes if isinstance(config, CacheConfig) else CacheConfig.max_held_bytes
+        self._held = HeldReplies(max_bytes=held_budget)
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
@@ -276,9 +290,10 @@ class TokenizationOwners:
         fallback_timeout or fallback_error). fallback_<reason>: owners
         skipped or failed, by reason. served, serve_errors,
         active_connections, accepted, refused, handshake_failures,
-        refused_requests: this frontend as an owner.
+        refused_requests: this frontend as an owner. held_entries,
+        held_bytes, held_max_bytes: the owners' replies held here.
         """
-        return {**self._counters.snapshot(), **self._manager.stats()}
+        return {**self._counters.snapshot(), **self._manager.stats(), **self._held.stats()}
 
     def timings(self) -> dict[str, dict[str, Any]]:
         """Histogram snapshots since start, for /metrics.
@@ -391,7 +406,7 @@ class TokenizationOwners:
         if reply.reused > (held.ids.length if held is not None else 0):
             self._held.put(owner, key, None)
             raise OwnerError(f"frontend {frontend} reused more ids than this frontend holds")
-        ids = (held.ids if held is not None else _NO_IDS).spliced(reply.reused, reply.ids)
+        ids = (held.ids if held is not None else NO_IDS).spliced(reply.reused, reply.ids).bounded()
         self._held.put(owner, key, _Held(reply.version, text, ids) if reply.version else None)
         return ids.to_list()
 

@@ -4,7 +4,7 @@ A new prompt shares a prefix with a cached one. Re-tokenizing only from a
 *seam* inside that prefix is exact when full tokenization of the new prompt
 splits there too and the text before the seam does not influence the tokens
 after it. Comparing the first re-tokenized ids with the cached ids is not
-enough (see NOTES.md: NFC composes across seams, the legacy SentencePiece
+enough (docs/CACHE.md: NFC composes across seams, the legacy SentencePiece
 layout adds a dummy prefix whose ids still match), so a seam must pass all of:
 
 1. It starts a pre-token (or an added token): BPE, WordPiece and Unigram
@@ -35,6 +35,9 @@ from array import array
 from dataclasses import dataclass
 
 from mptok.backend import TokenizerBackend
+from mptok.ids import IdPieces, common_prefix_length
+
+__all__ = ["CachedPrompt", "IdPieces", "common_prefix_length", "extend_prompt", "tokenize_prompt"]
 
 # Characters on each side of a seam handed to the normalizer check. Wider
 # than any normalizer rule seen in real tokenizers (NFC works on one
@@ -45,95 +48,13 @@ NORMALIZER_CONTEXT = 16
 MAX_CANDIDATES = 64
 
 
-# Pieces a prompt's ids may be held in before they are joined into one list.
-MAX_ID_PIECES = 32
-
-
-@dataclass(frozen=True)
-class IdPieces:
-    """Token ids held as prefixes of lists that are never mutated.
-
-    Extending a conversation shares the previous prompt's lists instead of
-    copying them, so a 200k-token prompt is copied once per turn (into the
-    caller's list) rather than twice.
-    """
-
-    pieces: tuple[tuple[list[int], int], ...]
-    length: int
-
-    @classmethod
-    def of(cls, ids: list[int]) -> IdPieces:
-        """Wrap ``ids``, which the caller hands over and must not mutate."""
-        return cls(((ids, len(ids)),), len(ids))
-
-    def to_list(self) -> list[int]:
-        """A new list of all the ids."""
-        if not self.pieces:
-            return []
-        (first, used), *rest = self.pieces
-        out = first[:used]
-        for ids, used in rest:
-            out += ids[:used]
-        return out
-
-    def slice(self, start: int, stop: int) -> list[int]:
-        """``ids[start:stop]`` as a new list."""
-        out: list[int] = []
-        offset = 0
-        for ids, used in self.pieces:
-            if offset >= stop:
-                break
-            low, high = max(start - offset, 0), min(stop - offset, used)
-            if low < high:
-                out += ids[low:high]
-            offset += used
-        return out
-
-    def common_prefix(self, other: IdPieces) -> int:
-        """How many leading ids ``self`` and ``other`` share.
-
-        Pieces that both hold (the same list, as a conversation's turns
-        share them) are skipped whole; only the rest is compared by value.
-        """
-        mine, theirs = list(self.pieces), list(other.pieces)
-        shared = 0
-        while mine and theirs and mine[0][0] is theirs[0][0]:
-            used, other_used = mine[0][1], theirs[0][1]
-            shared += min(used, other_used)
-            if used != other_used:
-                break
-            mine.pop(0)
-            theirs.pop(0)
-        rest = min(self.length, other.length) - shared
-        a, b = self.slice(shared, shared + rest), other.slice(shared, shared + rest)
-        if a == b:
-            return shared + rest
-        return shared + next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-
-    def spliced(self, keep: int, tail: list[int]) -> IdPieces:
-        """The first ``keep`` ids followed by ``tail`` (handed over)."""
-        pieces = []
-        offset = 0
-        for ids, used in self.pieces:
-            if offset >= keep:
-                break
-            take = min(used, keep - offset)
-            pieces.append((ids, take))
-            offset += take
-        if tail:
-            pieces.append((tail, len(tail)))
-        result = IdPieces(tuple(pieces), keep + len(tail))
-        if len(pieces) > MAX_ID_PIECES:
-            return IdPieces.of(result.to_list())
-        return result
-
-
 @dataclass(frozen=True)
 class CachedPrompt:
     """A prompt with its ids and the offsets of its last tokens.
 
     ``starts``, ``ends`` and ``word_starts`` describe the tokens from index
-    ``window_first`` on.
+    ``window_first`` on; offsets are int32 (``array('i')``, 4 bytes each)
+    for any text shorter than 2**31 characters.
     """
 
     text: str
@@ -154,32 +75,14 @@ def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) ->
         text,
         IdPieces.of(ids),
         first,
-        array("q", spans.starts),
-        array("q", spans.ends),
+        array(_offset_type(text), spans.starts),
+        array(_offset_type(text), spans.ends),
         bytes(spans.word_starts),
     )
 
 
-def common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``.
-
-    Compares in C, halving the range: O(n) characters copied and compared in
-    total, never a Python-level loop over the text.
-    """
-    if len(a) <= len(b) and b.startswith(a):
-        return len(a)
-    if len(b) < len(a) and a.startswith(b):
-        return len(b)
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is < high
-    while high - low > 64:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    while low < high and a[low] == b[low]:
-        low += 1
-    return low
+def _offset_type(text: str) -> str:
+    return "i" if len(text) < 2**31 else "q"
 
 
 def extend_prompt(
@@ -273,6 +176,8 @@ def _splice(
         or [s + seam for s in tail.starts[:checked]] != cached.starts[seam_local:limit_local].tolist()
         or [e + seam for e in tail.ends[:checked]] != cached.ends[seam_local:limit_local].tolist()
     ):
+        return None
+    if _offset_type(text) != cached.starts.typecode:  # grew past int32 offsets
         return None
     ids = cached.ids.spliced(seam_index, tail.ids)
     starts = cached.starts[:seam_local]

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mptok.config import parse_bytes
+
 
 class Use(enum.Enum):
     """Where an option's value goes.
@@ -49,6 +51,16 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0 to 65535, got {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
     return value
 
 
@@ -140,7 +152,22 @@ class ServeOptions:
         "longest prompt (after the chat template) in characters; longer ones get 413 (default: %(default)s)",
         use=Use.SERVICE, default=4_000_000,
     )
+    # None: CacheConfig's (MPTOK_CACHE_MAX_BYTES, else its default).
+    cache_bytes: int | None = option(
+        "--cache-bytes", _bytes, "SIZE",
+        "memory each frontend's prefix cache may hold for its conversations (text, ids, offsets, "
+        "versions, keys), e.g. 512M or 2G; default: MPTOK_CACHE_MAX_BYTES, else 512MiB",
+        use=Use.CACHE, argument="max_bytes", default=None,
+    )
     threads: int = option("--threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)", use=Use.SERVICE, default=4)
+    affinity_chars: int = option(
+        "--affinity-chars", _non_negative_int, "N",
+        "route a raw prompt that carries no conversation id by a hash of its first N characters "
+        "(0: such prompts are not routed); right only when those characters differ between "
+        "conversations: prompts sharing a longer prefix all go to one frontend. Chats without an id "
+        "are always routed by their first messages (default: %(default)s)",
+        use=Use.SERVICE, default=0,
+    )
     route_timeout_s: float = option(
         "--route-timeout", _seconds, "S",
         "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself (default: %(default)s)",

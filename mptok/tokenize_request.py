@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from mptok.config import check_key
+
 
 class RequestError(Exception):
     """A client's mistake: answered with ``status`` and ``message``, never a 500."""
@@ -54,6 +56,11 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
     if has_prompt == has_messages:
         raise RequestError(400, 'give exactly one of "prompt" (a string) and "messages" (a list of messages)')
     conversation_id = _optional(data, "conversation_id", str, None) or header_conversation_id or None
+    if conversation_id is not None:
+        try:
+            check_key(conversation_id)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
     if has_prompt:
         prompt = data["prompt"]
         if not isinstance(prompt, str):

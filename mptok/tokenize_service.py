@@ -28,8 +28,9 @@ from typing import Any
 
 import orjson
 
+from mptok.affinity import IdentityKind, identify
 from mptok.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
-from mptok.counting import Histogram
+from mptok.counting import Counters, Histogram
 from mptok.logfmt import log_event
 from mptok.tokenize_request import (
     RequestError,
@@ -159,12 +160,14 @@ class TokenizeService:
         max_messages: int,
         max_model_len: int | None = None,
         served_model_names: tuple[str, ...] = (),
+        affinity_chars: int = 0,
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
         self.admission = Admission(max_in_flight)
         self.queue_timeout_s = queue_timeout_s
         self.max_messages = max_messages
+        self._affinity_chars = affinity_chars
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self._cache = cache
@@ -178,6 +181,7 @@ class TokenizeService:
         self._in_flight: set[concurrent.futures.Future] = set()
         self._in_flight_lock = threading.Lock()
         self.tokenize_seconds = Histogram()
+        self._identities = Counters(tuple(kind.value for kind in IdentityKind))
         self._requests: Counter[str] = Counter()
         self._requests_lock = threading.Lock()
         self._template_failures = itertools.count(1)
@@ -262,6 +266,7 @@ class TokenizeService:
             "cache": self._cache.stats(),
             "tokenize_seconds": self.tokenize_seconds.snapshot(),
             "requests": requests,
+            "identities": self._identities.snapshot(),
         }
 
     def close(self, timeout_s: float) -> None:
@@ -281,8 +286,10 @@ class TokenizeService:
             request = parse_tokenize_request(body, header_conversation_id)
             self._limits.check_model(request.model)
             text = self._text_of(request)
+            identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars)
+            self._identities.add(identity.kind.value)
             started = time.perf_counter()
-            ids = self.tokenize(text, request.add_special_tokens, request.conversation_id)
+            ids = self.tokenize(text, request.add_special_tokens, identity.key)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
             self._limits.check_length(len(ids))

@@ -25,6 +25,9 @@ Modes (F = --frontends):
             (mptok serve has no switch to turn routing off; a cache per
             frontend that only sees the turns that land on it)
   mptok     `mptok serve --frontends F`: SO_REUSEPORT + mptok's routing
+  keyless   the same server, the same conversations sent without X-Session-Id:
+            routed by the identity mptok derives from each chat's messages up to
+            its first user message (what an OpenAI SDK client gets)
   sticky    F x `mptok serve --frontends 1` behind nginx with
             `hash $http_x_session_id consistent;` (deploy/nginx-sticky.conf)
 
@@ -86,14 +89,17 @@ from bench_cache import corpus  # noqa: E402
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx  # noqa: E402
 from mptok_harness.serve import Server, free_port, request, scrape, total, wait_for_snapshots  # noqa: E402
 from percentiles import percentile  # noqa: E402
+from mptok.affinity import chat_identity  # noqa: E402
 from mptok.chat_template import ChatTemplate  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 RESULTS = REPO / "docs" / "RESULTS.md"
 PLOT = REPO / "docs" / "replay_bench.png"
-MODES = ("no-cache", "no-route", "mptok", "sticky")
+MODES = ("no-cache", "no-route", "mptok", "keyless", "sticky")
 BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
 NO_CACHE_ENV = {"MPTOK_CACHE_MIN_CHARS": str(10**12)}
+# Prompts a frontend's cache handled: its share of the conversations' work.
+CACHE_WORK = ("mptok_cache_hits_total", "mptok_cache_misses_total", "mptok_cache_uncached_total")
 
 
 # -- the conversations ------------------------------------------------------------
@@ -109,6 +115,7 @@ class Turn:
 @dataclass
 class Conversation:
     session: str
+    derived: str = ""  # the identity mptok derives when no session id is sent
     turns: list[Turn] = field(default_factory=list)
 
 
@@ -126,7 +133,16 @@ def sources() -> dict[str, str]:
     return {"system": _read(docs), "prose": prose, "logs": logs, "code": corpus()}
 
 
-def build(tokenizer: Any, template: ChatTemplate, count: int, target_tokens: int, delta_tokens: int, seed: int, progress: Progress) -> list[Conversation]:
+def build(
+    tokenizer: Any,
+    template: ChatTemplate,
+    count: int,
+    target_tokens: int,
+    delta_tokens: int,
+    seed: int,
+    progress: Progress,
+    shared_system: bool = False,
+) -> list[Conversation]:
     text = sources()
     chars_per_token = {}
     for name, body in text.items():
@@ -141,12 +157,13 @@ def build(tokenizer: Any, template: ChatTemplate, count: int, target_tokens: int
         return body[start : start + n]
 
     conversations = []
+    fleet_system = chunk("system", 1500)
     for index in range(count):
         messages = [
-            {"role": "system", "content": chunk("system", 1500)},
+            {"role": "system", "content": fleet_system if shared_system else chunk("system", 1500)},
             {"role": "user", "content": "Task: find out why the build log shows these warnings and fix them.\n" + chunk("logs", 200)},
         ]
-        conv = Conversation(session=f"replay-{seed}-{index}")
+        conv = Conversation(session=f"replay-{seed}-{index}", derived=chat_identity(messages))
         last_role = "user"
         tokens = 0
         while tokens < target_tokens:
@@ -264,6 +281,7 @@ def replay(
     """Replay every conversation against ``port``; ``server_pids`` are the roots of
     the process trees whose CPU time is the mode's server CPU; ``frontends`` is
     how many share the port (one per instance behind nginx)."""
+    keyless = result.mode == "keyless"
     queue = list(reversed(conversations))
     lock = threading.Lock()
     total_turns = sum(len(c.turns) for c in conversations)
@@ -277,7 +295,8 @@ def replay(
             for turn in conv.turns:
                 started = time.perf_counter()
                 try:
-                    status, payload, headers = request(port, "POST", "/tokenize", turn.body, {"X-Session-Id": conv.session}, timeout_s=120.0)
+                    session = {} if keyless else {"X-Session-Id": conv.session}
+                    status, payload, headers = request(port, "POST", "/tokenize", turn.body, session, timeout_s=120.0)
                     elapsed = time.perf_counter() - started
                     answer = orjson.loads(payload) if status == 200 else None
                     ids = answer["tokens"] if answer is not None else None
@@ -298,7 +317,8 @@ def replay(
                         result.e2e_ms.append(elapsed * 1000)
                         result.tokenize_ms.append(tokenize_ms)
                         result.tokens.append(len(turn.expected))
-                        result.at_owner.append(answer["frontend"] == mptok.owner_of(conv.session, frontends))
+                        owner = mptok.owner_of(conv.derived if keyless else conv.session, frontends)
+                        result.at_owner.append(answer["frontend"] == owner)
                     done = result.requests
                 progress.update(f"replaying: {result.mode}", done, total_turns)
 
@@ -345,7 +365,11 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     samples = []
     for port in ports:
         mine = scrape(port)
-        result.per_instance_turns.append(total(mine, "mptok_cache_hits_total") + total(mine, "mptok_cache_misses_total") + total(mine, "mptok_cache_uncached_total"))
+        # One port: one instance of F frontends, whose cache work is split by frontend.
+        labels = sorted({ls["frontend"] for n, ls, _ in mine if n == "mptok_cache_hits_total"}, key=int) if len(ports) == 1 else [None]
+        for frontend in labels:
+            only = {"frontend": frontend} if frontend is not None else {}
+            result.per_instance_turns.append(sum(total(mine, name, **only) for name in CACHE_WORK))
         samples += mine
     result.hits = total(samples, "mptok_cache_hits_total")
     result.misses = total(samples, "mptok_cache_misses_total")
@@ -361,7 +385,7 @@ def collect(result: ModeResult, ports: list[int]) -> None:
 def run_mode(mode: str, conversations: list[Conversation], frontends: int, clients: int, workdir: Path, progress: Progress) -> ModeResult:
     logs = workdir / mode
     logs.mkdir(parents=True, exist_ok=True)
-    if mode in ("no-cache", "mptok"):
+    if mode in ("no-cache", "mptok", "keyless"):
         how = f"`mptok serve --frontends {frontends}`" + (" with MPTOK_CACHE_MIN_CHARS=10^12" if mode == "no-cache" else "")
         result = ModeResult(mode, how)
         saved = {k: os.environ.get(k) for k in NO_CACHE_ENV}
@@ -444,9 +468,11 @@ def owner_split(r: ModeResult) -> str:
         )
         if r.route_failures:
             crossing += f" ({int(r.route_failures)} routed calls failed; the owner's work for them counts above.)"
+    work = [sum(per_run) for per_run in zip(*r.runs)] if r.runs else r.per_instance_turns
+    busiest = f" The busiest frontend did {100 * max(work) / sum(work):.0f}% of the cache work." if sum(work) else ""
     return (
-        f"mptok, by where the kernel put the connection: {'; '.join(parts)} "
-        f"(`mptok_routed_total`, prompts a peer tokenized: {int(r.routed)}).{crossing}"
+        f"{r.mode}, by where the kernel put the connection: {'; '.join(parts)} "
+        f"(`mptok_routed_total`, prompts a peer tokenized: {int(r.routed)}).{crossing}{busiest}"
     )
 
 
@@ -526,6 +552,7 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--shared-system", action="store_true", help="every conversation gets the same system prompt (an agent fleet), each its own first user message")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
@@ -542,7 +569,9 @@ def main() -> int:
     began = time.monotonic()
     tokenizer = mptok.load_tokenizer()
     template = ChatTemplate.for_tokenizer(tokenizer)
-    conversations = build(tokenizer, template, args.conversations, args.target_tokens, args.delta_tokens, args.seed, progress)
+    conversations = build(
+        tokenizer, template, args.conversations, args.target_tokens, args.delta_tokens, args.seed, progress, args.shared_system
+    )
     turns = sum(len(c.turns) for c in conversations)
     rewrites = sum(t.rewrite for c in conversations for t in c.turns)
     by_mode: dict[str, list[ModeResult]] = {mode: [] for mode in modes}
@@ -557,7 +586,7 @@ def main() -> int:
                 by_mode[mode].append(run_mode(mode, conversations, args.frontends, args.clients, work, progress))
     results = [pooled(by_mode[mode]) for mode in modes]
     command = "    .venv/bin/python scripts/replay_bench.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
         if k not in ("no_write", "quiet") and v != parser.get_default(k)
     )
     sizes = [len(c.turns[-1].expected) for c in conversations]
@@ -572,8 +601,9 @@ def main() -> int:
         f"{command}\n"
     )
     markdown = header + "\n" + table(results, conversations) + "\n"
-    if "mptok" in by_mode:
-        markdown += "\n" + owner_split(results[modes.index("mptok")]) + "\n"
+    for routed in ("mptok", "keyless"):
+        if routed in by_mode:
+            markdown += "\n" + owner_split(results[modes.index(routed)]) + "\n"
     goals = targets(by_mode)
     if goals:
         markdown += "\n" + goals + "\n"

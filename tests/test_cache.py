@@ -53,8 +53,9 @@ def test_lru_evicts_by_entry_count(tokenizer):
     assert stats["entries"] == 3
 
 
-def test_lru_evicts_by_total_characters(tokenizer):
-    cache = PrefixTokenCache(CacheConfig(max_cached_chars=10_000, min_chars=0))
+def test_deprecated_character_limit_still_evicts(tokenizer):
+    with pytest.warns(FutureWarning, match="deprecated"):
+        cache = PrefixTokenCache(CacheConfig(max_cached_chars=10_000, min_chars=0))
     rng = random.Random(1)
     for i in range(10):
         text = prompt(rng, 400)  # about 2,500 characters
@@ -64,7 +65,7 @@ def test_lru_evicts_by_total_characters(tokenizer):
 
 
 def test_prompt_longer_than_the_budget_is_tokenized_not_kept(tokenizer):
-    cache = PrefixTokenCache(CacheConfig(max_cached_chars=1_000, min_chars=0))
+    cache = PrefixTokenCache(CacheConfig(max_bytes=2_000, min_chars=0))
     text = prompt(random.Random(2), 500)
     assert cache.encode(tokenizer, text, key="big") == full_ids(tokenizer, text)
     assert cache.stats()["entries"] == 0

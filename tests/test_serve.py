@@ -530,7 +530,8 @@ def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_nex
             while not os.path.isdir(snapshot):  # the frontend may replace its file meanwhile
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(snapshot)
-                with contextlib.suppress(FileExistsError):
+                # NotADirectoryError: the frontend wrote its file again in between.
+                with contextlib.suppress(FileExistsError, NotADirectoryError):
                     os.makedirs(os.path.join(snapshot, "blocker"))
         first.process.send_signal(signal.SIGKILL)
         first.process.wait(HANG_GUARD_S)

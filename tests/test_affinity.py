@@ -1,0 +1,145 @@
+"""Conversations without a session id find their owner from their own content.
+
+The identity rules are checked directly; then a fleet of keyless chats that
+share one long system prompt is replayed against a real ``mptok serve`` of
+four frontends, a new connection per turn, every answer compared with full
+tokenization of the rendered chat.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
+
+import mptok
+from mptok.affinity import IdentityKind, chat_identity, identify, prompt_identity
+from mptok.chat_template import DEEPSEEK_V3_TEMPLATE
+from mptok_harness.conversations import plain_delta
+
+FRONTENDS = 4
+FLEET = 16
+TURNS = 6
+
+
+def test_an_explicit_id_wins():
+    messages = [{"role": "user", "content": "hi"}]
+    assert identify("session-7", messages, None) == mptok.affinity.ConversationIdentity("session-7", IdentityKind.KEYED)
+
+
+def test_a_chat_keeps_its_identity_from_turn_to_turn():
+    rng = random.Random(1)
+    system = {"role": "system", "content": plain_delta(rng, 50)}
+    first = {"role": "user", "content": "Task: summarise the build log."}
+    identities = set()
+    messages = [system, first]
+    for _ in range(5):
+        identities.add(chat_identity(messages))
+        messages = [*messages, {"role": "assistant", "content": plain_delta(rng, 10)}, {"role": "user", "content": "next"}]
+    assert len(identities) == 1
+    # The order a client writes a message's fields in does not matter.
+    assert chat_identity([system, {"content": first["content"], "role": "user"}]) in identities
+
+
+def test_chats_sharing_a_system_prompt_get_different_identities():
+    system = {"role": "system", "content": "You are one of many agents. " * 100}
+    tasks = [f"Task {i}: fix warning number {i}." for i in range(FLEET)]
+    assert len({chat_identity([system, {"role": "user", "content": t}]) for t in tasks}) == FLEET
+
+
+def test_what_has_no_stable_part_is_keyless():
+    assert identify(None, [{"role": "system", "content": "only a system prompt"}], None).kind is IdentityKind.KEYLESS
+    assert identify(None, None, "a raw prompt").kind is IdentityKind.KEYLESS  # affinity_chars off
+    assert identify(None, None, "short", affinity_chars=10).kind is IdentityKind.KEYLESS
+    derived = identify(None, None, "a raw prompt that is long enough", affinity_chars=10)
+    assert derived.kind is IdentityKind.DERIVED
+    assert derived.key == prompt_identity("a raw prompt, with another ending", 10)
+    assert prompt_identity("\ud800 lone surrogate", 5) is not None
+
+
+# -- a keyless fleet against mptok serve ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mptok.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("affinity") / "serve.log"
+    with Server(log, "--frontends", str(FRONTENDS)) as s:
+        yield s
+
+
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_keyless_fleet_is_routed_exact_and_spread(server, tokenizer):
+    rng = random.Random(13)
+    system = {"role": "system", "content": plain_delta(rng, 1500)}  # ~9k characters, shared by all
+    chats = [[system, {"role": "user", "content": f"Task {i}: " + plain_delta(rng, 30)}] for i in range(FLEET)]
+    before = scrape(server.port)
+    for turn in range(TURNS):
+        for messages in chats:
+            if turn:
+                messages += [{"role": "assistant", "content": plain_delta(rng, 60)}, {"role": "user", "content": plain_delta(rng, 40)}]
+            answer = tokenize(server.port, {"messages": messages, "add_generation_prompt": True})
+            assert answer["tokens"] == _render(tokenizer, messages)
+    wait_for_snapshots()
+    after = scrape(server.port)
+
+    def grown(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    requests = FLEET * TURNS
+    assert grown("mptok_prompts_total", identity="derived") == requests
+    assert grown("mptok_prompts_total", identity="keyless") == 0
+    # Every turn after a conversation's first extends what its owner kept.
+    failures = grown("mptok_route_failures_total")
+    assert grown("mptok_cache_hits_total") >= requests - FLEET - failures
+    work = [
+        grown("mptok_cache_hits_total", frontend=str(f)) + grown("mptok_cache_misses_total", frontend=str(f))
+        for f in range(FRONTENDS)
+    ]
+    assert sum(work) == requests
+    assert max(work) <= requests / 2, work
+
+
+def test_a_session_id_still_wins_over_the_derived_identity(server, tokenizer):
+    messages = [{"role": "system", "content": "x " * 200}, {"role": "user", "content": "keyed"}]
+    before = scrape(server.port)
+    answer = tokenize(server.port, {"messages": messages}, {"X-Session-Id": "affinity-keyed"})
+    assert answer["tokens"] == _render(tokenizer, messages)
+    wait_for_snapshots()
+    after = scrape(server.port)
+    assert total(after, "mptok_prompts_total", identity="keyed") - total(before, "mptok_prompts_total", identity="keyed") == 1
+
+
+def test_conversations_sharing_an_identity_keep_a_branch_each(tokenizer):
+    """Two chats with the same first messages share a derived key (and so an
+    owner); each extends its own branch instead of evicting the other's."""
+    rng = random.Random(21)
+    opening = [{"role": "system", "content": plain_delta(rng, 300)}, {"role": "user", "content": "Hi"}]
+    key = chat_identity(opening)
+    cache = mptok.PrefixTokenCache(mptok.CacheConfig(min_chars=0))
+    chats = [list(opening), list(opening)]
+    for turn in range(4):
+        for messages in chats:
+            if turn:
+                messages += [{"role": "assistant", "content": plain_delta(rng, 80)}, {"role": "user", "content": plain_delta(rng, 20)}]
+            text = tokenizer.apply_chat_template(messages, chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=True, tokenize=False)
+            assert cache.encode(tokenizer, text, key=key) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    stats = cache.stats()
+    assert stats["entries"] == 2  # a branch each
+    assert stats["hits"] == 7 and stats["misses"] == 1
+    # A peer holding the first chat's previous version is answered from its
+    # branch, though the second chat was kept after it.
+    text = tokenizer.apply_chat_template(chats[0] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}], chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    whole = cache.encode_for_peer(tokenizer, key, text)
+    assert whole is not None and whole.ids == tokenizer(text, add_special_tokens=False)["input_ids"]

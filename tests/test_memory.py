@@ -1,0 +1,226 @@
+"""The cache's memory budget: everything it holds counted in bytes, evicted
+by bytes, conversation ids bounded, and exact ids whatever was evicted or
+failed to allocate."""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+import warnings
+
+import pytest
+
+import mptok
+import mptok.cache
+from mptok import CacheConfig, PrefixTokenCache
+from mptok.config import MAX_KEY_BYTES
+from mptok.ids import IdPieces, intern_ids
+from mptok.routing import HeldReplies, _Held
+from mptok.tokenize_request import RequestError, parse_tokenize_request
+from mptok_harness.conversations import plain_delta
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mptok.load_tokenizer()
+
+
+def full_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_eviction_keeps_the_bytes_within_the_budget_and_ids_exact(tokenizer):
+    budget = 1 * MiB
+    cache = PrefixTokenCache(CacheConfig(max_bytes=budget, min_chars=0))
+    rng = random.Random(1)
+    texts = {f"conversation-{i}": plain_delta(rng, 4000) for i in range(12)}
+    for key, text in texts.items():
+        assert cache.encode(tokenizer, text, key=key) == full_ids(tokenizer, text)
+        assert 0 < cache.stats()["cached_bytes"] <= budget
+    stats = cache.stats()
+    assert stats["entries"] < len(texts), "a 1 MiB budget cannot hold 12 prompts of ~20k characters"
+    # The oldest was evicted: its next turn is tokenized in full, exactly.
+    first = "conversation-0"
+    longer = texts[first] + plain_delta(rng, 50)
+    assert cache.encode(tokenizer, longer, key=first) == full_ids(tokenizer, longer)
+    assert cache.stats()["misses"] == stats["misses"] + 1
+    # The newest is kept: its next turn hits.
+    last = f"conversation-{len(texts) - 1}"
+    longer = texts[last] + plain_delta(rng, 50)
+    before = cache.stats()["hits"]
+    assert cache.encode(tokenizer, longer, key=last) == full_ids(tokenizer, longer)
+    assert cache.stats()["hits"] == before + 1
+
+
+def test_a_prompt_over_the_byte_budget_is_tokenized_not_kept(tokenizer):
+    cache = PrefixTokenCache(CacheConfig(max_bytes=64 * 1024, min_chars=0))
+    text = plain_delta(random.Random(2), 6000)  # ~30k characters: text + ids exceed 64 KiB
+    assert cache.encode(tokenizer, text, key="big") == full_ids(tokenizer, text)
+    assert cache.stats()["entries"] == 0 and cache.stats()["cached_bytes"] == 0
+
+
+def test_keys_count_in_the_bytes(tokenizer):
+    text = plain_delta(random.Random(3), 200)
+    sizes = []
+    for key in ("k", "k" * MAX_KEY_BYTES):
+        cache = PrefixTokenCache(CacheConfig(min_chars=0))
+        cache.encode(tokenizer, text, key=key)
+        sizes.append(cache.stats()["cached_bytes"])
+    assert sizes[1] - sizes[0] >= MAX_KEY_BYTES - 1
+
+
+def test_history_counts_and_history_sharing_nothing_is_dropped(tokenizer):
+    rng = random.Random(4)
+    cache = PrefixTokenCache(CacheConfig(min_chars=0))
+    base = plain_delta(rng, 12_000)
+    cache.encode(tokenizer, base, key="c")
+    alone = cache.stats()["cached_bytes"]
+    # The next prompt, as long, departs before the offsets window: a miss
+    # whose predecessor, which shares a long prefix, is remembered beside
+    # it with its own list.
+    rewritten = base[: len(base) // 4] + plain_delta(rng, 9_000)
+    cache.encode(tokenizer, rewritten, key="c")
+    assert cache.stats()["misses"] == 2
+    with_history = cache.stats()["cached_bytes"]
+    remembered = len(full_ids(tokenizer, base)) * 8
+    assert with_history - alone >= remembered * 0.9
+    reply = cache.encode_for_peer(tokenizer, "c", "", since=_version(cache, "c"), shared_chars=0)
+    assert reply is not None
+    # An unrelated prompt under a key: nothing earlier of that key is kept.
+    cache.encode(tokenizer, base, key="d")
+    old_version = _version(cache, "d")
+    before = cache.stats()["cached_bytes"]
+    unrelated = "Z" + plain_delta(rng, 1000)
+    cache.encode(tokenizer, unrelated, key="d")
+    entry = _entry(cache, "d")
+    assert entry.history == ()
+    assert cache.encode_for_peer(tokenizer, "d", "x", since=old_version, shared_chars=0) is None
+    assert cache.stats()["cached_bytes"] < before
+
+
+def _entry(cache: PrefixTokenCache, key: str):
+    return next(entry for holder, entry in cache._entries.items() if holder[1] == key)
+
+
+def _version(cache: PrefixTokenCache, key: str) -> int:
+    return _entry(cache, key).version
+
+
+def test_conversation_ids_longer_than_the_limit_are_refused(tokenizer):
+    cache = PrefixTokenCache(CacheConfig(min_chars=0))
+    text = "Hello there, a prompt."
+    assert cache.encode(tokenizer, text, key="a" * MAX_KEY_BYTES) == full_ids(tokenizer, text)
+    assert cache.encode(tokenizer, text, key="\u00e9" * (MAX_KEY_BYTES // 2)) == full_ids(tokenizer, text)
+    for key in ("a" * (MAX_KEY_BYTES + 1), "\u00e9" * (MAX_KEY_BYTES // 2 + 1), "x" * 100_000):
+        with pytest.raises(ValueError, match=f"at most {MAX_KEY_BYTES} bytes"):
+            cache.encode(tokenizer, text, key=key)
+        with pytest.raises(ValueError):
+            cache.encode_for_peer(tokenizer, key, text)
+    assert cache.stats()["entries"] == 2
+    # Over HTTP the same limit is a 400, from the body or from the header.
+    with pytest.raises(RequestError) as refused:
+        parse_tokenize_request(b'{"prompt": "hi", "conversation_id": "%s"}' % (b"a" * 257), None)
+    assert refused.value.status == 400
+    with pytest.raises(RequestError) as refused:
+        parse_tokenize_request(b'{"prompt": "hi"}', "h" * 257)
+    assert refused.value.status == 400
+    assert parse_tokenize_request(b'{"prompt": "hi"}', "h" * 256).conversation_id == "h" * 256
+
+
+def test_an_allocation_failure_empties_the_cache_and_the_ids_stay_exact(tokenizer, monkeypatch):
+    rng = random.Random(5)
+    cache = PrefixTokenCache(CacheConfig(min_chars=0))
+    text = plain_delta(rng, 800)
+    cache.encode(tokenizer, "another conversation " * 20, key="other")
+    cache.encode(tokenizer, text, key="c")
+    real_extend = mptok.cache.extend_prompt
+    failures = []
+
+    def extend_out_of_memory(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise MemoryError
+        return real_extend(*args, **kwargs)
+
+    monkeypatch.setattr(mptok.cache, "extend_prompt", extend_out_of_memory)
+    text += plain_delta(rng, 40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cache disabled" warning either
+        assert cache.encode(tokenizer, text, key="c") == full_ids(tokenizer, text)
+    stats = cache.stats()
+    assert failures == [1]
+    assert (stats["allocation_failures"], stats["disabled"], stats["entries"], stats["cached_bytes"]) == (1, 0, 0, 0)
+    # The cache works again from the next prompt on.
+    for _ in range(3):
+        text += plain_delta(rng, 40)
+        assert cache.encode(tokenizer, text, key="c") == full_ids(tokenizer, text)
+    assert cache.stats()["hits"] == 2 and cache.stats()["entries"] == 1
+
+
+def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, monkeypatch):
+    with pytest.warns(FutureWarning, match="max_cached_chars.*deprecated.*max_bytes"):
+        config = CacheConfig(max_cached_chars=1000, min_chars=0)
+    cache = PrefixTokenCache(config)
+    text = plain_delta(random.Random(6), 400)
+    assert len(text) > 1000
+    assert cache.encode(tokenizer, text, key="c") == full_ids(tokenizer, text)
+    assert cache.stats()["entries"] == 0
+    monkeypatch.setenv("MPTOK_CACHE_MAX_CACHED_CHARS", "5000")
+    with pytest.warns(FutureWarning, match="MPTOK_CACHE_MAX_CACHED_CHARS"):
+        assert CacheConfig.from_env().max_cached_chars == 5000
+    monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "64M")
+    monkeypatch.delenv("MPTOK_CACHE_MAX_CACHED_CHARS")
+    assert CacheConfig.from_env().max_bytes == 64 * MiB
+    monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="MPTOK_CACHE_MAX_BYTES"):
+        CacheConfig.from_env()
+
+
+def test_held_replies_are_bounded_by_bytes():
+    budget = 256 * 1024
+    held = HeldReplies(max_bytes=budget)
+    for i in range(40):
+        ids = IdPieces.of(list(range(1000 + i, 6000 + i)))
+        held.put((1, 7), f"conversation-{i}", _Held(i + 1, "x" * 10_000, ids))
+        assert held.stats()["held_bytes"] <= budget
+    stats = held.stats()
+    assert 0 < stats["held_entries"] < 40
+    assert held.get((1, 7), "conversation-39") is not None
+    assert held.get((1, 7), "conversation-0") is None
+    held.put((1, 7), "huge", _Held(99, "y" * budget, IdPieces.of([1, 2, 3])))
+    assert held.get((1, 7), "huge") is None and held.stats()["held_bytes"] <= budget
+
+
+def test_counted_bytes_match_what_python_allocates(tokenizer):
+    """The budget is honest: the cache's own count is within 25% of what
+    tracemalloc sees it hold, over long conversations that compact their
+    id lists (more than 32 turns) and remember earlier versions."""
+    rng = random.Random(7)
+    intern_ids(list(range(tokenizer.vocab_size + 1000)))  # the shared ints, a fixed cost, made up front
+    texts = {f"c{i}": [plain_delta(rng, 25_000)] for i in range(3)}
+    for turns in texts.values():
+        for _ in range(40):
+            turns.append(turns[-1] + plain_delta(rng, 60))
+    cache = PrefixTokenCache(CacheConfig(min_chars=0))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key, turns in texts.items():
+            for text in turns:
+                cache.encode(tokenizer, text, key=key)
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # The texts were allocated before tracing began; the cache's count includes them.
+    counted = cache.stats()["cached_bytes"] - sum(len(turns[-1]) + 49 for turns in texts.values())
+    assert cache.stats()["hits"] >= 110
+    assert abs(counted - traced) <= 0.25 * traced, (counted, traced)
+    tokens = sum(len(full_ids(tokenizer, turns[-1])) for turns in texts.values())
+    # 8-byte slots of shared ints, the offsets window, 16 versions' tails: about
+    # 10-11 here; 9.4 on scripts/bench_memory.py's longer conversations.
+    assert traced / tokens < 12
