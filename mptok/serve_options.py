@@ -30,7 +30,10 @@ class Use(enum.Enum):
     SUPERVISOR and FRONTEND options are read by name (``options.host``);
     the others are passed as keyword arguments, named ``Option.argument``, to
     the component a frontend builds: ``TokenizationOwners`` (ROUTING),
-    ``TokenizeService`` (SERVICE), ``CacheConfig.from_env`` (CACHE).
+    ``TokenizeService`` (SERVICE), ``CacheConfig.from_env`` (CACHE). Every
+    frontend receives every option; a few that the supervisor also reads
+    (``host``, ``port``, ``graceful_timeout_s``; ``frontends`` the other
+    way round) are declared for the one that acts on them.
     """
 
     SUPERVISOR = "supervisor"
