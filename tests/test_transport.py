@@ -8,7 +8,10 @@ test_faults. Where the thing under test is the transport itself, the served
 
 from __future__ import annotations
 
+import ast
+import dis
 import functools
+import inspect
 import os
 import socket
 import stat
@@ -16,12 +19,13 @@ import struct
 import sys
 import threading
 import time
-from multiprocessing import connection
+from multiprocessing import connection, managers
 
 import pytest
 from helpers_procs import wait_until
 
 import mptok
+from mptok.transport import mp_private
 from mptok.transport import (
     EncodeProxy,
     answer_in_full,
@@ -497,3 +501,75 @@ def test_owners_racing_for_one_path_never_serve_it_at_once(ipc_dir):
         t.join(HANG_GUARD_S)
     assert overlaps == []
     assert os.listdir(ipc_dir) == []
+
+
+# -- the private surface of multiprocessing, fenced in mp_private -------------
+
+
+def attributes_read_from_self(function) -> set[str]:
+    """The attribute names ``function`` reads as ``self.name``, from its bytecode."""
+    instructions = list(dis.get_instructions(function))
+    return {
+        after.argval
+        for before, after in zip(instructions, instructions[1:])
+        if before.opname == "LOAD_FAST" and before.argval == "self" and after.opname in ("LOAD_ATTR", "LOAD_METHOD")
+    }
+
+
+def test_the_private_surface_mp_private_relies_on_is_unchanged():
+    """Fails on a CPython that moved any private name mp_private relies on (make test-versions: 3.12, 3.13)."""
+    stock_server = managers.Server({}, None, KEY, "pickle")  # binds an arbitrary Unix address
+    try:
+        stock_fields = {managers.Server: set(vars(stock_server)), managers.BaseManager: set(vars(managers.BaseManager(authkey=KEY)))}
+    finally:
+        stock_server.listener.close()
+    for private in mp_private.PRIVATE_SURFACE:
+        where = f"{getattr(private.owner, '__name__', private.owner)}.{private.name} ({private.kind})"
+        assert private.name in mp_private.__doc__, f"{where} is not in mp_private's docstring"
+        if private.kind == "field":
+            assert private.name in stock_fields[private.owner], f"{where}: no longer set by __init__"
+            continue
+        if private.kind == "read by serve_client":
+            assert private.name in attributes_read_from_self(managers.Server.serve_client), where
+            continue
+        assert hasattr(private.owner, private.name), f"{where}: gone"
+        if private.kind in ("override", "call"):
+            parameters = inspect.signature(getattr(private.owner, private.name)).parameters
+            names = tuple(parameters)
+            if private.kind == "override":
+                assert names == private.parameters, f"{where}: now {names}"
+            else:
+                assert names[: len(private.parameters)] == private.parameters, f"{where}: now {names}"
+                extra = list(parameters.values())[len(private.parameters) :]
+                assert all(p.default is not p.empty for p in extra), f"{where}: now {names}"
+
+    # OwnerServer sets by hand what Server.__init__ sets (bar the Listener it
+    # replaces) and what serve_client reads; nothing stock code reads is missing.
+    hand_set = set(vars(mp_private.OwnerServer({}, "/nowhere", KEY))) - {"counters"}
+    assert stock_fields[managers.Server] - {"listener"} | {"stop_event"} == hand_set
+    assert attributes_read_from_self(managers.Server.serve_client) <= hand_set | {"fallback_mapping", "create"}
+
+
+def test_no_other_transport_module_touches_the_private_surface():
+    private_names = {p.name for p in mp_private.PRIVATE_SURFACE if p.name.startswith("_") or p.kind != "field"}
+    private_names -= {"public", "INITIAL", "STARTED", "SHUTDOWN"}  # words too common to tell apart
+    package = os.path.dirname(mp_private.__file__)
+    for module in sorted(os.listdir(package)):
+        if not module.endswith(".py") or module == "mp_private.py":
+            continue
+        with open(os.path.join(package, module)) as f:
+            tree = ast.parse(f.read())
+        # Names the code uses (attributes, names, definitions, imports), not its prose.
+        used = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                used.add(node.attr)
+            elif isinstance(node, ast.Name):
+                used.add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                used.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                used.update(alias.name for alias in node.names)
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("multiprocessing"):
+                    assert [alias.name for alias in node.names] == ["AuthenticationError"], module
+        assert used & private_names == set(), f"{module} uses names only mp_private may use"

@@ -16,25 +16,25 @@ serving frontend as it is, so mptok keeps the protocol, the registry and the
 per-request dispatch (``Server.serve_client``) and replaces the rest, each
 end in its own module:
 
+* ``mptok.transport.mp_private``: the only module that touches
+  ``multiprocessing``'s private surface (the ``Server`` subclass, the
+  ``Connection`` hooks, the registry, the handshake); its docstring lists
+  every private name it relies on and why, and a test checks them on each
+  Python version.
 * ``mptok.transport.wire``: what both ends share. ``TimedConnection``
   replaces ``Connection``, which reads and writes with no timeout.
-* ``mptok.transport.owner``: ``TokenizeManager`` and ``serve_encode``, which
-  serve from threads of the frontend itself, with a bounded handshake, a
-  connection cap and a shutdown that joins everything.
+* ``mptok.transport.listener``: the owner's socket file, accept loop,
+  connection cap and time limits (``ServerLimits``).
+* ``mptok.transport.owner``: ``TokenizeManager`` and ``serve_encode``, the
+  manager served from threads of the frontend itself on that listener.
 * ``mptok.transport.proxy``: ``EncodeProxy``, which replaces ``BaseProxy``:
   one persistent connection per thread per owner, every step bounded.
 
 Everything a caller needs is importable from ``mptok.transport``.
 """
 
-from mptok.transport.owner import (
-    OwnerAlreadyServing,
-    PeerAnswer,
-    ServerLimits,
-    TokenizeManager,
-    answer_in_full,
-    serve_encode,
-)
+from mptok.transport.listener import OwnerAlreadyServing, ServerLimits
+from mptok.transport.owner import PeerAnswer, TokenizeManager, answer_in_full, serve_encode
 from mptok.transport.proxy import EncodeProxy
 from mptok.transport.wire import (
     ENCODE_TYPEID,

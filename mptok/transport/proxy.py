@@ -17,11 +17,11 @@ import time
 import weakref
 from array import array
 from collections.abc import Hashable
-from multiprocessing import AuthenticationError, connection
+from multiprocessing import AuthenticationError
 
 from mptok.peer import PeerReply
+from mptok.transport.mp_private import ACCEPT_CONNECTION, authenticate_to_owner
 from mptok.transport.wire import (
-    ACCEPT_CONNECTION,
     ENCODE_TYPEID,
     INT32,
     MessageTooLarge,
@@ -88,7 +88,7 @@ class EncodeProxy:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
         self.address = address
-        self._authkey = authkey
+        self._key = authkey
         self._timeout_s = timeout_s
         self._max_reply_bytes = max_reply_bytes
         self._local = threading.local()
@@ -212,8 +212,7 @@ class EncodeProxy:
             sock.connect(self.address)
             conn = TimedConnection(sock, self._max_reply_bytes)
             conn.deadline = deadline
-            connection.answer_challenge(conn, self._authkey)
-            connection.deliver_challenge(conn, self._authkey)
+            authenticate_to_owner(conn, self._key)
             conn.send((None, ACCEPT_CONNECTION, ("mptok-peer",), {}))
             kind, result = conn.recv()
             if kind != "#RETURN":

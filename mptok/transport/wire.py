@@ -25,14 +25,14 @@ import socket
 import stat
 import struct
 import time
-from multiprocessing import connection
 from typing import Any
+
+from mptok.transport.mp_private import HookedConnection
 
 SOCKET_NAME = "tokenize-{}.sock"
 # The well-known ident under which an owner publishes its cache service, so a
 # peer needs no ``create`` round trip (and holds no reference) to call it.
 ENCODE_TYPEID = "PrefixTokenCache"
-ACCEPT_CONNECTION = "accept_connection"
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
 MAX_UNIX_PATH_BYTES = 107
 INT32 = "i"
@@ -161,7 +161,7 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load global {module}.{name}")
 
 
-class TimedConnection(connection.Connection):
+class TimedConnection(HookedConnection):
     """A manager ``Connection`` whose every read and write ends by ``deadline``.
 
     The stock ``Connection`` blocks in ``os.read``/``os.write`` with no
@@ -210,19 +210,19 @@ class TimedConnection(connection.Connection):
             self._sock.shutdown(socket.SHUT_RDWR)
 
     def recv(self) -> Any:
-        self._check_closed()
-        self._check_readable()
-        buf = self._recv_bytes(self._max_message_bytes)
+        self.ensure_readable()
+        buf = self.read_frame(self._max_message_bytes)
         if buf is None:
             # The body is still in the stream, which is therefore useless.
             self.shutdown()
             raise MessageTooLarge(f"message longer than {self._max_message_bytes} bytes")
         return _NoGlobalsUnpickler(buf).load()
 
-    # Connection's I/O primitives, redone on the socket with deadlines and
-    # the same framing: a "!i" length, or -1 and a "!Q" length.
+    # Connection's I/O primitives (through HookedConnection), redone on the
+    # socket with deadlines and the same framing: a "!i" length, or -1 and a
+    # "!Q" length.
 
-    def _send_bytes(self, buf: bytes) -> None:
+    def write_frame(self, buf: bytes) -> None:
         n = len(buf)
         header = _SHORT_HEADER.pack(n) if n <= 0x7FFFFFFF else _LONG_HEADER.pack(-1, n)
         self._arm(socket.SO_SNDTIMEO)
@@ -231,9 +231,9 @@ class TimedConnection(connection.Connection):
         except BlockingIOError as e:
             raise TimeoutError("send timed out") from e
         if sent < len(header) + n:
-            self._send(memoryview(header + bytes(buf))[sent:])
+            self.write_all(memoryview(header + bytes(buf))[sent:])
 
-    def _send(self, buf: bytes, write: object = None) -> None:
+    def write_all(self, buf: bytes) -> None:
         with memoryview(buf) as view:
             while view:
                 self._arm(socket.SO_SNDTIMEO)
@@ -242,16 +242,17 @@ class TimedConnection(connection.Connection):
                 except BlockingIOError as e:
                     raise TimeoutError("send timed out") from e
 
-    def _poll(self, timeout: float) -> bool:
-        return self._end > self._start or super()._poll(timeout)
+    def has_buffered_bytes(self) -> bool:
+        return self._end > self._start
 
-    def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
-        size = self._recv_length()
+    def read_frame(self, maxsize: int | None) -> io.BytesIO | None:
+        size = self.read_length()
         if maxsize is not None and size > maxsize:
             return None
-        return self._recv(size)
+        return self.read_body(size)
 
-    def _recv_length(self) -> int:
+    def read_length(self) -> int:
+        """The next message's length, from its header."""
         (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
         if size == -1:
             (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
@@ -260,7 +261,7 @@ class TimedConnection(connection.Connection):
             raise BadFrame(f"length header {size}: not a message")
         return size
 
-    def _recv(self, size: int, read: object = None) -> io.BytesIO:
+    def read_body(self, size: int) -> io.BytesIO:
         if size <= len(self._inbox):
             return io.BytesIO(self._take(size))
         # Larger than the inbox: what the inbox holds, then the rest in place,
@@ -279,7 +280,7 @@ class TimedConnection(connection.Connection):
             got = len(data)
         return io.BytesIO(data)
 
-    def _wait_for_message(self) -> None:
+    def wait_for_message(self) -> None:
         """Block until the next message's first byte has arrived."""
         if self._end == self._start:
             self._fill(1)
@@ -335,7 +336,7 @@ class TimedConnection(connection.Connection):
             timeval = _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6)))
         self._sock.setsockopt(socket.SOL_SOCKET, option, timeval)
 
-    def _close(self, _close: object = None) -> None:
+    def close_handle(self) -> None:
         self._sock.close()
 
 

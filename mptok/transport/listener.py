@@ -1,0 +1,332 @@
+"""The owner's listener: its Unix socket file, the accept loop, and the bounds on peers.
+
+An owner accepts its peers' connections on a Unix socket and serves each on
+a thread of the frontend. This module holds everything about that socket
+and those threads, and nothing about the manager protocol spoken on them:
+
+* ``_SocketFile``: the socket file (0600, SOMAXCONN backlog) and the
+  ``flock``-held lock file that keeps two live owners off one path.
+* ``_Acceptor``: the accept loop and the serving threads, at most
+  ``ServerLimits.max_connections`` of them, all joined at close. It
+  replaces ``Server.serve_forever`` and its accept loop, which reset
+  sys.stdout, call ``sys.exit()``, spin at 100% CPU once the listener is
+  shut down, and start one thread per connection without limit.
+* ``ServerLimits`` and ``_PeerConnection``: what a peer may cost, and the
+  owner's end of a connection that enforces it.
+
+``mptok.transport.owner`` plugs the manager server into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mptok.counting import Counters
+from mptok.transport.wire import MAX_UNIX_PATH_BYTES, TimedConnection, left_or_zero, open_private_file
+
+logger = logging.getLogger(__name__)
+
+
+class OwnerAlreadyServing(RuntimeError):
+    """A live process already serves this socket path."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what peers may cost an owner.
+
+    max_connections: connections served at once (one thread each, most of
+        them idle persistent connections); one more is closed at once and
+        its peer tokenizes locally.
+    handshake_timeout_s: time a new connection has to authenticate and ask
+        for ``accept_connection``; a silent or slow client is dropped then.
+    message_timeout_s: time to read one request, once its first byte has
+        arrived, and to write one reply.
+    idle_timeout_s: an authenticated connection with no request for this long
+        is closed (peers reconnect transparently); None keeps it until
+        shutdown.
+    max_message_bytes: largest request accepted.
+    close_timeout_s: how long ``shutdown()`` waits for serving threads.
+    """
+
+    max_connections: int = 512
+    handshake_timeout_s: float = 5.0
+    message_timeout_s: float = 30.0
+    idle_timeout_s: float | None = 600.0
+    max_message_bytes: int = 1 << 28
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_message_bytes < 1024:
+            raise ValueError("max_connections must be >= 1 and max_message_bytes >= 1024")
+        for name in ("handshake_timeout_s", "message_timeout_s", "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerLimits.{name} must be > 0")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError("ServerLimits.idle_timeout_s must be > 0 or None")
+
+
+class _PeerConnection(TimedConnection):
+    """The owner's end of a peer's connection.
+
+    During the handshake one deadline bounds everything. Once serving, the
+    wait for the first byte of the next request is bounded by the idle
+    timeout, and reading the rest of a request (its length header included)
+    and writing a reply each get their own message timeout. A failure inside a request ends the connection with
+    ``EOFError`` (the stream cannot be resynchronised), which ends the
+    manager's serve loop.
+
+    ``close()`` only shuts the socket down: the manager's serve loop closes
+    connections itself, and the descriptor must stay open until the acceptor
+    has forgotten the connection, or its ``shutdown()`` could hit a
+    descriptor number that something else has reused. ``release()`` closes.
+    """
+
+    def __init__(self, sock: socket.socket, limits: ServerLimits):
+        super().__init__(sock, limits.max_message_bytes)
+        self._limits = limits
+        self._serving = False
+        self.deadline = time.monotonic() + limits.handshake_timeout_s
+
+    def start_serving(self) -> None:
+        self._serving = True
+
+    def close(self) -> None:
+        self.shutdown()
+
+    def release(self) -> None:
+        super().close()
+
+    def read_frame(self, maxsize: int | None) -> io.BytesIO | None:
+        if not self._serving:
+            return super().read_frame(maxsize)
+        idle = self._limits.idle_timeout_s
+        self.deadline = None if idle is None else time.monotonic() + idle
+        try:
+            self.wait_for_message()
+        except OSError as e:  # TimeoutError included: idle for too long
+            raise EOFError(f"no request: {e!r}") from e
+        # From its first byte on, a request (its header too) has the message
+        # timeout: a half-sent header does not hold the thread until idle.
+        self.deadline = time.monotonic() + self._limits.message_timeout_s
+        try:
+            size = self.read_length()
+        except OSError as e:  # a bad header, or one that never ended
+            raise EOFError(f"no request: {e!r}") from e
+        if maxsize is not None and size > maxsize:
+            return None
+        try:
+            return self.read_body(size)
+        except (OSError, EOFError) as e:
+            self.shutdown()
+            raise EOFError(f"connection ended inside a request: {e!r}") from e
+
+    def write_frame(self, buf: bytes) -> None:
+        if self._serving:
+            self.deadline = time.monotonic() + self._limits.message_timeout_s
+        super().write_frame(buf)
+
+
+class _Acceptor:
+    """Accepts connections on a listening socket and serves each on its own thread.
+
+    At most ``limits.max_connections`` are served at once: one more is closed
+    at once (its peer sees EOF and tokenizes locally) instead of getting a
+    thread, or waiting in the backlog until its handshake times out.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        handle: Callable[[_PeerConnection], None],
+        limits: ServerLimits,
+        name: str,
+    ):
+        self._listener = listener
+        self._handle = handle
+        self._limits = limits
+        self._name = name
+        self._lock = threading.Lock()
+        self._conns: set[_PeerConnection] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closing = threading.Event()
+        self.counters = Counters(("accepted", "refused"))
+        # Daemon threads: a frontend that exits without closing must not hang
+        # in interpreter shutdown on a peer's idle connection.
+        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+        self._thread.start()
+
+    def active_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop accepting, end every connection and join every thread within ``timeout_s``.
+
+        Returns whether every thread ended in time (threads still busy in a
+        tokenization end when it does, without touching the connection).
+        """
+        deadline = time.monotonic() + timeout_s
+        self._closing.set()
+        # close() alone does not wake a thread blocked in accept() on Linux.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._thread.join(left_or_zero(deadline))
+        with self._lock:
+            # Under the lock: a serving thread forgets its connection under
+            # it before closing the descriptor.
+            for conn in self._conns:
+                conn.shutdown()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(left_or_zero(deadline))
+        alive = [t.name for t in [self._thread, *threads] if t.is_alive()]
+        if alive:
+            logger.warning("%s: threads still running after close: %s", self._name, alive)
+        return not alive
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError as e:
+                if self._closing.is_set():
+                    return
+                # EMFILE and the like: pause instead of spinning on the error
+                # as Server.accepter does.
+                logger.warning("%s: accept failed: %r", self._name, e)
+                self._closing.wait(0.1)
+                continue
+            self._start_serving(sock)
+
+    def _start_serving(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closing.is_set() or len(self._threads) >= self._limits.max_connections:
+                thread = None
+            else:
+                thread = threading.Thread(
+                    target=self._serve, args=(sock,), name=f"{self._name}-peer", daemon=True
+                )
+                self._threads.add(thread)
+                try:
+                    # Started under the lock so that close() never joins a
+                    # thread that has not started.
+                    thread.start()
+                except RuntimeError:
+                    self._threads.discard(thread)
+                    thread = None
+        if thread is None:
+            self.counters.add("refused")
+            sock.close()
+        else:
+            self.counters.add("accepted")
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn = _PeerConnection(sock, self._limits)
+        with self._lock:
+            self._conns.add(conn)
+            closing = self._closing.is_set()
+        try:
+            if not closing:
+                self._handle(conn)
+        except Exception:
+            logger.exception("%s: serving a peer failed", self._name)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.release()
+
+
+class _SocketFile:
+    """The owner's listening Unix socket, claimed for as long as it is open.
+
+    A lock file beside the socket, held with ``flock`` (which the kernel
+    releases when its holder exits, however it exits), says whether a live
+    owner holds the path. If one does, opening raises ``OwnerAlreadyServing``
+    instead of unlinking a live owner's socket; if none does, a socket file
+    left at the path is stale and is replaced. ``close()`` removes the lock
+    file too, while still holding it: whoever opened the file before it was
+    removed sees, once it holds the lock, that the path no longer names its
+    file, and starts over on the path's new file. Only a process killed
+    while serving leaves its lock file (harmless: the next owner takes it).
+    The lock file is never followed through a symbolic link. A child forked
+    without exec inherits the lock; it is released only when both have
+    exited.
+    """
+
+    def __init__(self, path: str):
+        if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+            raise ValueError(f"socket path {path!r} is too long for a Unix socket; use a shorter ipc dir")
+        self.path = path
+        self._lock_path = path + ".lock"
+        self._lock_fd = _lock_or_raise(self._lock_path, path)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.sock.bind(path)
+                os.chmod(path, 0o600)
+                self._inode = os.stat(path).st_ino
+                # Every tokenizing thread of every peer may connect at once;
+                # a Unix connect to a full backlog blocks or fails at once.
+                self.sock.listen(socket.SOMAXCONN)
+            except BaseException:
+                self.sock.close()
+                raise
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def close(self) -> None:
+        """Close the socket, remove its file if it is still ours, release the path."""
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self._lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
+                os.unlink(self._lock_path)
+        os.close(self._lock_fd)
+
+
+def _lock_or_raise(lock_path: str, path: str) -> int:
+    """Hold ``lock_path``'s file with ``flock``; the fd is returned once the path names it."""
+    while True:
+        fd = open_private_file(lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OwnerAlreadyServing(
+                f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
+                "stop it first or give this frontend another id"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.lstat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        # The previous holder removed the file between our open and our lock.
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
