@@ -44,6 +44,7 @@ from mptok.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PA
 from mptok.lifeline import stop_with_parent
 from mptok.logfmt import configure_logging, log_event
 from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
+from mptok.serve_options import ServeOptions, Use
 from mptok.tokenize_request import RequestError, error_body
 from mptok.tokenize_service import Answer, TokenizeService
 from mptok.vllm_contract import resolve_max_model_len, tokenizer_info_payload
@@ -63,34 +64,15 @@ CLIENT_GONE = 499
 class FrontendSettings:
     """What one frontend process needs to start; picklable (it crosses the spawn pipe).
 
-    The authkey is not in here: it travels as its own Process argument and
-    is never logged.
+    ``options`` are the command line's (``mptok.serve_options``), with the
+    port the supervisor bound (never 0). The authkey is not in here: it
+    travels as its own Process argument and is never logged.
     """
 
     frontend_id: int
-    num_frontends: int
-    host: str
-    port: int
     ipc_dir: str
-    tokenizer: str | None
     chat_template: str | None  # the template's source, read by the supervisor
-    max_prompt_chars: int
-    threads: int
-    affinity_chars: int
-    route_timeout_s: float
-    route_backoff_s: float
-    graceful_timeout_s: float
-    # Admission control and the HTTP guards (docs/SERVE.md, "Overload and bad clients").
-    max_in_flight: int
-    queue_timeout_s: float
-    read_timeout_s: float
-    max_connections: int
-    max_messages: int
-    # vLLM's options (see docs/SERVE.md): None/()/False mean vLLM's defaults.
-    max_model_len: int | None = None
-    served_model_names: tuple[str, ...] = ()
-    enable_tokenizer_info_endpoint: bool = False
-    cache_bytes: int | None = None  # None: CacheConfig's (MPTOK_CACHE_MAX_BYTES or its default)
+    options: ServeOptions
 
 
 # -- HTTP ------------------------------------------------------------------------
@@ -259,14 +241,13 @@ def tcp_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 class _StopRequests:
     """SIGTERM/SIGINT before uvicorn takes them over (and after: uvicorn re-raises
     what it caught once it has shut down; the default action would kill the
-    process before it closes its owner socket)."""
+    process before it closes its owner socket). ``frontend_main`` installs
+    ``handle`` for both."""
 
     def __init__(self) -> None:
         self.requested = False
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def handle(self, signum: int, frame: Any) -> None:
         self.requested = True
 
 
@@ -283,32 +264,30 @@ class Frontend:
 
     def __init__(self, settings: FrontendSettings, authkey: bytes):
         import mptok
+        from mptok.config import CacheConfig
         from mptok.routing import TokenizationOwners
 
         self.settings = settings
+        options = settings.options
         self._server: Any = None
         self._stop_deadline: float | None = None
         self._stack = contextlib.ExitStack()
         try:
-            tokenizer = mptok.load_tokenizer(settings.tokenizer)
+            tokenizer = mptok.load_tokenizer(options.tokenizer)
             template = ChatTemplate.for_tokenizer(tokenizer, settings.chat_template)
-            budget = {} if settings.cache_bytes is None else {"max_bytes": settings.cache_bytes}
             # load_tokenizer has built the cache's tokenizer copy, and
             # TokenizationOwners runs it once before peers can see this owner.
-            cache = mptok.PrefixTokenCache(mptok.CacheConfig.from_env(**budget))
-            self.socket = self._stack.enter_context(
-                tcp_socket(settings.host, settings.port, reuse_port=True)
-            )
+            cache = mptok.PrefixTokenCache(CacheConfig.from_env(**options.arguments_for(Use.CACHE)))
+            self.socket = self._stack.enter_context(tcp_socket(options.host, options.port, reuse_port=True))
             self.owners = self._stack.enter_context(
                 TokenizationOwners(
                     settings.ipc_dir,
                     settings.frontend_id,
-                    settings.num_frontends,
+                    options.frontends,
                     cache,
                     tokenizer,
                     authkey=authkey,
-                    timeout_s=settings.route_timeout_s,
-                    backoff_s=settings.route_backoff_s,
+                    **options.arguments_for(Use.ROUTING),
                 )
             )
             # Runs before the context's own close (a no-op then): with what
@@ -319,14 +298,10 @@ class Frontend:
                 tokenizer,
                 cache,
                 template,
-                max_prompt_chars=settings.max_prompt_chars,
-                threads=settings.threads,
-                max_in_flight=settings.max_in_flight,
-                queue_timeout_s=settings.queue_timeout_s,
-                max_messages=settings.max_messages,
-                max_model_len=resolve_max_model_len(settings.max_model_len, tokenizer),
-                served_model_names=settings.served_model_names,
-                affinity_chars=settings.affinity_chars,
+                **{
+                    **options.arguments_for(Use.SERVICE),
+                    "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer),
+                },
                 encoder=self.owners,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
@@ -335,7 +310,7 @@ class Frontend:
             self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._publish)
             self._housekeeping.start()
             self._stack.callback(self._housekeeping.stop)
-            info = tokenizer_info_payload(tokenizer, template) if settings.enable_tokenizer_info_endpoint else None
+            info = tokenizer_info_payload(tokenizer, template) if options.enable_tokenizer_info_endpoint else None
             self.app = build_app(self.service, self._snapshots, self._publish, info)
         except BaseException:
             self._stack.close()
@@ -345,13 +320,14 @@ class Frontend:
         """Listen, send ``("ready", pid)`` on ``ready``, serve until SIGTERM/SIGINT, drain."""
         import uvicorn
 
+        options = self.settings.options
         config = uvicorn.Config(
             self.app,
             log_config=None,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=self.settings.graceful_timeout_s,
-            http=guarded_protocol(self.settings.read_timeout_s, self.settings.max_connections, self.service.count_request),
+            timeout_graceful_shutdown=options.graceful_timeout_s,
+            http=guarded_protocol(options.read_timeout_s, options.max_connections, self.service.count_request),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         self._server = _server_noting_its_stop(uvicorn)(config)
@@ -364,7 +340,7 @@ class Frontend:
             self._server.should_exit = True
         if self._server.started:
             ready.send(("ready", os.getpid()))
-            log_event(logger, logging.INFO, "frontend_ready", url=f"http://{self.settings.host}:{self.settings.port}")
+            log_event(logger, logging.INFO, "frontend_ready", url=f"http://{options.host}:{options.port}")
         await serving
 
     def close(self) -> None:
@@ -376,12 +352,12 @@ class Frontend:
         so the supervisor's kill margin covers the whole stop.
         """
         began = getattr(self._server, "stop_began", None) or time.monotonic()
-        self._stop_deadline = began + self.settings.graceful_timeout_s
+        self._stop_deadline = began + self.settings.options.graceful_timeout_s
         self._stack.close()
 
     def _budget_left(self) -> float:
         if self._stop_deadline is None:
-            return self.settings.graceful_timeout_s
+            return self.settings.options.graceful_timeout_s
         return max(0.0, self._stop_deadline - time.monotonic())
 
     def _publish(self) -> None:
@@ -419,8 +395,15 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
     supervisor dies, however it dies, the kernel sends this process SIGTERM
     (``mptok.lifeline``), and it stops as if the supervisor had stopped it.
     """
+    # What is process-wide is set here, not by the components: logging, the
+    # stop signals' handlers, and the switch interval peers' calls need.
     configure_logging("frontend", settings.frontend_id)
     stop = _StopRequests()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop.handle)
+    from mptok.routing import lower_switch_interval  # the supervisor, importing this module, needs none of routing
+
+    lower_switch_interval()
     parent = multiprocessing.parent_process()
     supervisor_pid = parent.pid if parent is not None else os.getppid()
     stop_with_parent(supervisor_pid)

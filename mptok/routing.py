@@ -56,6 +56,7 @@ __all__ = [
     "RoutableCache",
     "ServerLimits",
     "TokenizationOwners",
+    "lower_switch_interval",
     "owner_of",
     "owner_order",
 ]
@@ -105,6 +106,18 @@ class RoutableCache(TokenCache, PeerCache, Protocol):
     the versions an owner answers its peers from (``PrefixTokenCache``)."""
 
 
+PEER_SWITCH_INTERVAL_S = 0.001
+
+
+def lower_switch_interval(seconds: float = PEER_SWITCH_INTERVAL_S) -> None:
+    """Lower this process's ``sys.setswitchinterval`` to ``seconds`` (never raise it), so
+    that a peer's call waits about 1 ms instead of 5 ms for the GIL while the main
+    thread runs Python (see ``TokenizationOwners``). Process-wide: call it from the
+    process's entry point."""
+    if sys.getswitchinterval() > seconds:
+        sys.setswitchinterval(seconds)
+
+
 class TokenizationOwners:
     """Serve this frontend's cache to its peers and route keyed prompts to their owners.
 
@@ -132,21 +145,14 @@ class TokenizationOwners:
     thread remains (a thread still tokenizing when the budget runs out ends
     when its tokenization does). It is idempotent.
 
-    The serving threads share this process's GIL: while the frontend runs
-    Python code, a peer's call waits for the GIL each time its serving
-    thread gets it back (after the request arrives, and whenever the main
-    thread takes it away mid-call), so the transport reads a request in one
-    call and writes a reply in one. If the main thread runs Python without
-    releasing the GIL, each wait ends within the switch interval (a tiny
-    call took 16 ms at the default 5 ms, about 1 ms at 1 ms). If it also
-    releases and retakes the GIL often, as an event loop does in every
-    ``select`` and a busy loop in every ``poll()``, each release resets the
-    waiting thread's timer, and a serving thread on another, idle CPU loses
-    nearly every race for it: a routed 38k-token hit then took from 4 ms to
-    seconds (8000 futile wake-ups per call), whatever the switch interval
-    (5 ms down to 0.02 ms), and about 4 ms with both threads on one CPU.
-    Unless ``switch_interval_s`` is None, the process-wide
-    ``sys.setswitchinterval`` is lowered to it (never raised) and stays so.
+    The serving threads share this process's GIL, so a peer's call waits
+    for it while the frontend runs Python: about one switch interval when
+    the main thread holds it, and much longer when the main thread releases
+    and retakes it very often (an event loop polling). The call's deadline
+    bounds that wait. The measurements are in docs/ROUTING.md, "The GIL".
+    The switch interval is process-wide, so this class leaves it alone: a
+    process that serves peers should call ``lower_switch_interval()`` once
+    at start (``mptok serve``'s frontends do).
     """
 
     def __init__(
@@ -160,7 +166,6 @@ class TokenizationOwners:
         authkey: bytes,
         timeout_s: float = 5.0,
         backoff_s: float = 10.0,
-        switch_interval_s: float | None = 0.001,
         limits: ServerLimits | None = None,
     ):
         if not 0 <= frontend_id < num_frontends:
@@ -184,8 +189,6 @@ class TokenizationOwners:
             for peer in range(num_frontends)
             if peer != frontend_id
         }
-        if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
-            sys.setswitchinterval(switch_interval_s)
         self._held = HeldReplies(max_bytes=cache.config.max_held_bytes)
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time

@@ -31,6 +31,7 @@ as long as it does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -48,6 +49,9 @@ from mptok.frontend import FrontendSettings, frontend_main, tcp_socket
 from mptok.logfmt import log_event
 from mptok.metrics import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok.run_dir import RunDir, sweep_stale
+from mptok.serve_options import ServeOptions
+
+__all__ = ["EXIT_ALL_GIVEN_UP", "EXIT_CANNOT_START", "EXIT_OK", "ServeOptions", "StartupError", "StopSignals", "Supervisor"]
 
 logger = logging.getLogger("mptok.supervisor")
 
@@ -62,38 +66,6 @@ _JOIN_AFTER_KILL_S = 5.0
 
 class StartupError(Exception):
     """The server cannot start; the message is one line, for the operator."""
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """Everything ``mptok serve`` is told on its command line."""
-
-    frontends: int
-    host: str = "127.0.0.1"
-    port: int = 8000
-    tokenizer: str | None = None
-    chat_template_file: str | None = None
-    max_prompt_chars: int = 4_000_000
-    cache_bytes: int | None = None
-    threads: int = 4
-    affinity_chars: int = 0
-    route_timeout_s: float = 5.0
-    route_backoff_s: float = 10.0
-    graceful_timeout_s: float = 10.0
-    startup_timeout_s: float = 120.0
-    max_restarts: int = 5
-    restart_window_s: float = 60.0
-    restart_delay_s: float = 0.25
-    max_in_flight: int = 16
-    queue_timeout_s: float = 2.0
-    read_timeout_s: float = 10.0
-    max_connections: int = 1024
-    max_messages: int = 4096
-    # vLLM's options, as ``vllm serve`` spells them.
-    max_model_len: int | None = None
-    served_model_names: tuple[str, ...] = ()
-    enable_tokenizer_info_endpoint: bool = False
-    given_up_retry_s: float = 300.0
 
 
 class RestartPolicy:
@@ -148,16 +120,29 @@ class _Slot:
     exits: list[int] = field(default_factory=list)
 
 
-class _Signals:
-    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once."""
+class StopSignals:
+    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once.
+
+    Process-wide: entering installs the handlers (and the wakeup fd), from
+    the main thread, as the process's entry point does (``mptok.cli.serve``);
+    leaving restores what was there.
+    """
 
     def __init__(self) -> None:
         self.received: list[int] = []
         self._reader, self._writer = socket.socketpair()
         self._reader.setblocking(False)
         self._writer.setblocking(False)
+        self._previous_fd: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def waitable(self) -> socket.socket:
@@ -171,7 +156,8 @@ class _Signals:
     def close(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
-        signal.set_wakeup_fd(self._previous_fd)
+        if self._previous_fd is not None:
+            signal.set_wakeup_fd(self._previous_fd)
         self._reader.close()
         self._writer.close()
 
@@ -182,7 +168,8 @@ class _Signals:
 class Supervisor:
     """Runs one ``mptok serve``: ``run()`` returns the process exit status."""
 
-    def __init__(self, options: ServeOptions):
+    def __init__(self, options: ServeOptions, signals: StopSignals):
+        """``signals`` must be entered (installed) for as long as ``run()`` runs."""
         self.options = options
         self._ctx = multiprocessing.get_context("spawn")
         self._authkey = secrets.token_bytes(32)
@@ -192,8 +179,7 @@ class Supervisor:
         ]
         self._ipc_dir: str | None = None
         self._snapshots: SnapshotDir | None = None
-        self._signals: _Signals | None = None
-        self._port = options.port
+        self._signals = signals
         self._template_source: str | None = None
         self._serving = False  # after start-up: exits are restarted, not fatal
 
@@ -204,8 +190,6 @@ class Supervisor:
         is stopped and removed first.
         """
         with contextlib.ExitStack() as cleanup:
-            self._signals = _Signals()
-            cleanup.callback(self._signals.close)
             self._preflight()
             sweep_stale()
             run_dir = RunDir()  # mode 0700
@@ -217,7 +201,7 @@ class Supervisor:
                 "starting",
                 frontends=self.options.frontends,
                 host=self.options.host,
-                port=self._port,
+                port=self.options.port,
                 ipc_dir=self._ipc_dir,
             )
             self._snapshots = SnapshotDir(self._ipc_dir)
@@ -246,7 +230,8 @@ class Supervisor:
             raise StartupError(f"cannot bind {options.host}:{options.port}: {e.strerror or e}") from None
         with probe:
             probe.listen(1)  # a bound-only probe would not see a listener that set SO_REUSEADDR
-            self._port = probe.getsockname()[1]
+            # From here on, the options name the port actually bound (not 0).
+            self.options = dataclasses.replace(options, port=probe.getsockname()[1])
 
     def _start_all(self) -> None:
         for slot in self._slots:
@@ -265,7 +250,7 @@ class Supervisor:
                     reason = slot.failure or f"exited with {_describe_exit(slot.exits[-1])}"
                     raise StartupError(f"frontend {slot.frontend_id} failed to start: {reason}")
         self._serving = True
-        url = f"http://{self.options.host}:{self._port}"
+        url = f"http://{self.options.host}:{self.options.port}"
         log_event(
             logger,
             logging.INFO,
@@ -277,31 +262,7 @@ class Supervisor:
         )
 
     def _spawn(self, slot: _Slot) -> None:
-        options = self.options
-        settings = FrontendSettings(
-            frontend_id=slot.frontend_id,
-            num_frontends=options.frontends,
-            host=options.host,
-            port=self._port,
-            ipc_dir=self._ipc_dir,
-            tokenizer=options.tokenizer,
-            chat_template=self._template_source,
-            max_prompt_chars=options.max_prompt_chars,
-            cache_bytes=options.cache_bytes,
-            threads=options.threads,
-            affinity_chars=options.affinity_chars,
-            route_timeout_s=options.route_timeout_s,
-            route_backoff_s=options.route_backoff_s,
-            graceful_timeout_s=options.graceful_timeout_s,
-            max_in_flight=options.max_in_flight,
-            queue_timeout_s=options.queue_timeout_s,
-            read_timeout_s=options.read_timeout_s,
-            max_connections=options.max_connections,
-            max_messages=options.max_messages,
-            max_model_len=options.max_model_len,
-            served_model_names=tuple(options.served_model_names),
-            enable_tokenizer_info_endpoint=options.enable_tokenizer_info_endpoint,
-        )
+        settings = FrontendSettings(slot.frontend_id, self._ipc_dir, self._template_source, self.options)
         parent_conn, child_conn = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
             target=frontend_main,

@@ -27,10 +27,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import mptok  # noqa: E402
+import mptok
 
 TOKENS_PER_TURN = 300
 
@@ -105,9 +102,8 @@ def bench_size(tokenizer, text: str, target: int, turns: int) -> dict:
 
 def family_hit_rates(turns: int) -> list[tuple[str, float, float, float, int]]:
     """Hit rates per tokenizer family on adversarial, chat and plain turns."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conversations import adversarial_delta, chat_turns, plain_delta
-    from families import CHAT_MARKERS, FAMILIES, load_family
+    from mptok_harness.conversations import adversarial_delta, chat_turns, plain_delta
+    from mptok_harness.families import CHAT_MARKERS, FAMILIES, load_family
 
     rows = []
     for family in FAMILIES:

@@ -31,15 +31,10 @@ import tempfile
 import tracemalloc
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tests"))
-
-import mptok  # noqa: E402
-from bench_cache import corpus  # noqa: E402
-from mptok.config import MAX_KEY_BYTES, parse_bytes  # noqa: E402
-from mptok.ids import intern_ids  # noqa: E402
+import mptok
+from bench_cache import corpus
+from mptok.config import MAX_KEY_BYTES, parse_bytes
+from mptok.ids import intern_ids
 
 MiB = 1024 * 1024
 
@@ -154,7 +149,7 @@ def rss_kib(pid: int) -> int:
 
 def serve_flood(text: str, rng: random.Random, budget: int, frontends: int, requests: int) -> dict:
     """RSS of each frontend of ``mptok serve --cache-bytes`` before and after an HTTP flood."""
-    from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
+    from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
     with tempfile.TemporaryDirectory() as tmp:
         with Server(Path(tmp) / "serve.log", "--frontends", str(frontends), "--cache-bytes", str(budget)) as server:

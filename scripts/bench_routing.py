@@ -35,14 +35,13 @@ from collections.abc import Callable
 
 import mptok
 from mptok.liveness import OwnerLiveness
-from mptok.routing import TokenizationOwners, owner_of, owner_order
+from mptok.routing import TokenizationOwners, lower_switch_interval, owner_of, owner_order
 from mptok.transport import EncodeProxy, answer_in_full, serve_encode
 from mptok.transport.wire import pack_int32
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
-from helpers_procs import conversation  # noqa: E402
+from mptok_harness.prompts import conversation
 
 AUTHKEY = os.urandom(16)
 TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
@@ -90,6 +89,7 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytearray | None:
 
 
 def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None:
+    lower_switch_interval()  # as mptok serve's frontends do
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
     owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=12, help="measured turns per conversation (default 12)")
     args = parser.parse_args()
 
+    lower_switch_interval()  # this process's owner serves its peer too
     tokenizer = mptok.load_tokenizer()
     rng = random.Random(1)
     fixed_ids = [rng.randrange(128_000) for _ in range(38_000)]

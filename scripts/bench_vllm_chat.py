@@ -29,12 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-import mptok  # noqa: E402
-from mptok.chat_template import ChatTemplate, vllm_conversation, vllm_tools  # noqa: E402
+import mptok
+from mptok.chat_template import ChatTemplate, vllm_conversation, vllm_tools
 
 TOOLS = [
     {
@@ -95,7 +91,7 @@ def main() -> int:
     parser.add_argument("--chats", type=int, default=3, help="chats, run one after another")
     args = parser.parse_args()
 
-    from chat_tokenizers import write_chat_tokenizer
+    from mptok_harness.chat_tokenizers import write_chat_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = mptok.load_tokenizer(write_chat_tokenizer("chatml_tools", Path(tmp) / "chatml_tools"))

@@ -67,13 +67,12 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import mptok  # noqa: E402
 from bench_cache import conversation, corpus  # noqa: E402
 from drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
-from helpers_serve import Server, request, scrape, total  # noqa: E402
+from mptok_harness.serve import Server, request, scrape, total  # noqa: E402
 from percentiles import percentile  # noqa: E402
 from mptok.routing import FALLBACK_REASONS  # noqa: E402
 from mptok.supervisor import ServeOptions  # noqa: E402

@@ -1,4 +1,4 @@
-"""Real frontend processes for the routing and fault tests, and the texts they tokenize.
+"""Real frontend processes for the routing and fault tests.
 
 Each child (spawn context) runs ``TokenizationOwners`` over the real
 ``PrefixTokenCache`` and the embedded tokenizer, and obeys commands the test
@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
-import random
 import signal
 import threading
 import time
@@ -24,40 +23,6 @@ from typing import Any
 
 AUTHKEY = b"mptok-test-authkey"
 HANG_GUARD_S = 120.0
-
-_WORDS = (
-    "the of and to in is that for it as with was on be by this are from or have an at not "
-    "model token cache prefix frontend process socket owner conversation turn prompt tokenizer "
-    "request latency throughput server thread kernel memory queue answer question result value "
-    "however therefore because although function return class import error timeout retry "
-    "naïve café Zürich 東京 数据 🙂 🚀 — “quoted” e\u0301 x²"
-).split()
-
-
-def conversation(seed: int, turns: int, *, first_chars: int = 2000, turn_chars: int = 1200) -> list[str]:
-    """Prompts of one conversation: each is the last plus about 300 tokens.
-
-    Like a chat template, each prompt ends with a generation prompt that the
-    next turn rewrites, so prompts do not extend each other literally.
-    """
-    rng = random.Random(seed)
-
-    def prose(chars: int) -> str:
-        out: list[str] = []
-        size = 0
-        while size < chars:
-            word = rng.choice(_WORDS)
-            sep = rng.choice((" ", " ", " ", " ", ", ", ". ", "\n", "  "))
-            out.append(word + sep)
-            size += len(word) + len(sep)
-        return "".join(out)
-
-    history = "<|begin▁of▁sentence|>You are a helpful assistant.\n" + prose(first_chars)
-    prompts = []
-    for _ in range(turns):
-        prompts.append(history + "<|Assistant|><think>\n")
-        history += "<|Assistant|>" + prose(turn_chars // 2) + "<|User|>" + prose(turn_chars // 2)
-    return prompts
 
 
 def expected_ids(tokenizer: Any, text: str) -> list[int]:
@@ -111,8 +76,9 @@ def _hold_gil(seconds: int) -> None:
 def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int, options: dict) -> None:
     """Body of a frontend child: serve, route, and answer the test's commands."""
     import mptok
-    from mptok.routing import ServerLimits, TokenizationOwners
+    from mptok.routing import ServerLimits, TokenizationOwners, lower_switch_interval
 
+    lower_switch_interval()  # as mptok serve's frontends do
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
     limits = ServerLimits(**options.pop("limits", {}))

@@ -15,11 +15,11 @@ import threading
 import time
 
 import pytest
-from conversations import plain_delta
 from helpers_raw_http import RawClient, post_head, statuses
 from helpers_serve import Server, request, scrape, total, wait_for_snapshots
 
 import mptok
+from mptok_harness.conversations import plain_delta
 
 MAX_IN_FLIGHT = 2
 QUEUE_TIMEOUT_S = 0.5

@@ -11,13 +11,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from conversations import plain_delta
 from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
 from mptok.affinity import IdentityKind, chat_identity, identify, prompt_identity
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE
 from mptok.peer import answer_peer
+from mptok_harness.conversations import plain_delta
 
 FRONTENDS = 4
 FLEET = 16

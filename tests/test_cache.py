@@ -18,9 +18,9 @@ import mptok
 import mptok.cache
 import mptok.peer
 from mptok.peer import answer_peer
-from conversations import adversarial_delta, plain_delta
-from families import CHAT_MARKERS, load_family
 from mptok import CacheConfig, PrefixTokenCache
+from mptok_harness.conversations import adversarial_delta, plain_delta
+from mptok_harness.families import CHAT_MARKERS, load_family
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +333,7 @@ def test_rust_tokenizer_works_directly():
 def test_peer_gets_only_the_ids_after_its_version(tokenizer):
     """Peers hold different, older versions of one conversation; each gets
     the prompt's ids as a prefix of its version's ids plus the rest."""
-    from conversations import chat_turns
+    from mptok_harness.conversations import chat_turns
 
     cache = PrefixTokenCache()
     prompts = chat_turns(random.Random(13), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=12)

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conversations import ADVERSARIAL_PIECES, adversarial_delta, chat_turns, plain_delta
-from families import CHAT_MARKERS, FAMILIES, load_family, load_family_hf
 from mptok import CacheConfig, PrefixTokenCache
+from mptok_harness.conversations import ADVERSARIAL_PIECES, adversarial_delta, chat_turns, plain_delta
+from mptok_harness.families import CHAT_MARKERS, FAMILIES, load_family, load_family_hf
 
 
 def reference_ids(tokenizer, text: str) -> list[int]:

@@ -13,12 +13,12 @@ import pytest
 
 import mptok
 import mptok.cache
-from conversations import plain_delta
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.config import MAX_KEY_BYTES
 from mptok.ids import IdPieces, intern_ids
 from mptok.peer import Held, HeldReplies, answer_peer
 from mptok.tokenize_request import RequestError, parse_tokenize_request
+from mptok_harness.conversations import plain_delta
 
 MiB = 1024 * 1024
 

@@ -15,7 +15,6 @@ nginx is required: without it this test FAILS (`make test` installs nginx-light:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import orjson
@@ -23,10 +22,9 @@ from helpers_serve import Server, free_port, request, scrape, total, wait_for_sn
 
 import mptok
 from mptok.chat_template import ChatTemplate
+from mptok_harness.nginx import Nginx, nginx_binary, render_nginx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-from replay_bench import Nginx, nginx_binary, render_nginx  # noqa: E402
 
 TEMPLATE = REPO / "deploy" / "nginx-multihost.conf"
 HOSTS = ("127.0.0.1", "127.0.0.2")

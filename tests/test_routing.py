@@ -12,12 +12,13 @@ from collections import Counter
 from multiprocessing import connection, managers
 
 import pytest
-from helpers_procs import AUTHKEY, FrontendPool, conversation, key_owned_by
+from helpers_procs import AUTHKEY, FrontendPool, key_owned_by
 from helpers_procs import expected_ids as expected
 
 import mptok
 from mptok.routing import FALLBACK_REASONS, TokenizationOwners, owner_of, owner_order
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
+from mptok_harness.prompts import conversation
 
 N = 3
 
@@ -276,7 +277,7 @@ def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, 
     spreads them: each asker sends only the characters after what it holds,
     the owner answers from its version history, and every id list is exact.
     A held version the owner has forgotten costs one whole-text retry."""
-    from conversations import chat_turns
+    from mptok_harness.conversations import chat_turns
 
     with in_process_owners(str(tmp_path / "ipc"), tokenizer, 4) as (caches, owners):
         key = key_owned_by(0, 4, "alternating")

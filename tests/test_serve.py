@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import inspect
 import json
 import os
+import pickle
 import random
 import re
 import signal
@@ -21,17 +23,21 @@ import time
 
 import psutil
 import pytest
-from conversations import plain_delta
-from families import _tokenizer_file, load_family_hf
-from helpers_procs import conversation
 from helpers_serve import HANG_GUARD_S, SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
+from mptok import frontend, supervisor
 from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
-from mptok.frontend import tcp_socket
+from mptok.cli import parse_serve_options
+from mptok.config import CacheConfig
+from mptok.frontend import FrontendSettings, tcp_socket
 from mptok.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, SnapshotDir, audit
+from mptok.routing import FALLBACK_REASONS, TokenizationOwners
+from mptok.serve_options import Option, ServeOptions, Use, declared_options
 from mptok.tokenize_service import SpecialTokenFrame, TokenizeService
-from mptok.routing import FALLBACK_REASONS
+from mptok_harness.conversations import plain_delta
+from mptok_harness.families import _tokenizer_file, load_family_hf
+from mptok_harness.prompts import conversation
 
 FRONTENDS = 4
 MAX_PROMPT_CHARS = 1_500_000
@@ -393,6 +399,49 @@ def test_help_explains_every_option():
         "--enable-tokenizer-info-endpoint",
     ):  # fmt: skip
         assert option in result.stdout
+    for _, declared in declared_options():
+        assert declared.flag in result.stdout
+    for variable in ("MPTOK_CACHE_MAX_ENTRIES", "MPTOK_CACHE_MIN_CHARS", "MPTOK_CACHE_MAX_CACHED_CHARS", "MPTOK_LOG_LEVEL"):
+        assert variable in result.stdout
+
+
+def _non_default_words(declared: Option, default: object) -> list[str]:
+    """A command line giving ``declared`` a value other than its default."""
+    if declared.parse is None:
+        return [declared.flag]
+    if declared.many:
+        return [declared.flag, "a", "b"]
+    if isinstance(default, (int, float)):
+        return [declared.flag, str(default + 1)]
+    return [declared.flag, "7"]  # a str, or an int whose default is None
+
+
+def test_every_option_reaches_the_component_that_uses_it():
+    """Each option declared in mptok.serve_options is on the command line and arrives,
+    with its value, in what a frontend receives and in the keyword arguments of
+    the component it is declared for, so that none is wired halfway."""
+    defaults = ServeOptions()
+    argv = ["serve"]
+    for field, declared in declared_options():
+        argv += _non_default_words(declared, getattr(defaults, field.name))
+    options = parse_serve_options(argv)
+    received = pickle.loads(pickle.dumps(FrontendSettings(0, "/ipc", None, options))).options  # as spawn sends it
+    sources = {Use.SUPERVISOR: inspect.getsource(supervisor), Use.FRONTEND: inspect.getsource(frontend)}
+    parameters = {
+        Use.ROUTING: inspect.signature(TokenizationOwners).parameters,
+        Use.SERVICE: inspect.signature(TokenizeService).parameters,
+        Use.CACHE: inspect.signature(CacheConfig).parameters,
+    }
+    for field, declared in declared_options():
+        assert getattr(options, field.name) != getattr(defaults, field.name), declared.flag
+        assert getattr(received, field.name) == getattr(options, field.name), declared.flag
+        if declared.use in sources:
+            assert f"options.{field.name}" in sources[declared.use], f"{declared.flag} is not read by the {declared.use.value}"
+        else:
+            argument = declared.argument or field.name
+            assert argument in parameters[declared.use], f"{declared.flag}: no {argument} parameter in the {declared.use.value}"
+            assert options.arguments_for(declared.use)[argument] == getattr(options, field.name)
+    assert "max_model_len" not in defaults.arguments_for(Use.SERVICE)  # None: the component's own default
 
 
 # -- another tokenizer, special tokens, chat templates -----------------------------------

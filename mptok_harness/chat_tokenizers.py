@@ -26,7 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
-from families import _recipe, _tokenizer_file
+from mptok_harness.families import _recipe, _tokenizer_file
 
 CHATML_TOOLS_TEMPLATE = """\
 {%- if tools %}

@@ -1,0 +1,181 @@
+"""A real ``mptok serve`` for the tests and the scripts: a subprocess, its log, and plain HTTP to it.
+
+``Server`` starts the supervisor (``scripts/supervise.py``) in its own process
+group with its stderr in a file, waits (bounded) for the ready line, and on
+``kill()`` stops it with SIGTERM, then SIGKILLs the whole group and
+removes its ipc dir, so a failing test leaves nothing behind. ``request`` opens a new connection for every request, as separate
+clients would, so the kernel spreads them over the frontends.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mptok.metrics import SNAPSHOT_INTERVAL_S
+
+REPO = Path(__file__).resolve().parents[1]
+SUPERVISE = str(REPO / "scripts" / "supervise.py")
+HANG_GUARD_S = 120.0
+
+
+def free_port() -> int:
+    """A port nobody listens on now (bound to port 0, read, closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes | str | dict | None = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+    *,
+    host: str = "127.0.0.1",
+) -> tuple[int, bytes, dict[str, str]]:
+    """One request to ``host:port`` on a new connection; returns (status, body, lower-cased headers)."""
+    if isinstance(body, dict):
+        body = json.dumps(body, ensure_ascii=False)
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, response.read(), {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        connection.close()
+
+
+def tokenize(port: int, body: dict, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """POST /tokenize; fails the test unless the answer is 200."""
+    status, payload, _ = request(port, "POST", "/tokenize", body, headers)
+    assert status == 200, (status, payload[:500])
+    return json.loads(payload)
+
+
+_SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$')
+
+
+def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, str], float]]:
+    """GET /metrics, parsed into (name, labels, value) samples."""
+    status, payload, _ = request(port, "GET", "/metrics", host=host)
+    assert status == 200
+    samples = []
+    for line in payload.decode().splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            samples.append((match.group(1), labels, float(match.group(3))))
+    return samples
+
+
+def wait_for_snapshots() -> None:
+    """Wait until every frontend has written a metrics snapshot since the call
+    (each writes one every SNAPSHOT_INTERVAL_S): a scrape after it holds every
+    count made before it, and no snapshot written mid-request."""
+    time.sleep(2.5 * SNAPSHOT_INTERVAL_S)
+
+
+def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """Sum of ``name`` over every frontend (and any label not given)."""
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == want for k, want in labels.items()))
+
+
+class Server:
+    """One ``mptok serve`` subprocess; use as a context manager."""
+
+    def __init__(self, log_path: Path, *args: str, wait_ready: bool = True, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self.port = free_port()
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, SUPERVISE, "--port", str(self.port), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        )
+        if wait_ready:
+            self.wait_for_log(r"event=ready ")
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout_s: float = HANG_GUARD_S, after: int = 0) -> re.Match:
+        """The first match of ``pattern`` in the log from offset ``after``; fails after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            match = re.compile(pattern).search(self.log(), after)
+            if match:
+                return match
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {pattern!r} in the log after {timeout_s} s:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+
+    def frontend_pids(self) -> dict[int, int]:
+        """The latest ready pid of each frontend id, from the supervisor's log lines."""
+        pids = {}
+        for frontend, pid in re.findall(r"role=supervisor .*event=frontend_ready frontend=(\d+) pid=(\d+)", self.log()):
+            pids[int(frontend)] = int(pid)
+        return pids
+
+    def ipc_dir(self) -> str:
+        return re.search(r"event=starting .*ipc_dir=(\S+)", self.log()).group(1)
+
+    def wait(self, timeout_s: float = HANG_GUARD_S) -> int:
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        """Stop the server: SIGTERM (bounded wait), then SIGKILL the whole process group
+        (supervisor, frontends, their helpers), then remove an ipc dir left behind."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        if _group_alive(self.process.pid):
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(self.process.pid, signum)
+                except ProcessLookupError:
+                    break
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        match = re.search(r"event=starting .*ipc_dir=(\S+)", self.log())
+        if match:
+            shutil.rmtree(match.group(1), ignore_errors=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
