@@ -220,9 +220,17 @@ _ERROR_TYPES = {
 
 
 def error_body(status: int, message: str) -> bytes:
-    """An error in vLLM's shape: ``{"object": "error", "message", "type", "code"}``."""
+    """An error in vLLM's shape (``_vllm_error``)."""
     kind = _ERROR_TYPES.get(status) or "".join(HTTPStatus(status).phrase.split())
-    return orjson.dumps({"object": "error", "message": message, "type": kind, "code": status})
+    return _vllm_error(status, message, kind)
+
+
+def _vllm_error(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    """``{"object": "error", "message", "type", "param", "code"}`` as older vLLM
+    releases answer, with the same fields under ``"error"`` as current ones
+    do, so that clients written against either read it."""
+    fields = {"message": message, "type": kind, "param": param, "code": status}
+    return orjson.dumps({"object": "error", **fields, "error": fields})
 
 
 @dataclass(frozen=True)
@@ -248,4 +256,4 @@ def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
 
 def not_found_body(message: str, param: str) -> bytes:
     """vLLM's 404 for an unknown model: the error shape with ``"type": "NotFoundError"`` and ``param``."""
-    return orjson.dumps({"object": "error", "message": message, "type": "NotFoundError", "param": param, "code": 404})
+    return _vllm_error(404, message, "NotFoundError", param)

@@ -43,6 +43,8 @@ def server(tmp_path_factory):
 def assert_error_shape(payload: bytes | dict, status: int) -> dict:
     error = payload if isinstance(payload, dict) else json.loads(payload)
     assert error["object"] == "error" and error["code"] == status and error["message"] and error["type"], error
+    # Current vLLM nests the same fields under "error"; both are there.
+    assert error["error"] == {k: error[k] for k in ("message", "type", "param", "code")}, error
     return error
 
 

@@ -285,10 +285,8 @@ def test_unknown_model_is_vllms_404(servers):
     for path, body in (("/tokenize", {"prompt": "x"}), ("/tokenize", {"messages": conversation(False)}), ("/detokenize", {"tokens": [1]})):
         status, answer = post(server, path, {**body, "model": "gpt-nothing"})
         assert status == 404, (path, answer)
-        assert answer == {
-            "object": "error", "message": "The model `gpt-nothing` does not exist.", "type": "NotFoundError",
-            "param": "model", "code": 404,
-        }  # fmt: skip
+        fields = {"message": "The model `gpt-nothing` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+        assert answer == {"object": "error", **fields, "error": fields}
         for accepted in (SERVED_NAME, "other-name", None):
             assert post(server, path, {**body, "model": accepted})[0] == 200
     # Without --served-model-name any name is accepted.
