@@ -18,7 +18,6 @@ import pytest
 from helpers_raw_http import RawClient, post_head, statuses
 from helpers_serve import Server, request, scrape, total, wait_for_snapshots
 
-import mptok
 from mptok_harness.conversations import plain_delta
 
 MAX_IN_FLIGHT = 2
@@ -27,11 +26,6 @@ QUEUE_TIMEOUT_S = 0.5
 # find the only thread busy; each test uses its own text, so never a cache hit.
 LONG_PROMPT_CHARS = 1_500_000
 HANG_GUARD_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -63,11 +63,6 @@ def test_what_has_no_stable_part_is_keyless():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("affinity") / "serve.log"
     with Server(log, "--frontends", str(FRONTENDS)) as s:

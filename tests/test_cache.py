@@ -23,11 +23,6 @@ from mptok_harness.conversations import adversarial_delta, plain_delta
 from mptok_harness.families import CHAT_MARKERS, load_family
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
-
-
 def full_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -23,15 +23,9 @@ import pytest
 from helpers_procs import HANG_GUARD_S, FrontendPool, key_owned_by, wait_until
 from helpers_procs import expected_ids as expected
 
-import mptok
 from mptok.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
 from mptok.transport import socket_path
 from mptok_harness.prompts import conversation
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
 
 
 @pytest.fixture

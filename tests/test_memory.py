@@ -23,11 +23,6 @@ from mptok_harness.conversations import plain_delta
 MiB = 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
-
-
 def full_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -24,11 +24,6 @@ N = 3
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     pool = FrontendPool(str(tmp_path_factory.mktemp("cluster") / "ipc"))
     try:

@@ -46,11 +46,6 @@ TURNS = 8
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return mptok.load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with Server(log, "--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS)) as s:
