@@ -52,8 +52,9 @@ def parse_bytes(text: str) -> int:
 class CacheConfig:
     """Bounds of a ``PrefixTokenCache``.
 
-    max_entries: conversations kept (one entry each), least recently used
-        evicted first.
+    max_entries: prompts kept (one per conversation, up to
+        ``mptok.cache.MAX_BRANCHES`` when conversations share a key), least
+        recently used evicted first.
     max_bytes: memory the cache may hold for its conversations: prompt
         text, ids, offsets, earlier versions, keys and bookkeeping, counted
         as Python allocates them; least recently used conversations are
