@@ -35,9 +35,9 @@ from array import array
 from dataclasses import dataclass
 
 from mptok.backend import TokenizerBackend
-from mptok.ids import IdPieces, common_prefix_length
+from mptok.ids import IdPieces
 
-__all__ = ["CachedPrompt", "IdPieces", "common_prefix_length", "extend_prompt", "tokenize_prompt"]
+__all__ = ["CachedPrompt", "extend_prompt", "tokenize_prompt"]
 
 # Characters on each side of a seam handed to the normalizer check. Wider
 # than any normalizer rule seen in real tokenizers (NFC works on one

@@ -183,8 +183,8 @@ class ServeOptions:
     # Also the supervisor's: it kills frontends still running _EXIT_MARGIN_S after it.
     graceful_timeout_s: float = option(
         "--graceful-timeout", _seconds, "S",
-        "on SIGTERM/SIGINT, seconds in-flight requests get to finish; "
-        "frontends still running 5 s later are killed (default: %(default)s)",
+        "on SIGTERM/SIGINT, seconds a frontend's whole stop gets (in-flight requests first, "
+        "then its pool and its peers); frontends still running 5 s later are killed (default: %(default)s)",
         use=Use.FRONTEND, default=10.0,
     )
     startup_timeout_s: float = option(
