@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 # Ids at or above this stay as they are (no real vocabulary comes near it);
@@ -149,7 +149,7 @@ class IdPieces:
         a, b = self.slice(shared, shared + rest), other.slice(shared, shared + rest)
         if a == b:
             return shared + rest
-        return shared + next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        return shared + _first_difference(a, b, 0, rest)
 
     def head(self, keep: int) -> list[tuple[list[int], int]]:
         """The pieces holding the first ``keep`` ids."""
@@ -240,7 +240,13 @@ def common_prefix_length(a: str, b: str) -> int:
         return len(a)
     if len(b) < len(a) and a.startswith(b):
         return len(b)
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is < high
+    return _first_difference(a, b, 0, min(len(a), len(b)))
+
+
+def _first_difference(a: Sequence, b: Sequence, low: int, high: int) -> int:
+    """The first index in ``[low, high)`` where ``a`` and ``b`` differ, given
+    ``a[:low] == b[:low]`` and a difference before ``high``. Halves the range
+    comparing slices, in C: a Python loop over 200k ids takes milliseconds."""
     while high - low > 64:
         middle = (low + high) // 2
         if a[low:middle] == b[low:middle]:
