@@ -24,10 +24,12 @@ import contextlib
 import functools
 import hashlib
 import logging
+import random
 import sys
 import threading
 import time
 from types import TracebackType
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from mptok.backend import SlowTokenizerError, backend_for
@@ -69,10 +71,36 @@ _ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "r
 _HASH_PERSON = b"mptok-route-v1"
 
 
-def _build_backend(tokenizer: Any) -> None:
-    """Build (and run once) the tokenizer backend an owner answers its peers with."""
-    with contextlib.suppress(SlowTokenizerError):
-        backend_for(tokenizer).encode("warm up")
+# How long an asker waits for an owner that holds the conversation: at most
+# PATIENCE_FLOOR_S plus PATIENCE_FACTOR times what tokenizing the whole
+# prompt here would take (see ``TokenizationOwners``). The floor is 5x the
+# replay's routed p99 under load (docs/RESULTS.md).
+PATIENCE_FACTOR = 2.0
+PATIENCE_FLOOR_S = 0.1
+# Characters of made-up words that the backend tokenizes at start, to learn
+# what a character costs here; random words, because BPE caches the words
+# it has seen and a repeated sample would look cheaper than a prompt.
+_CALIBRATION_CHARS = 20_000
+
+
+def _build_backend(tokenizer: Any) -> float | None:
+    """Build the tokenizer backend an owner answers its peers with, and
+    return the seconds it takes per character of prose (None for a slow
+    tokenizer, which the cache does not serve)."""
+    try:
+        backend = backend_for(tokenizer)
+    except SlowTokenizerError:
+        return None
+    backend.encode("warm up")
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    rng = random.Random(0)
+    words = []
+    while sum(map(len, words)) + len(words) < _CALIBRATION_CHARS:
+        words.append("".join(rng.choice(letters) for _ in range(rng.randint(1, 9))))
+    sample = " ".join(words)
+    started = time.perf_counter()
+    backend.encode(sample)
+    return (time.perf_counter() - started) / len(sample)
 
 
 def owner_order(key: str, num_frontends: int) -> list[int]:
@@ -99,6 +127,14 @@ def owner_order(key: str, num_frontends: int) -> list[int]:
 def owner_of(key: str, num_frontends: int) -> int:
     """The frontend that tokenizes conversation ``key`` while it is up."""
     return owner_order(key, num_frontends)[0]
+
+
+class _OwnerSkipped(Exception):
+    """The check run during a call found the owner not worth waiting for."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class RoutableCache(TokenCache, PeerCache, Protocol):
@@ -128,16 +164,33 @@ class TokenizationOwners:
     Starting builds the tokenizer's backend first (what the cache answers
     peers with: 1.5 s to 3 s for a large vocabulary), so that an owner is
     ready when peers can see it and no peer's first call waits on it,
-    whatever its ``timeout_s``. It then binds
+    whatever its ``timeout_s``, and learns what tokenizing a character costs
+    here (20k characters, a few ms). It then binds
     ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
     ``OwnerAlreadyServing`` while a live process serves this frontend id, and
     ``PermissionError`` for an ipc dir that other users can enter), publishes
     this process as the owner. Only keyed prompts that the cache would keep,
     for the ``tokenizer`` given here, are routed. A prompt that an owner has
-    not answered within ``timeout_s`` (one deadline for the whole route,
-    when the owner needs a second call for the whole text) or whose call
-    failed is tokenized locally; an owner that timed out is skipped for
-    ``backoff_s``.
+    not answered in time (one deadline for the whole route, when the owner
+    needs a second call for the whole text) or whose call failed is
+    tokenized locally; an owner that timed out is skipped for ``backoff_s``.
+    In time means within ``timeout_s``; and when this frontend holds the
+    owner's last reply for the conversation, so that the owner is asked only
+    for what changed, within this frontend's patience too:
+    ``PATIENCE_FLOOR_S`` plus ``patience_factor`` times what tokenizing the
+    whole prompt here would take. Past that, waiting costs more than doing
+    all the work here (an owner whose serving threads starve for its GIL can
+    take 100 times longer than its work), so the owner is treated as timed
+    out. A call that sends the whole text (first contact, or an owner that
+    lost the version) waits for ``timeout_s``: the owner's own work is then
+    a full tokenization, and several at once queue behind each other.
+    ``patience_factor=None`` always waits for ``timeout_s``.
+
+    The liveness check of an owner (a ``stat`` and a ``/proc`` read) runs
+    before the call only when no check found the owner live in the last
+    second; otherwise it runs while the owner works, and a call to an owner
+    it finds dead or stopped is given up (the prompt then goes to the next
+    frontend in its order, as if the owner had been skipped).
 
     ``close()`` (or leaving the ``with`` block) makes ``encode`` tokenize
     everything here, unpublishes this owner, closes the connections to peers and stops
@@ -167,9 +220,12 @@ class TokenizationOwners:
         timeout_s: float = 5.0,
         backoff_s: float = 10.0,
         limits: ServerLimits | None = None,
+        patience_factor: float | None = PATIENCE_FACTOR,
     ):
         if not 0 <= frontend_id < num_frontends:
             raise ValueError(f"frontend_id {frontend_id} is not in range({num_frontends})")
+        if patience_factor is not None and not patience_factor > 0:
+            raise ValueError(f"patience_factor must be > 0 or None, got {patience_factor}")
         self._frontend_id = frontend_id
         self._num_frontends = num_frontends
         self._ipc_dir = secure_ipc_dir(ipc_dir)
@@ -193,7 +249,10 @@ class TokenizationOwners:
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
-        _build_backend(tokenizer)
+        seconds_per_char = _build_backend(tokenizer)
+        self._patience_per_char_s = (
+            None if patience_factor is None or seconds_per_char is None else patience_factor * seconds_per_char
+        )
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
@@ -298,11 +357,19 @@ class TokenizationOwners:
             if frontend == self._frontend_id:
                 self._counters.add("owned_here" if frontend == order[0] else "taken_over_here")
                 return None
-            record, reason = self._liveness.check(frontend)
+            # An owner found live within the last second is called at once,
+            # and checked again while it works.
+            record, reason = self._liveness.recently_live(frontend), None
+            confirm = functools.partial(self._confirm_live, frontend) if record is not None else None
+            if record is None:
+                record, reason = self._liveness.check(frontend)
             if reason is None:
                 assert record is not None
                 try:
-                    ids = self._ask(frontend, record, key, text)
+                    ids = self._ask(frontend, record, key, text, confirm)
+                except _OwnerSkipped as e:
+                    self._counters.add(f"fallback_{e.reason}")
+                    continue
                 except RouteFailed as e:
                     logger.debug("route for %r failed: %s", key, e)
                     return None
@@ -315,15 +382,37 @@ class TokenizationOwners:
             self._counters.add(f"fallback_{reason}")
         raise AssertionError("this frontend is in every order")
 
-    def _ask(self, frontend: int, record: OwnerRecord, key: str, text: str) -> list[int]:
+    def _confirm_live(self, frontend: int) -> None:
+        """The liveness check, run while a call to ``frontend`` is in flight."""
+        _, reason = self._liveness.check(frontend)
+        if reason is not None:
+            raise _OwnerSkipped(reason)
+
+    def _ask(
+        self, frontend: int, record: OwnerRecord, key: str, text: str, confirm: Callable[[], None] | None
+    ) -> list[int]:
         """Ask ``frontend`` through the delta protocol; both calls, when the
-        owner needs the whole text after all, end by one deadline."""
+        owner needs the whole text after all, end by one deadline, and the
+        first runs ``confirm`` while the owner works."""
         proxy = self._proxies[frontend]
-        deadline = time.monotonic() + self._timeout_s
+        started = time.monotonic()
+        timeout_at = started + self._timeout_s
+        while_waiting = confirm
 
         def call(sent: str, since: int | None, shared_chars: int) -> PeerReply | None:
+            nonlocal while_waiting
+            deadline = timeout_at
+            if since is not None and self._patience_per_char_s is not None:
+                deadline = min(deadline, started + PATIENCE_FLOOR_S + self._patience_per_char_s * len(text))
+            check_now, while_waiting = while_waiting, None
             return proxy.encode_since(
-                sent, key, since=since, shared_chars=shared_chars, incarnation=record.incarnation, deadline=deadline
+                sent,
+                key,
+                since=since,
+                shared_chars=shared_chars,
+                incarnation=record.incarnation,
+                deadline=deadline,
+                while_waiting=check_now,
             )
 
         try:
@@ -333,6 +422,10 @@ class TokenizationOwners:
             raise self._failed("timeout", frontend, e) from e
         except OwnerUnreachable as e:
             self._liveness.failed(frontend)
+            if confirm is not None:
+                # Called without a check first: an owner that died since
+                # the last one is skipped, as the check would have.
+                confirm()
             raise self._failed("error", frontend, e) from e
         except (OwnerError, BadReply) as e:
             raise self._failed("error", frontend, e) from e

@@ -65,6 +65,17 @@ def status_of(pid: int) -> str:
         return "gone"
 
 
+@contextlib.contextmanager
+def stopped(frontend):
+    """``frontend`` SIGSTOPped for the ``with`` block, then SIGCONTinued."""
+    frontend.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: status_of(frontend.pid) == "stopped", "the frontend to stop")
+        yield
+    finally:
+        frontend.signal(signal.SIGCONT)
+
+
 def owned_prompts(owner: int, n: int, count: int, prefix: str, **sizes) -> list[tuple[str, str]]:
     """First prompts of ``count`` conversations that ``owner`` owns."""
     return [
@@ -105,18 +116,42 @@ def test_sigstopped_owner_is_skipped_at_once(pair, tokenizer):
     key, text = owned_prompts(0, 2, 1, "warm")[0]
     assert asker.encode(key, text) == expected(tokenizer, text)
     before = routing(asker)
-    owner.signal(signal.SIGSTOP)
-    try:
-        wait_until(lambda: status_of(owner.pid) == "stopped", "the owner to stop")
+    with stopped(owner):
         items = owned_prompts(0, 2, 5, "stopped")
         assert_exact(tokenizer, items, asker.call("encode_many", items, 5))
-    finally:
-        owner.signal(signal.SIGCONT)
     # Skipped without a call: no timeout, no error.
     assert changes(before, routing(asker)) == {"fallback_stopped": 5, "taken_over_here": 5}
     wait_until(lambda: status_of(owner.pid) != "stopped", "the owner to resume")
     assert_exact(tokenizer, items[:1], asker.call("encode_many", items[:1], 1))
     assert routing(asker)["routed"] == before["routed"] + 1
+
+
+def test_an_owner_stopped_since_its_last_check_is_given_up_mid_call(pair, tokenizer):
+    # An owner found live less than a second ago is called before it is
+    # checked again; the check then runs while the call is in flight.
+    _, owner, asker = pair
+    key, text = owned_prompts(0, 2, 1, "stopped-mid-call")[0]
+    assert asker.encode(key, text) == expected(tokenizer, text)
+    before = routing(asker)
+    with stopped(owner):
+        (item,) = owned_prompts(0, 2, 1, "stopped-mid-call-next")
+        assert asker.encode(*item) == expected(tokenizer, item[1])
+    # Given up on the check, not after the 0.5 s timeout.
+    assert changes(before, routing(asker)) == {"fallback_stopped": 1, "taken_over_here": 1}
+
+
+def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, tokenizer):
+    owner, asker = pool.start([0, 1], 2, timeout_s=60.0, backoff_s=1.0)
+    key = key_owned_by(0, 2, "patience")
+    turns = conversation(11, 2)
+    assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
+    before = routing(asker)
+    # The owner holds the conversation but answers nothing for 3 s; with a
+    # 60 s timeout the asker would wait for it, but its patience (0.1 s plus
+    # twice what the prompt costs here) runs out first.
+    assert owner.call("hold_gil", 3) == "holding"
+    assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
+    assert changes(before, routing(asker)) == {"fallback_timeout": 1, "route_failures": 1}
 
 
 def test_owner_holding_the_gil_costs_one_timeout_then_backs_off(pair, tokenizer):

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from array import array
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from multiprocessing import AuthenticationError
 
 from mptok.peer import PeerReply
@@ -37,6 +37,14 @@ from mptok.transport.wire import (
 
 class _StaleConnection(OwnerUnreachable):
     """A reused connection turned out dead: the owner restarted or closed it idle."""
+
+
+class _AbandonedCall(Exception):
+    """The caller's ``while_waiting`` raised ``reason``: the call was given up."""
+
+    def __init__(self, reason: BaseException):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class _Link:
@@ -113,6 +121,7 @@ class EncodeProxy:
         shared_chars: int = 0,
         incarnation: Hashable = None,
         deadline: float | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> PeerReply | None:
         """The owner's reply for a prompt of conversation ``key``.
 
@@ -125,6 +134,11 @@ class EncodeProxy:
         The call ends by ``deadline`` (a ``time.monotonic()`` instant) if
         given, else ``timeout_s`` from now: calls made for one prompt share
         one deadline.
+
+        ``while_waiting`` runs once the request is sent, before the reply is
+        read, while the owner works (it must not block): what it raises ends
+        the call, drops its connection and reaches the caller as it is. When
+        the call needs a new connection, it runs before connecting instead.
         """
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
@@ -132,10 +146,13 @@ class EncodeProxy:
         link = self._reusable_link(incarnation)
         if link is not None:
             try:
-                return self._call(link, args, deadline)
+                return self._call(link, args, deadline, while_waiting)
             except _StaleConnection:
                 pass
-        return self._call(self._open(incarnation, deadline), args, deadline)
+        elif while_waiting is not None:
+            # A new connection's handshake waits on the owner too: check first.
+            while_waiting()
+        return self._call(self._open(incarnation, deadline), args, deadline, None)
 
     def abort(self) -> list[_Link]:
         """Fail calls in flight and later calls at once, without waiting; ``close()`` then frees the connections.
@@ -175,7 +192,9 @@ class EncodeProxy:
             return None
         return link
 
-    def _call(self, link: _Link, args: tuple, deadline: float) -> PeerReply | None:
+    def _call(
+        self, link: _Link, args: tuple, deadline: float, while_waiting: Callable[[], None] | None
+    ) -> PeerReply | None:
         with link.in_use:
             conn = link.conn
             if conn is None:
@@ -183,7 +202,11 @@ class EncodeProxy:
             try:
                 conn.deadline = deadline
                 conn.send((ENCODE_TYPEID, "encode", args, {}))
+                if while_waiting is not None:
+                    self._wait_with(link, while_waiting)
                 kind, result = conn.recv()
+            except _AbandonedCall as e:
+                raise e.reason from None
             except (pickle.UnpicklingError, ValueError, TypeError) as e:
                 # A whole message that is not a reply: the stream is intact.
                 raise OwnerError(f"{self.address} sent no reply: {e!r}") from e
@@ -191,6 +214,14 @@ class EncodeProxy:
                 link.close()
                 raise self._failure(e, "call", stale=_StaleConnection) from e
         return _reply_from(self.address, kind, result)
+
+    @staticmethod
+    def _wait_with(link: _Link, while_waiting: Callable[[], None]) -> None:
+        try:
+            while_waiting()
+        except BaseException as e:
+            link.close()  # the reply, if it comes, is never read
+            raise _AbandonedCall(e) from e
 
     def _open(self, incarnation: Hashable, deadline: float) -> _Link:
         if self._closed:
