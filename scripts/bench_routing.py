@@ -9,8 +9,10 @@ in the same run (the machine is noisy; read the ratios):
 * the transport round trip of ``EncodeProxy`` (150k characters in, 38k ids
   out) vs a plain length-prefixed AF_UNIX socket (the protocol of the
   reference module), both served by another process with the same work;
-* a routed hit while the owner's main thread runs Python code, which shares
-  the owner's GIL with its serving threads;
+* turns of a conversation whose owner's main thread runs Python code, which
+  shares the owner's GIL with its serving threads: asked by a frontend with
+  the default patience (it gives up on the owner and tokenizes here) and by
+  one that waits for its timeout;
 * the per-call cost of choosing and checking the owner.
 
 Usage: python scripts/bench_routing.py [--runs 5] [--turns 12]
@@ -45,6 +47,7 @@ from mptok_harness.prompts import conversation
 
 AUTHKEY = os.urandom(16)
 TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
+BACKOFF_S = 2.0  # how long an asker skips an owner that it gave up on
 _LENGTH = struct.Struct("!q")
 
 
@@ -223,8 +226,16 @@ def main() -> None:
             routed_cache = mptok.PrefixTokenCache()
             local_cache = mptok.PrefixTokenCache()
             local_cache.encode(tokenizer, "warm up")
-            with TokenizationOwners(ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY) as owners:
+            with TokenizationOwners(
+                ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S
+            ) as owners:
                 rows = measure(args, tokenizer, local_cache, owners, parent, ipc_dir)
+            # The same busy owner, asked by a frontend that waits for its timeout.
+            patient_cache = mptok.PrefixTokenCache()
+            with TokenizationOwners(
+                ipc_dir, 1, 2, patient_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, patience_factor=None
+            ) as owners:
+                rows[-2:-2] = owner_busy_rows(args, tokenizer, owners, parent, "no patience (waits up to timeout_s)")
             parent.send("exit")
         finally:
             owner.join(30)
@@ -278,32 +289,57 @@ def measure(args, tokenizer, local_cache, owners, owner_conn, ipc_dir: str) -> l
     ]
     proxy.close()
 
-    owner_conn.send("busy")
-    owner_conn.recv()
-    try:
-        busy = [
-            conversation_run(tokenizer, local_cache, owners, 9000 + r, 137_000, args.turns, 1)
-            for r in range(max(1, args.runs // 2))
-        ]
-    finally:
-        owner_conn.send("stop")
-    busy_routed = statistics.median(r["routed"] for r in busy)
-    busy_vs_local = statistics.median(r["routed"] / r["local"] for r in busy)
-    rows.append(
-        (
-            "routed hit, 38k tokens, owner's main thread busy in Python",
-            busy_routed,
-            f"{busy_vs_local:.2f}x a local hit (switch interval {sys.getswitchinterval() * 1e3:.0f} ms)",
-            "",
-            None,
-        )
-    )
+    rows += owner_busy_rows(args, tokenizer, owners, owner_conn, "patience (default)")
     overhead = per_call_overhead(ipc_dir)
     rows += [
         ("liveness check of an owner (stat + psutil status)", overhead["check"], "per routed call", "", None),
         ("owner_order over 8 frontends", overhead["order"], "per routed call", "", None),
     ]
     return rows
+
+
+def busy_run(tokenizer, owners, owner_conn, seed: int, turns: int) -> dict[str, float]:
+    """Seconds per turn of a conversation the owner holds while its main
+    thread runs Python (its serving threads then starve for its GIL)."""
+    key = _key_owned_by(0, f"busy-{seed}")
+    prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS)
+    owners.encode(tokenizer, prompts[0], key=key)  # the owner holds it, this frontend its reply
+    before = owners.stats()
+    owner_conn.send("busy")
+    owner_conn.recv()
+    try:
+        times = [timed(functools.partial(owners.encode, tokenizer, text, key=key)) for text in prompts[1:]]
+    finally:
+        owner_conn.send("stop")
+    if owners.encode(tokenizer, prompts[-1], key=key) != tokenizer(prompts[-1], add_special_tokens=False)["input_ids"]:
+        raise SystemExit("a result differs from full tokenization")
+    after = owners.stats()
+    return {
+        "p50": statistics.median(times),
+        "max": max(times),
+        "routed": after["routed"] - before["routed"] - 1,
+        "given_up": after["fallback_timeout"] - before["fallback_timeout"],
+    }
+
+
+def owner_busy_rows(args, tokenizer, owners, owner_conn, label: str) -> list[tuple]:
+    runs = [busy_run(tokenizer, owners, owner_conn, 9000 + r, args.turns) for r in range(max(1, args.runs // 2))]
+    time.sleep(BACKOFF_S)  # the next measurement finds the owner callable again
+    p50 = statistics.median(r["p50"] for r in runs)
+    worst = max(r["max"] for r in runs)
+    routed = sum(r["routed"] for r in runs)
+    given_up = sum(r["given_up"] for r in runs)
+    turns = len(runs) * args.turns
+    return [
+        (
+            f"turn of a 38k-token conversation, owner's main thread busy in Python, {label}",
+            p50,
+            f"slowest turn {worst * 1e3:.0f} ms; {routed} of {turns} turns answered by the owner, "
+            f"{given_up} calls given up (switch interval {sys.getswitchinterval() * 1e3:.0f} ms)",
+            "",
+            None,
+        )
+    ]
 
 
 def print_table(rows: list[tuple], args) -> None:
