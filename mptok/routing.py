@@ -184,7 +184,7 @@ class TokenizationOwners:
     out. A call that sends the whole text (first contact, or an owner that
     lost the version) waits for ``timeout_s``: the owner's own work is then
     a full tokenization, and several at once queue behind each other.
-    ``patience_factor=None`` always waits for ``timeout_s``.
+    ``patience_factor=0`` always waits for ``timeout_s``.
 
     The liveness check of an owner (a ``stat`` and a ``/proc`` read) runs
     before the call only when no check found the owner live in the last
@@ -220,12 +220,12 @@ class TokenizationOwners:
         timeout_s: float = 5.0,
         backoff_s: float = 10.0,
         limits: ServerLimits | None = None,
-        patience_factor: float | None = PATIENCE_FACTOR,
+        patience_factor: float = PATIENCE_FACTOR,
     ):
         if not 0 <= frontend_id < num_frontends:
             raise ValueError(f"frontend_id {frontend_id} is not in range({num_frontends})")
-        if patience_factor is not None and not patience_factor > 0:
-            raise ValueError(f"patience_factor must be > 0 or None, got {patience_factor}")
+        if not patience_factor >= 0:
+            raise ValueError(f"patience_factor must be >= 0, got {patience_factor}")
         self._frontend_id = frontend_id
         self._num_frontends = num_frontends
         self._ipc_dir = secure_ipc_dir(ipc_dir)
@@ -251,7 +251,7 @@ class TokenizationOwners:
         # them out and be backed off from. So it is built first.
         seconds_per_char = _build_backend(tokenizer)
         self._patience_per_char_s = (
-            None if patience_factor is None or seconds_per_char is None else patience_factor * seconds_per_char
+            None if patience_factor == 0 or seconds_per_char is None else patience_factor * seconds_per_char
         )
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(

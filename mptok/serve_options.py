@@ -74,6 +74,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _patience(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and 0 <= value <= 1000):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) to 1000, got {text}")
+    return value
+
+
 # Longer waits are surely a typo, and infinite ones overflow the timers they reach.
 _MAX_SECONDS = 86_400.0
 
@@ -179,6 +186,13 @@ class ServeOptions:
     route_backoff_s: float = option(
         "--route-backoff", _seconds, "S", "seconds an owner that timed out is then skipped (default: %(default)s)",
         use=Use.ROUTING, argument="backoff_s", default=10.0,
+    )
+    route_patience: float = option(
+        "--route-patience", _patience, "X",
+        "an owner that holds the conversation but has not answered within 0.1 s plus X times what tokenizing "
+        "the whole prompt here would take is treated as timed out (0: wait for --route-timeout) "
+        "(default: %(default)s)",
+        use=Use.ROUTING, argument="patience_factor", default=2.0,
     )
     # Also the supervisor's: it kills frontends still running _EXIT_MARGIN_S after it.
     graceful_timeout_s: float = option(

@@ -233,7 +233,7 @@ def main() -> None:
             # The same busy owner, asked by a frontend that waits for its timeout.
             patient_cache = mptok.PrefixTokenCache()
             with TokenizationOwners(
-                ipc_dir, 1, 2, patient_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, patience_factor=None
+                ipc_dir, 1, 2, patient_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, patience_factor=0
             ) as owners:
                 rows[-2:-2] = owner_busy_rows(args, tokenizer, owners, parent, "no patience (waits up to timeout_s)")
             parent.send("exit")

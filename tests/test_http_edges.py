@@ -180,6 +180,7 @@ def test_version():
     ("option", "value", "says"),
     [
         ("--route-timeout", "inf", "at most 86,400 seconds"),
+        ("--route-patience", "nan", "0 (off) to 1000"),
         ("--graceful-timeout", "inf", "at most 86,400 seconds"),
         ("--queue-timeout", "nan", "at most 86,400 seconds"),
         ("--read-timeout", "0", "more than 0"),

@@ -388,7 +388,7 @@ def test_help_explains_every_option():
     assert result.returncode == 0
     for option in (
         "--frontends", "--host", "--port", "--tokenizer", "--chat-template", "--max-prompt-chars", "--threads",
-        "--route-timeout", "--route-backoff", "--graceful-timeout", "--startup-timeout", "--max-restarts",
+        "--route-timeout", "--route-backoff", "--route-patience", "--graceful-timeout", "--startup-timeout", "--max-restarts",
         "--restart-window", "--given-up-retry", "--max-in-flight", "--queue-timeout", "--read-timeout",
         "--max-connections", "--max-messages", "--max-model-len", "--served-model-name",
         "--enable-tokenizer-info-endpoint",
