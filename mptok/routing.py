@@ -28,8 +28,8 @@ import random
 import sys
 import threading
 import time
-from types import TracebackType
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any, Protocol
 
 from mptok.backend import SlowTokenizerError, backend_for
