@@ -189,7 +189,7 @@ class ServeOptions:
     )
     route_patience: float = option(
         "--route-patience", _patience, "X",
-        "an owner that holds the conversation but has not answered within 0.1 s plus X times what tokenizing "
+        "an owner that holds the conversation but has not answered within 1 s plus X times what tokenizing "
         "the whole prompt here would take is treated as timed out (0: wait for --route-timeout) "
         "(default: %(default)s)",
         use=Use.ROUTING, argument="patience_factor", default=2.0,

@@ -147,7 +147,7 @@ def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, to
     assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
     before = routing(asker)
     # The owner holds the conversation but answers nothing for 3 s; with a
-    # 60 s timeout the asker would wait for it, but its patience (0.1 s plus
+    # 60 s timeout the asker would wait for it, but its patience (1 s plus
     # twice what the prompt costs here) runs out first.
     assert owner.call("hold_gil", 3) == "holding"
     assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
