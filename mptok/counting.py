@@ -21,7 +21,9 @@ from typing import Any
 # Why a prompt was not tokenized by its conversation's owner: the owner was
 # skipped without a call (the first six), or the call failed. Routing counts
 # them as ``fallback_<reason>``; mptok_route_fallbacks_total{reason} shows them.
-FALLBACK_REASONS = ("not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "error")
+FALLBACK_REASONS = (
+    "not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "patience", "error"
+)
 
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -187,8 +187,9 @@ class _Verdict:
 class _OwnerWatch:
     """What this process knows about one owner: its record, its process, its back-off.
 
-    The fast path reads only immutable ``_Verdict`` snapshots; re-reading a
-    record takes a lock so that concurrent callers do it once.
+    The fast path reads only immutable ``_Verdict`` snapshots and the
+    ``_live`` tuple; re-reading a record takes a lock so that concurrent
+    callers do it once.
     """
 
     def __init__(self, path: str, backoff_s: float, revalidate_s: float):
@@ -199,13 +200,17 @@ class _OwnerWatch:
         self._verdict: _Verdict | None = None
         self._backoff_until = 0.0
         self._backoff_incarnation: tuple | None = None
-        # The record the last full check found worth calling, and when.
+        # The record the last full check found worth calling, and when; a
+        # check that began before a ``forget()`` does not set it.
         self._live: tuple[OwnerRecord, float] | None = None
+        self._forgotten = 0
 
     def check(self) -> tuple[OwnerRecord | None, str | None]:
+        forgotten = self._forgotten
         try:
             st = os.stat(self._path)
         except FileNotFoundError:
+            self._live = None
             return None, NOT_PUBLISHED
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         now = time.monotonic()
@@ -228,7 +233,10 @@ class _OwnerWatch:
             logger.debug("cannot read the status of owner pid %d: %r", verdict.record.pid, e)
             status = None
         reason = _STATUS_REASONS.get(status)
-        self._live = (verdict.record, now) if reason is None else None
+        if reason is not None:
+            self._live = None
+        elif forgotten == self._forgotten:
+            self._live = (verdict.record, now)
         return verdict.record, reason
 
     def recently_live(self) -> OwnerRecord | None:
@@ -239,6 +247,12 @@ class _OwnerWatch:
             return None
         return live[0]
 
+    def answered(self, record: OwnerRecord) -> None:
+        """``record``'s owner just answered a call: it counts as found live now."""
+        live = self._live
+        if live is not None and live[0] == record:
+            self._live = (record, time.monotonic())
+
     def timed_out(self, record: OwnerRecord) -> None:
         self._backoff_incarnation = record.incarnation
         self._backoff_until = time.monotonic() + self._backoff_s
@@ -246,6 +260,7 @@ class _OwnerWatch:
 
     def forget(self) -> None:
         """Re-read the record and re-verify the owner at the next check."""
+        self._forgotten += 1
         self._verdict = None
         self._live = None
 
@@ -316,6 +331,11 @@ class OwnerLiveness:
         costs no syscall, and proves nothing about the owner now: a caller
         that calls on it runs ``check`` while its call is in flight."""
         return self._watch(frontend_id).recently_live()
+
+    def answered(self, frontend_id: int, record: OwnerRecord) -> None:
+        """A call to the owner ``record`` names was answered: ``recently_live``
+        counts from now (if no check has since found it not worth calling)."""
+        self._watch(frontend_id).answered(record)
 
     def timed_out(self, frontend_id: int, record: OwnerRecord) -> None:
         self._watch(frontend_id).timed_out(record)

@@ -24,15 +24,18 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
+import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from mptok.backend import SlowTokenizerError, backend_for
+from mptok.backend import SlowTokenizerError, TokenizerBackend, backend_for
 from mptok.cache import TokenCache
 from mptok.counting import FALLBACK_REASONS, Counters, Histogram
 from mptok.errors import RouteFailed
@@ -80,25 +83,31 @@ _HASH_PERSON = b"mptok-route-v1"
 PATIENCE_FACTOR = 2.0
 PATIENCE_FLOOR_S = 1.0
 # Characters of made-up words that the backend tokenizes at start, to learn
-# what a character costs here; random words, because BPE caches the words
-# it has seen and a repeated sample would look cheaper than a prompt.
+# what a character costs here; new random words, because BPE caches the
+# words it has seen and a sample seen before would look cheaper than a prompt.
 _CALIBRATION_CHARS = 20_000
+_LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
 
 
-def _build_backend(tokenizer: Any) -> float | None:
-    """Build the tokenizer backend an owner answers its peers with, and
-    return the seconds it takes per character of prose (None for a slow
-    tokenizer, which the cache does not serve)."""
+def _build_backend(tokenizer: Any) -> TokenizerBackend | None:
+    """Build (and run once) the tokenizer backend an owner answers its peers
+    with; None for a slow tokenizer, which the cache does not serve."""
     try:
         backend = backend_for(tokenizer)
     except SlowTokenizerError:
         return None
     backend.encode("warm up")
-    letters = "etaoinshrdlucmfwypvbgkjqxz"
-    rng = random.Random(0)
-    words = []
-    while sum(map(len, words)) + len(words) < _CALIBRATION_CHARS:
-        words.append("".join(rng.choice(letters) for _ in range(rng.randint(1, 9))))
+    return backend
+
+
+def _seconds_per_char(backend: TokenizerBackend) -> float:
+    """What tokenizing one character of made-up words costs ``backend`` here."""
+    rng = random.Random(os.urandom(8))  # words the backend has not cached yet
+    words, chars = [], 0
+    while chars < _CALIBRATION_CHARS:
+        word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 9)))
+        words.append(word)
+        chars += len(word) + 1
     sample = " ".join(words)
     started = time.perf_counter()
     backend.encode(sample)
@@ -139,6 +148,27 @@ class _OwnerSkipped(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True)
+class _RouteDeadline:
+    """When the route of one prompt must end: ``timeout_at`` for every call,
+    and ``patience_at`` (if earlier) for a delta call (see ``TokenizationOwners``)."""
+
+    timeout_at: float
+    patience_at: float
+
+    @classmethod
+    def starting_now(cls, timeout_s: float, patience_per_char_s: float | None, prompt_chars: int) -> _RouteDeadline:
+        now = time.monotonic()
+        patience_s = math.inf if patience_per_char_s is None else PATIENCE_FLOOR_S + patience_per_char_s * prompt_chars
+        return cls(now + timeout_s, now + patience_s)
+
+    def for_call(self, *, delta: bool) -> tuple[float, bool]:
+        """The call's deadline, and whether it is the patience's."""
+        if delta and self.patience_at < self.timeout_at:
+            return self.patience_at, True
+        return self.timeout_at, False
+
+
 class RoutableCache(TokenCache, PeerCache, Protocol):
     """What routing needs from this frontend's cache: encode here, and keep
     the versions an owner answers its peers from (``PrefixTokenCache``)."""
@@ -176,23 +206,28 @@ class TokenizationOwners:
     not answered in time (one deadline for the whole route, when the owner
     needs a second call for the whole text) or whose call failed is
     tokenized locally; an owner that timed out is skipped for ``backoff_s``.
-    In time means within ``timeout_s``; and when this frontend holds the
-    owner's last reply for the conversation, so that the owner is asked only
-    for what changed, within this frontend's patience too:
-    ``PATIENCE_FLOOR_S`` plus ``patience_factor`` times what tokenizing the
-    whole prompt here would take. Past that, waiting costs more than doing
-    all the work here (an owner whose serving threads starve for its GIL can
-    take 100 times longer than its work), so the owner is treated as timed
-    out. A call that sends the whole text (first contact, or an owner that
-    lost the version) waits for ``timeout_s``: the owner's own work is then
-    a full tokenization, and several at once queue behind each other.
+    In time means within ``timeout_s`` of the prompt's first call; and when
+    this frontend holds the owner's last reply for the conversation, so that
+    the owner is asked only for what changed, within this frontend's
+    patience too: ``PATIENCE_FLOOR_S`` plus ``patience_factor`` times what
+    tokenizing the whole prompt here would take. Past that, waiting costs
+    more than doing all the work here (an owner whose serving threads starve
+    for its GIL can take 100 times longer than its work), so the owner is
+    treated as timed out (counted as ``fallback_patience``). A call that
+    sends the whole text (first contact, or an owner that lost the version)
+    waits for ``timeout_s``: the owner's own work is then a full
+    tokenization, and several at once queue behind each other.
     ``patience_factor=0`` always waits for ``timeout_s``.
 
     The liveness check of an owner (a ``stat`` and a ``/proc`` read) runs
-    before the call only when no check found the owner live in the last
-    second; otherwise it runs while the owner works, and a call to an owner
-    it finds dead or stopped is given up (the prompt then goes to the next
-    frontend in its order, as if the owner had been skipped).
+    before the call when neither a check nor an answer showed the owner
+    live within the last ``revalidate_s`` (1 s), and before a whole-text
+    call; otherwise it runs
+    while the owner works on the delta call. An owner it then finds dead or
+    stopped, or that a call fails to reach and the check finds gone, is
+    skipped as if it had been checked first: the call is given up (its
+    connection dropped, so a late reply is never read) and the prompt goes
+    to the next frontend in its order, within the same deadline.
 
     ``close()`` (or leaving the ``with`` block) makes ``encode`` tokenize
     everything here, unpublishes this owner, closes the connections to peers and stops
@@ -251,9 +286,9 @@ class TokenizationOwners:
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
-        seconds_per_char = _build_backend(tokenizer)
+        backend = _build_backend(tokenizer)
         self._patience_per_char_s = (
-            None if patience_factor == 0 or seconds_per_char is None else patience_factor * seconds_per_char
+            None if patience_factor == 0 or backend is None else patience_factor * _seconds_per_char(backend)
         )
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
@@ -295,8 +330,9 @@ class TokenizationOwners:
         this frontend. taken_over_here: prompts tokenized here because every
         frontend before this one in their order was skipped.
         route_failures: calls that failed (each also counts as
-        fallback_timeout or fallback_error). fallback_<reason>: owners
-        skipped or failed, by reason. served, serve_errors,
+        fallback_timeout, fallback_patience or fallback_error; a call that
+        failed to reach an owner the check then found gone counts as that
+        skip instead). fallback_<reason>: owners skipped or failed, by reason. served, serve_errors,
         active_connections, accepted, refused, handshake_failures,
         refused_requests: this frontend as an owner. held_entries,
         held_bytes, held_max_bytes: the owners' replies held here.
@@ -354,83 +390,85 @@ class TokenizationOwners:
         """The ids from the conversation's owner; None to tokenize here (this
         frontend is the first live one in the order, or the call failed)."""
         started = time.perf_counter()
+        deadline = _RouteDeadline.starting_now(self._timeout_s, self._patience_per_char_s, len(text))
         order = owner_order(key, self._num_frontends)
         for frontend in order:
             if frontend == self._frontend_id:
                 self._counters.add("owned_here" if frontend == order[0] else "taken_over_here")
                 return None
-            # An owner found live within the last second is called at once,
-            # and checked again while it works.
-            record, reason = self._liveness.recently_live(frontend), None
-            confirm = functools.partial(self._confirm_live, frontend) if record is not None else None
+            # An owner found live (or that answered) within revalidate_s is
+            # called at once and checked while it works (``_ask``).
+            record, reason, checked = self._liveness.recently_live(frontend), None, False
             if record is None:
                 record, reason = self._liveness.check(frontend)
-            if reason is None:
+                checked = True
+            try:
+                if reason is not None:
+                    raise _OwnerSkipped(reason)
                 assert record is not None
-                try:
-                    ids = self._ask(frontend, record, key, text, confirm)
-                except _OwnerSkipped as e:
-                    self._counters.add(f"fallback_{e.reason}")
-                    continue
-                except RouteFailed as e:
-                    logger.debug("route for %r failed: %s", key, e)
-                    return None
-                except Exception:
-                    logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
-                    self._count_failure("error")
-                    return None
-                self._route_seconds.observe(time.perf_counter() - started)
-                return ids
-            self._counters.add(f"fallback_{reason}")
+                ids = self._ask(frontend, record, key, text, deadline, checked)
+            except _OwnerSkipped as e:
+                self._counters.add(f"fallback_{e.reason}")
+                continue
+            except RouteFailed as e:
+                logger.debug("route for %r failed: %s", key, e)
+                return None
+            except Exception:
+                logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
+                self._count_failure("error")
+                return None
+            self._route_seconds.observe(time.perf_counter() - started)
+            return ids
         raise AssertionError("this frontend is in every order")
 
     def _confirm_live(self, frontend: int) -> None:
-        """The liveness check, run while a call to ``frontend`` is in flight."""
+        """``_OwnerSkipped`` if the liveness check says to skip ``frontend``."""
         _, reason = self._liveness.check(frontend)
         if reason is not None:
             raise _OwnerSkipped(reason)
 
     def _ask(
-        self, frontend: int, record: OwnerRecord, key: str, text: str, confirm: Callable[[], None] | None
+        self, frontend: int, record: OwnerRecord, key: str, text: str, deadline: _RouteDeadline, checked: bool
     ) -> list[int]:
-        """Ask ``frontend`` through the delta protocol; both calls, when the
-        owner needs the whole text after all, end by one deadline, and the
-        first runs ``confirm`` while the owner works."""
+        """Ask ``frontend`` through the delta protocol, by the route's one
+        ``deadline``. Unless ``checked``, the liveness check runs once:
+        while the owner works on a delta call, before a whole-text call (a
+        stopped owner never reads a send larger than the socket's buffer)."""
         proxy = self._proxies[frontend]
-        started = time.monotonic()
-        timeout_at = started + self._timeout_s
-        while_waiting = confirm
+        to_check: Callable[[], None] | None = None if checked else functools.partial(self._confirm_live, frontend)
+        patience_ran_out = False
 
         def call(sent: str, since: int | None, shared_chars: int) -> PeerReply | None:
-            nonlocal while_waiting
-            deadline = timeout_at
-            if since is not None and self._patience_per_char_s is not None:
-                deadline = min(deadline, started + PATIENCE_FLOOR_S + self._patience_per_char_s * len(text))
-            check_now, while_waiting = while_waiting, None
+            nonlocal to_check, patience_ran_out
+            check, to_check = to_check, None
+            if since is None and check is not None:
+                check()
+                check = None
+            ends_at, patience_ran_out = deadline.for_call(delta=since is not None)
             return proxy.encode_since(
                 sent,
                 key,
                 since=since,
                 shared_chars=shared_chars,
                 incarnation=record.incarnation,
-                deadline=deadline,
-                while_waiting=check_now,
+                deadline=ends_at,
+                while_waiting=check,
             )
 
         try:
             ids, answered_since = self._held.ask((frontend, record.incarnation), key, text, call)
         except OwnerTimeout as e:
             self._liveness.timed_out(frontend, record)
-            raise self._failed("timeout", frontend, e) from e
+            raise self._failed("patience" if patience_ran_out else "timeout", frontend, e) from e
         except OwnerUnreachable as e:
+            # An owner that died (or went) since its last check is skipped,
+            # as that check would have; any other failure is one.
             self._liveness.failed(frontend)
-            if confirm is not None:
-                # Called without a check first: an owner that died since
-                # the last one is skipped, as the check would have.
-                confirm()
+            self._confirm_live(frontend)
             raise self._failed("error", frontend, e) from e
         except (OwnerError, BadReply) as e:
             raise self._failed("error", frontend, e) from e
+        self._liveness.answered(frontend, record)
         if answered_since:
             self._counters.add("routed_since")
         self._counters.add("routed")

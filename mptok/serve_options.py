@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.config import parse_bytes
+from mptok.routing import PATIENCE_FACTOR, PATIENCE_FLOOR_S
 
 
 class Use(enum.Enum):
@@ -189,10 +190,10 @@ class ServeOptions:
     )
     route_patience: float = option(
         "--route-patience", _patience, "X",
-        "an owner that holds the conversation but has not answered within 1 s plus X times what tokenizing "
-        "the whole prompt here would take is treated as timed out (0: wait for --route-timeout) "
-        "(default: %(default)s)",
-        use=Use.ROUTING, argument="patience_factor", default=2.0,
+        "when this frontend holds the owner's last reply for a conversation, an owner that has not answered "
+        f"within {PATIENCE_FLOOR_S:g} s plus X times what tokenizing the whole prompt here would take is treated "
+        "as timed out (0: wait for --route-timeout) (default: %(default)s)",
+        use=Use.ROUTING, argument="patience_factor", default=PATIENCE_FACTOR,
     )
     # Also the supervisor's: it kills frontends still running _EXIT_MARGIN_S after it.
     graceful_timeout_s: float = option(

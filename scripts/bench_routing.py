@@ -229,13 +229,15 @@ def main() -> None:
             with TokenizationOwners(
                 ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S
             ) as owners:
-                rows = measure(args, tokenizer, local_cache, owners, parent, ipc_dir)
+                rows = measure(args, tokenizer, local_cache, owners, ipc_dir)
+                rows += owner_busy_rows(args, tokenizer, owners, parent, "patience (default)")
             # The same busy owner, asked by a frontend that waits for its timeout.
-            patient_cache = mptok.PrefixTokenCache()
             with TokenizationOwners(
-                ipc_dir, 1, 2, patient_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, patience_factor=0
+                ipc_dir, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S,
+                patience_factor=0,
             ) as owners:
-                rows[-2:-2] = owner_busy_rows(args, tokenizer, owners, parent, "no patience (waits up to timeout_s)")
+                rows += owner_busy_rows(args, tokenizer, owners, parent, "no patience (waits up to timeout_s)")
+            rows += overhead_rows(ipc_dir)
             parent.send("exit")
         finally:
             owner.join(30)
@@ -245,7 +247,7 @@ def main() -> None:
     print_table(rows, args)
 
 
-def measure(args, tokenizer, local_cache, owners, owner_conn, ipc_dir: str) -> list[tuple]:
+def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
     rows = []
     for label, first_chars, full_reps in (("38k", 137_000, 7), ("200k", 720_000, 3)):
         runs = [
@@ -289,42 +291,54 @@ def measure(args, tokenizer, local_cache, owners, owner_conn, ipc_dir: str) -> l
     ]
     proxy.close()
 
-    rows += owner_busy_rows(args, tokenizer, owners, owner_conn, "patience (default)")
-    overhead = per_call_overhead(ipc_dir)
-    rows += [
-        ("liveness check of an owner (stat + psutil status)", overhead["check"], "per routed call", "", None),
-        ("owner_order over 8 frontends", overhead["order"], "per routed call", "", None),
-    ]
     return rows
 
 
-def busy_run(tokenizer, owners, owner_conn, seed: int, turns: int) -> dict[str, float]:
+def overhead_rows(ipc_dir: str) -> list[tuple]:
+    overhead = per_call_overhead(ipc_dir)
+    return [
+        ("liveness check of an owner (stat + psutil status)", overhead["check"], "per routed call", "", None),
+        ("owner_order over 8 frontends", overhead["order"], "per routed call", "", None),
+    ]
+
+
+def busy_run(tokenizer, owners: TokenizationOwners, owner_conn, seed: int, turns: int) -> dict[str, float]:
     """Seconds per turn of a conversation the owner holds while its main
     thread runs Python (its serving threads then starve for its GIL)."""
     key = _key_owned_by(0, f"busy-{seed}")
     prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS)
+    routed_before = owners.stats()["routed"]
     owners.encode(tokenizer, prompts[0], key=key)  # the owner holds it, this frontend its reply
     before = owners.stats()
+    if before["routed"] != routed_before + 1:
+        raise SystemExit("the owner did not take the conversation's first turn")
     owner_conn.send("busy")
     owner_conn.recv()
+    times, answers = [], []
     try:
-        times = [timed(functools.partial(owners.encode, tokenizer, text, key=key)) for text in prompts[1:]]
+        for text in prompts[1:]:
+            started = time.perf_counter()
+            answers.append(owners.encode(tokenizer, text, key=key))
+            times.append(time.perf_counter() - started)
     finally:
         owner_conn.send("stop")
-    if owners.encode(tokenizer, prompts[-1], key=key) != tokenizer(prompts[-1], add_special_tokens=False)["input_ids"]:
-        raise SystemExit("a result differs from full tokenization")
     after = owners.stats()
+    for text, ids in zip(prompts[1:], answers, strict=True):
+        if ids != tokenizer(text, add_special_tokens=False)["input_ids"]:
+            raise SystemExit("a result differs from full tokenization")
     return {
         "p50": statistics.median(times),
         "max": max(times),
-        "routed": after["routed"] - before["routed"] - 1,
-        "given_up": after["fallback_timeout"] - before["fallback_timeout"],
+        "routed": after["routed"] - before["routed"],
+        "given_up": sum(after[f"fallback_{r}"] - before[f"fallback_{r}"] for r in ("patience", "timeout")),
     }
 
 
-def owner_busy_rows(args, tokenizer, owners, owner_conn, label: str) -> list[tuple]:
-    runs = [busy_run(tokenizer, owners, owner_conn, 9000 + r, args.turns) for r in range(max(1, args.runs // 2))]
-    time.sleep(BACKOFF_S)  # the next measurement finds the owner callable again
+def owner_busy_rows(args, tokenizer, owners: TokenizationOwners, owner_conn, label: str) -> list[tuple]:
+    runs = []
+    for r in range(max(1, args.runs // 2)):
+        runs.append(busy_run(tokenizer, owners, owner_conn, 9000 + r, args.turns))
+        time.sleep(BACKOFF_S)  # an owner given up on is callable again for the next run
     p50 = statistics.median(r["p50"] for r in runs)
     worst = max(r["max"] for r in runs)
     routed = sum(r["routed"] for r in runs)

@@ -19,6 +19,7 @@ import mptok.cache
 import mptok.peer
 from mptok.peer import answer_peer
 from mptok import CacheConfig, PrefixTokenCache
+from mptok.ids import IdPieces
 from mptok_harness.conversations import adversarial_delta, plain_delta
 from mptok_harness.families import CHAT_MARKERS, load_family
 
@@ -415,3 +416,21 @@ def test_long_tokenization_lets_other_threads_run(tokenizer):
     assert ids == full_ids(tokenizer, text)
     # Holding the GIL throughout, the ticker would get one or two turns.
     assert ticks >= 20, ticks
+
+
+def test_common_prefix_of_id_pieces_matches_a_plain_comparison():
+    """Pieces shared by identity, pieces equal by value, differences early,
+    late and nowhere: the count is always what comparing the lists gives."""
+    rng = random.Random(7)
+    for _ in range(200):
+        base = [rng.randrange(128_000) for _ in range(rng.choice((0, 3, 70, 500, 5000)))]
+        cut = rng.randint(0, len(base))
+        shared = IdPieces.of(base[:cut])
+        tail = list(base[cut:])
+        if tail and rng.random() < 0.7:
+            tail[rng.randrange(len(tail))] = 128_001
+        mine = shared.spliced(cut, base[cut:])
+        theirs = shared.spliced(cut, tail) if rng.random() < 0.5 else IdPieces.of(base[:cut] + tail)
+        a, b = mine.to_list(), theirs.to_list()
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert mine.common_prefix(theirs) == want

@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 
 import psutil
 import pytest
-from helpers_procs import HANG_GUARD_S, FrontendPool, key_owned_by, wait_until
+from helpers_procs import HANG_GUARD_S, Frontend, FrontendPool, key_owned_by, wait_until
 from helpers_procs import expected_ids as expected
 
 from mptok.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
@@ -66,7 +67,7 @@ def status_of(pid: int) -> str:
 
 
 @contextlib.contextmanager
-def stopped(frontend):
+def stopped(frontend: Frontend) -> Iterator[None]:
     """``frontend`` SIGSTOPped for the ``with`` block, then SIGCONTinued."""
     frontend.signal(signal.SIGSTOP)
     try:
@@ -127,17 +128,21 @@ def test_sigstopped_owner_is_skipped_at_once(pair, tokenizer):
 
 
 def test_an_owner_stopped_since_its_last_check_is_given_up_mid_call(pair, tokenizer):
-    # An owner found live less than a second ago is called before it is
-    # checked again; the check then runs while the call is in flight.
+    # An owner found live (or that answered) less than a second ago is asked
+    # for the next turn's delta at once; the check then runs while the call
+    # is in flight.
     _, owner, asker = pair
-    key, text = owned_prompts(0, 2, 1, "stopped-mid-call")[0]
-    assert asker.encode(key, text) == expected(tokenizer, text)
-    before = routing(asker)
+    key = key_owned_by(0, 2, "stopped-mid-call")
+    turns = conversation(12, 2)
+    assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
+    before, served = routing(asker), routing(owner)["served"]
     with stopped(owner):
-        (item,) = owned_prompts(0, 2, 1, "stopped-mid-call-next")
-        assert asker.encode(*item) == expected(tokenizer, item[1])
-    # Given up on the check, not after the 0.5 s timeout.
+        assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
+    # Given up on the check, not after the 0.5 s timeout...
     assert changes(before, routing(asker)) == {"fallback_stopped": 1, "taken_over_here": 1}
+    # ...made after the request was sent: the owner, resumed, answers it (to
+    # a connection the asker has dropped).
+    wait_until(lambda: routing(owner)["served"] == served + 1, "the resumed owner to answer the abandoned call")
 
 
 def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, tokenizer):
@@ -150,8 +155,9 @@ def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, to
     # 60 s timeout the asker would wait for it, but its patience (1 s plus
     # twice what the prompt costs here) runs out first.
     assert owner.call("hold_gil", 3) == "holding"
+    time.sleep(0.05)  # "holding" is sent just before the hold begins
     assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
-    assert changes(before, routing(asker)) == {"fallback_timeout": 1, "route_failures": 1}
+    assert changes(before, routing(asker)) == {"fallback_patience": 1, "route_failures": 1}
 
 
 def test_owner_holding_the_gil_costs_one_timeout_then_backs_off(pair, tokenizer):

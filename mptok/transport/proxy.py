@@ -47,6 +47,18 @@ class _AbandonedCall(Exception):
         self.reason = reason
 
 
+class _Once:
+    """Runs ``fn`` the first time it is called, and never again (None: never)."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class _Link:
     """One thread's authenticated connection to one owner.
 
@@ -135,24 +147,24 @@ class EncodeProxy:
         given, else ``timeout_s`` from now: calls made for one prompt share
         one deadline.
 
-        ``while_waiting`` runs once the request is sent, before the reply is
-        read, while the owner works (it must not block): what it raises ends
-        the call, drops its connection and reaches the caller as it is. When
-        the call needs a new connection, it runs before connecting instead.
+        ``while_waiting`` runs once per call (it must not block): after the
+        request is sent, while the owner works, or before connecting when
+        the call needs a new connection (a handshake waits on the owner
+        too). What it raises ends the call, drops its connection and reaches
+        the caller as it is.
         """
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
         args = (text, key, since, shared_chars)
+        pending = _Once(while_waiting)
         link = self._reusable_link(incarnation)
         if link is not None:
             try:
-                return self._call(link, args, deadline, while_waiting)
+                return self._call(link, args, deadline, pending)
             except _StaleConnection:
                 pass
-        elif while_waiting is not None:
-            # A new connection's handshake waits on the owner too: check first.
-            while_waiting()
-        return self._call(self._open(incarnation, deadline), args, deadline, None)
+        pending()  # a new connection's handshake waits on the owner too: before it
+        return self._call(self._open(incarnation, deadline), args, deadline, pending)
 
     def abort(self) -> list[_Link]:
         """Fail calls in flight and later calls at once, without waiting; ``close()`` then frees the connections.
@@ -192,9 +204,7 @@ class EncodeProxy:
             return None
         return link
 
-    def _call(
-        self, link: _Link, args: tuple, deadline: float, while_waiting: Callable[[], None] | None
-    ) -> PeerReply | None:
+    def _call(self, link: _Link, args: tuple, deadline: float, while_waiting: _Once) -> PeerReply | None:
         with link.in_use:
             conn = link.conn
             if conn is None:
@@ -202,8 +212,7 @@ class EncodeProxy:
             try:
                 conn.deadline = deadline
                 conn.send((ENCODE_TYPEID, "encode", args, {}))
-                if while_waiting is not None:
-                    self._wait_with(link, while_waiting)
+                self._wait_with(link, while_waiting)
                 kind, result = conn.recv()
             except _AbandonedCall as e:
                 raise e.reason from None
@@ -216,7 +225,7 @@ class EncodeProxy:
         return _reply_from(self.address, kind, result)
 
     @staticmethod
-    def _wait_with(link: _Link, while_waiting: Callable[[], None]) -> None:
+    def _wait_with(link: _Link, while_waiting: _Once) -> None:
         try:
             while_waiting()
         except BaseException as e:
