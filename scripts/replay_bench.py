@@ -72,6 +72,7 @@ import collections
 import contextlib
 import datetime
 import hashlib
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -290,7 +291,8 @@ def build_digest(tokenizer: Any, template: ChatTemplate, params: BuildParams, te
     digest.update(tokenizer.backend_tokenizer.to_str().encode())
     digest.update(repr((template.source, template.origin)).encode())
     digest.update((REPO / "mptok" / "chat_template.py").read_bytes())
-    digest.update(Path(__file__).read_bytes())  # how they are built
+    for how in (BuildParams, _Builder, Turn, Conversation, shared_ids):  # how they are built
+        digest.update(inspect.getsource(how).encode())
     return digest.hexdigest()[:24]
 
 

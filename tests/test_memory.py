@@ -14,7 +14,7 @@ import pytest
 import mptok
 import mptok.cache
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.config import MAX_KEY_BYTES
+from mptok.config import HELD_SHARE, MAX_KEY_BYTES
 from mptok.ids import IdPieces, intern_ids
 from mptok.peer import Held, HeldReplies, answer_peer
 from mptok.tokenize_request import RequestError, parse_tokenize_request
@@ -169,6 +169,9 @@ def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, mon
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "64M")
     monkeypatch.delenv("MPTOK_CACHE_MAX_CACHED_CHARS")
     assert CacheConfig.from_env().max_bytes == 64 * MiB
+    assert CacheConfig.from_env().max_held_bytes == 64 * MiB // HELD_SHARE  # held replies follow the cache's budget
+    monkeypatch.setenv("MPTOK_CACHE_MAX_HELD_BYTES", "1M")
+    assert CacheConfig.from_env().max_held_bytes == MiB
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "lots")
     with pytest.raises(ValueError, match="MPTOK_CACHE_MAX_BYTES"):
         CacheConfig.from_env()
