@@ -267,7 +267,11 @@ def main() -> int:
         by_mode = {r.mode: r for r in results}
         markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, copy_bytes) + "\n"
         if "mptok" in by_mode:
-            markdown += "\n" + rb.owner_split(by_mode["mptok"]) + "\n"
+            mptok = by_mode["mptok"]
+            markdown += (
+                f"\n{rb.owner_split(mptok)} Of the {int(mptok.routed)} routed prompts, {int(mptok.routed_since)} were sent as the "
+                f"characters after a reply the asker held (`mptok_routed_since_total`), the rest whole.\n"
+            )
         goals = targets(by_mode, copy_bytes)
         if goals:
             markdown += "\n" + goals + "\n"

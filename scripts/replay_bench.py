@@ -343,6 +343,7 @@ class ModeResult:
     misses: float = 0.0
     uncached: float = 0.0
     routed: float = 0.0
+    routed_since: float = 0.0  # routed prompts sent as the characters after a held reply
     # mptok mode: sums and counts of mptok_route_seconds and mptok_peer_serve_seconds.
     route_s: float = 0.0
     route_calls: float = 0.0
@@ -368,7 +369,7 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         return runs[0]
     merged = ModeResult(runs[0].mode, runs[0].how, server_cpu_s=0.0)
     for r in runs:
-        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures"):
+        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "routed_since", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures"):
             setattr(merged, name, getattr(merged, name) + getattr(r, name))
         merged.e2e_ms += r.e2e_ms
         merged.tokenize_ms += r.tokenize_ms
@@ -522,6 +523,7 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     result.misses = total(samples, "mptok_cache_misses_total")
     result.uncached = total(samples, "mptok_cache_uncached_total")
     result.routed = total(samples, "mptok_routed_total")
+    result.routed_since = total(samples, "mptok_routed_since_total")
     result.route_s = total(samples, "mptok_route_seconds_sum")
     result.route_calls = total(samples, "mptok_route_seconds_count")
     result.serve_s = total(samples, "mptok_peer_serve_seconds_sum")
