@@ -136,16 +136,17 @@ def held_of(r: rb.ModeResult) -> float:
     return sum(r.held_bytes)
 
 
-def table(results: list[rb.ModeResult], copy_bytes: int) -> str:
+def table(results: list[rb.ModeResult], conversations: list[rb.Conversation], copy_bytes: int) -> str:
+    can_hit = sum(len(c.turns) - 1 for c in conversations)
     rows = [
-        "| mode | hit rate | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn "
+        "| mode | hit rate (hits / turns that can hit) | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn "
         "| cache MiB per frontend | held replies MiB per frontend | all frontends' bytes / one copy | checked exact |",
         "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in results:
         held = mib_list(r.held_bytes) if held_of(r) else "0"
         rows.append(
-            f"| {r.mode} | {100 * r.hit_rate:.1f}% | {percentile(r.tokenize_ms, 0.5):.2f} / {percentile(r.tokenize_ms, 0.99):.1f} "
+            f"| {r.mode} | {100 * r.hit_rate:.1f}% ({int(r.hits)} / {can_hit}) | {percentile(r.tokenize_ms, 0.5):.2f} / {percentile(r.tokenize_ms, 0.99):.1f} "
             f"| {percentile(r.e2e_ms, 0.5):.1f} / {percentile(r.e2e_ms, 0.99):.1f} | {r.requests / r.wall_s:.1f} "
             f"| {1000 * r.server_cpu_s / max(1, r.requests):.1f} | {mib_list(r.cache_bytes)} | {held} "
             f"| {(sum(r.cache_bytes) + held_of(r)) / copy_bytes:.2f} | {r.exact} of {r.checked} ({r.failed} failed) |"
@@ -207,6 +208,8 @@ def plot_sweep(points: list[tuple[Budget, list[rb.ModeResult]]], frontends: int,
         axis.plot(xs, ys, marker="o", label=mode)
     axis.axvline(1 / frontends, color="grey", linestyle=":", label=f"1/F of one copy (F = {frontends})")
     axis.set_xscale("log", base=2)
+    axis.set_xticks([b.fraction for b, _ in points], [f"{b.fraction:g}" for b, _ in points])
+    axis.minorticks_off()
     axis.set_xlabel("each frontend's cache budget (fraction of one copy of all conversations)")
     axis.set_ylabel("hit rate %")
     axis.set_ylim(0, 102)
@@ -265,7 +268,7 @@ def main() -> int:
     else:
         budget, results = points[0]
         by_mode = {r.mode: r for r in results}
-        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, copy_bytes) + "\n"
+        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, conversations, copy_bytes) + "\n"
         if "mptok" in by_mode:
             mptok = by_mode["mptok"]
             markdown += (
