@@ -827,4 +827,8 @@ def write_results(markdown: str, begin: str = BEGIN, end: str = END) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module scripts/capacity_replay.py imports, so that the
+    # conversations pickled in .cache/replay/ name their classes the same way.
+    import replay_bench
+
+    sys.exit(replay_bench.main())
