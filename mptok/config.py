@@ -26,8 +26,11 @@ MiB = 1024 * 1024
 # budget that keeps each conversation only at its owner, what askers hold is
 # memory beside the owners' copies: with a fixed 256 MiB, held replies grew
 # to 1.7 copies of every conversation beside the owners' one
-# (scripts/capacity_replay.py, docs/RESULTS.md).
-HELD_SHARE = 8
+# (scripts/capacity_replay.py, docs/RESULTS.md). A sixteenth keeps the held
+# replies of 8 frontends (the most deployments run) within half of one
+# frontend's budget; under a budget that tight they thrash anyway, so a larger
+# share buys little (docs/CACHE.md, "Held replies").
+HELD_SHARE = 16
 
 
 def check_key(key: str) -> None:
@@ -69,7 +72,7 @@ class CacheConfig:
         tokenized but not kept.
     max_held_bytes: the same budget for the replies a frontend holds of the
         conversations it routed to their owners (``mptok.routing``); by
-        default ``max_bytes // HELD_SHARE`` (64 MiB of the default 512 MiB).
+        default ``max_bytes // HELD_SHARE`` (32 MiB of the default 512 MiB).
         Each held reply is a second copy of a conversation its owner keeps,
         so with F frontends held replies add at most F / HELD_SHARE of one
         frontend's budget to the one copy the owners keep.
