@@ -50,7 +50,7 @@ replay-capacity: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python scripts/capacity_replay.py $(ARGS)
 	$(BIN)/python scripts/capacity_replay.py --frontends 8 --modes no-route,mptok,sticky $(ARGS)
-	$(BIN)/python scripts/capacity_replay.py --sweep 0.125,0.25,0.5,1 --modes no-route,mptok --conversations 32 --target-tokens 20000 $(ARGS)
+	$(BIN)/python scripts/capacity_replay.py --sweep 0.25,0.5,1,2 --modes no-route,mptok --conversations 32 --target-tokens 20000 $(ARGS)
 
 # The fault drill against `mptok serve`: SIGKILL, SIGSTOP/SIGCONT under load.
 drill: $(BIN)/.installed-test
