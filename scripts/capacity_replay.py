@@ -58,7 +58,7 @@ from percentiles import percentile  # noqa: E402
 
 from mptok.cache import PrefixTokenCache  # noqa: E402
 from mptok.chat_template import ChatTemplate  # noqa: E402
-from mptok.config import CacheConfig, parse_bytes  # noqa: E402
+from mptok.config import HELD_SHARE, CacheConfig, parse_bytes  # noqa: E402
 
 MODES = ("no-cache", "no-route", "mptok", "sticky")
 SWEEP_PLOT = rb.REPO / "docs" / "capacity_hit_rate.png"
@@ -234,6 +234,11 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
+    if args.held_bytes:
+        try:
+            parse_bytes(args.held_bytes)
+        except ValueError as e:
+            parser.error(f"--held-bytes: {e}")
     modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     unknown = set(modes) - set(rb.MODES)
     if unknown:
@@ -249,13 +254,15 @@ def main() -> int:
         budgets = [budget_from(b, copy_bytes) for b in (args.sweep or args.budget).split(",") if b]
     except ValueError as e:
         parser.error(str(e))
+    if args.sweep and any(b.fraction != b.fraction for b in budgets):
+        parser.error("--sweep takes fractions of one copy (0.25,0.5,1), not sizes")
     points = []
     with tempfile.TemporaryDirectory(prefix="capacity-replay-") as workdir:
         for budget in budgets:
             points.append((budget, run_at(budget, modes, conversations, args, progress, Path(workdir))))
     all_results = [r for _, results in points for r in results]
     oversubscribed = f" F = {args.frontends} frontends on {os.cpu_count()} CPUs: oversubscribed, every figure is from a machine with more busy processes than cores." if args.frontends > (os.cpu_count() or 1) else ""
-    held = f"MPTOK_CACHE_MAX_HELD_BYTES={args.held_bytes}" if args.held_bytes else f"held replies bounded by mptok's default ({CacheConfig().max_held_bytes / MiB:g} MiB unless derived from the budget)"
+    held = f"MPTOK_CACHE_MAX_HELD_BYTES={args.held_bytes}" if args.held_bytes else f"held replies bounded by mptok's default, 1/{HELD_SHARE} of each frontend's budget"
     header = (
         f"{rb.workload(conversations, args)} Turns interleaved across all conversations (each client sends one turn of the next "
         f"conversation in the queue); one run per mode. One copy (each conversation's last prompt once in one unbounded cache, "
