@@ -18,7 +18,7 @@ server starts (in --jobs processes, each conversation from its own random
 stream), and EVERY answer is compared with them. They are kept in
 .cache/replay/ under a digest of everything they depend on (the options
 that shape the conversations, the source texts, the tokenizer, the chat
-template, this script), so a run with the same inputs reads them back;
+template, the code that builds them), so a run with the same inputs reads them back;
 --no-build-cache computes them again.
 
 Modes (F = --frontends):
