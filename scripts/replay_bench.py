@@ -18,8 +18,9 @@ server starts (in --jobs processes, each conversation from its own random
 stream), and EVERY answer is compared with them. They are kept in
 .cache/replay/ under a digest of everything they depend on (the options
 that shape the conversations, the source texts, the tokenizer, the chat
-template, the code that builds them), so a run with the same inputs reads them back;
---no-build-cache computes them again.
+template, the code that builds them), so a run with the same inputs reads
+them back; --no-build-cache computes them again. The source texts include
+the repo's docs: editing them makes other conversations.
 
 Modes (F = --frontends):
 
