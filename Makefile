@@ -45,7 +45,8 @@ replay: $(BIN)/.installed-bench
 # Issue 16's replay under a memory budget (each frontend's --cache-bytes half
 # of one copy of 64 conversations growing to 38k tokens, turns interleaved):
 # the F = 4 and F = 8 tables and the hit rate against the budget
-# (docs/RESULTS.md, docs/capacity_hit_rate.png); about 30 minutes here.
+# (docs/RESULTS.md, docs/capacity_hit_rate.png); about 20 minutes here once the
+# conversations are built (.cache/replay/; building them takes longer).
 replay-capacity: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python scripts/capacity_replay.py $(ARGS)
