@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run bench bench-memory replay drill test test-quick test-versions ci clean
+.PHONY: run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -41,6 +41,17 @@ bench-memory: $(BIN)/.installed
 replay: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python scripts/replay_bench.py $(ARGS)
+
+# Issue 16's replay under a memory budget (each frontend's --cache-bytes half
+# of one copy of 64 conversations growing to 38k tokens, turns interleaved):
+# the F = 4 and F = 8 tables and the hit rate against the budget
+# (docs/RESULTS.md, docs/capacity_hit_rate.png); about 20 minutes here once the
+# conversations are built (.cache/replay/; building them takes longer).
+replay-capacity: $(BIN)/.installed-bench
+	scripts/ensure_nginx.sh
+	$(BIN)/python scripts/capacity_replay.py $(ARGS)
+	$(BIN)/python scripts/capacity_replay.py --frontends 8 --modes no-route,mptok,sticky $(ARGS)
+	$(BIN)/python scripts/capacity_replay.py --sweep 0.25,0.5,1,2 --modes no-route,mptok --conversations 32 --target-tokens 20000 $(ARGS)
 
 # The fault drill against `mptok serve`: SIGKILL, SIGSTOP/SIGCONT under load.
 drill: $(BIN)/.installed-test

@@ -22,6 +22,17 @@ MAX_KEY_BYTES = 256
 
 MiB = 1024 * 1024
 
+# The default budget of held replies is this fraction of the cache's. Under a
+# budget that keeps each conversation only at its owner, what askers hold is
+# memory beside the owners' copies: with a fixed 256 MiB, held replies grew
+# to 1.7 copies of every conversation beside the owners' one
+# (scripts/capacity_replay.py, docs/RESULTS.md). A sixteenth keeps the held
+# replies of 8 frontends (the most deployments run) within half of one
+# frontend's budget. It trades speed for memory: under a tight budget most
+# routed prompts then go whole, about 5 ms more per routed turn at ~20k
+# tokens under load (docs/CACHE.md, "Held replies").
+HELD_SHARE = 16
+
 
 def check_key(key: str) -> None:
     """``ValueError`` if conversation id ``key`` is longer than ``MAX_KEY_BYTES``."""
@@ -61,7 +72,11 @@ class CacheConfig:
         evicted to stay within it, and a prompt that alone exceeds it is
         tokenized but not kept.
     max_held_bytes: the same budget for the replies a frontend holds of the
-        conversations it routed to their owners (``mptok.routing``).
+        conversations it routed to their owners (``mptok.routing``); by
+        default ``max_bytes // HELD_SHARE`` (32 MiB of the default 512 MiB).
+        Each held reply is a second copy of a conversation its owner keeps,
+        so with F frontends held replies add at most F / HELD_SHARE of one
+        frontend's budget to the one copy the owners keep.
     max_cached_chars: deprecated (use ``max_bytes``); still enforced as a
         limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither
@@ -75,7 +90,7 @@ class CacheConfig:
 
     max_entries: int = 1024
     max_bytes: int = 512 * MiB
-    max_held_bytes: int = 256 * MiB
+    max_held_bytes: int | None = None  # None: max_bytes // HELD_SHARE
     max_cached_chars: int | None = None
     min_chars: int = 256
     seam_window_tokens: int = 4096
@@ -91,6 +106,8 @@ class CacheConfig:
             "seam_window_tokens": 16,
             "max_seam_attempts": 1,
         }
+        if self.max_held_bytes is None and isinstance(self.max_bytes, int) and not isinstance(self.max_bytes, bool):
+            object.__setattr__(self, "max_held_bytes", max(1, self.max_bytes // HELD_SHARE))  # frozen: set once, here
         for name, lowest in lower_bounds.items():
             value = getattr(self, name)
             if value is None and name == "max_cached_chars":

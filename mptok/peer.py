@@ -181,7 +181,7 @@ class HeldReplies:
     A reply over the budget by itself is not held. Thread-safe.
     """
 
-    def __init__(self, max_entries: int = 1024, max_bytes: int = CacheConfig.max_held_bytes):
+    def __init__(self, max_entries: int = 1024, max_bytes: int = CacheConfig().max_held_bytes):
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._lock = threading.Lock()

@@ -14,7 +14,13 @@ output follows a tool output (about a third of the turns), the next turn's
 text replaces that generation prompt with "<｜User｜>..." (a rewrite, not an
 extension). The expected ids of every turn (the template rendered locally,
 then `tokenizer(text, add_special_tokens=False)`) are computed before any
-server starts, and EVERY answer is compared with them.
+server starts (in --jobs processes, each conversation from its own random
+stream), and EVERY answer is compared with them. They are kept in
+.cache/replay/ under a digest of everything they depend on (the options
+that shape the conversations, the source texts, the tokenizer, the chat
+template, the code that builds them), so a run with the same inputs reads
+them back; --no-build-cache computes them again. The source texts include
+the repo's docs: editing them makes other conversations.
 
 Modes (F = --frontends):
 
@@ -63,9 +69,14 @@ from __future__ import annotations
 
 import argparse
 import array
+import collections
 import contextlib
 import datetime
+import hashlib
+import inspect
+import multiprocessing
 import os
+import pickle
 import random
 import re
 import subprocess
@@ -95,6 +106,7 @@ from mptok.chat_template import ChatTemplate  # noqa: E402
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 RESULTS = REPO / "docs" / "RESULTS.md"
 PLOT = REPO / "docs" / "replay_bench.png"
+BUILD_CACHE = REPO / ".cache" / "replay"
 MODES = ("no-cache", "no-route", "mptok", "keyless", "sticky")
 BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
 NO_CACHE_ENV = {"MPTOK_CACHE_MIN_CHARS": str(10**12)}
@@ -107,16 +119,31 @@ CACHE_WORK = ("mptok_cache_hits_total", "mptok_cache_misses_total", "mptok_cache
 
 @dataclass
 class Turn:
-    body: bytes
-    expected: array.array  # int32 ids
+    messages: int  # this turn's prompt: the conversation's first ``messages`` messages
+    tokens: int  # how many ids it has
+    reused: int  # its ids: the previous turn's first ``reused`` ids, then ``tail``
+    tail: array.array  # int32 ids
     rewrite: bool  # this turn's text replaces the previous one's generation prompt
 
 
 @dataclass
 class Conversation:
+    """A conversation's messages and, per turn, how its expected ids follow
+    from the previous turn's: kept this way (not as each turn's body and ids)
+    so that 64 conversations of 38k tokens fit in memory and on disk."""
+
     session: str
     derived: str = ""  # the identity mptok derives when no session id is sent
+    messages: list[dict[str, str]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+
+    def body(self, turn: Turn) -> bytes:
+        return orjson.dumps({"messages": self.messages[: turn.messages], "add_generation_prompt": True})
+
+    @staticmethod
+    def expected(turn: Turn, previous: array.array) -> array.array:
+        """``turn``'s expected ids, given the previous turn's (empty for the first)."""
+        return previous[: turn.reused] + turn.tail
 
 
 def _read(paths: list[Path]) -> str:
@@ -133,61 +160,141 @@ def sources() -> dict[str, str]:
     return {"system": _read(docs), "prose": prose, "logs": logs, "code": corpus()}
 
 
-def build(
-    tokenizer: Any,
-    template: ChatTemplate,
-    count: int,
-    target_tokens: int,
-    delta_tokens: int,
-    seed: int,
-    progress: Progress,
-    shared_system: bool = False,
-) -> list[Conversation]:
-    text = sources()
-    chars_per_token = {}
-    for name, body in text.items():
-        sample = body[:100_000]
-        chars_per_token[name] = len(sample) / len(tokenizer(sample, add_special_tokens=False)["input_ids"])
-    rng = random.Random(seed)
+@dataclass(frozen=True)
+class BuildParams:
+    count: int
+    target_tokens: int
+    delta_tokens: int
+    seed: int
+    shared_system: bool = False
 
-    def chunk(name: str, tokens: int) -> str:
-        n = int(tokens * chars_per_token[name])
-        body = text[name]
+
+class _Builder:
+    """Builds conversation ``index`` of ``params``: its own random stream,
+    so conversations can be built in any order, in parallel processes."""
+
+    def __init__(self, tokenizer: Any, template: ChatTemplate, params: BuildParams, text: dict[str, str]):
+        self.tokenizer, self.template, self.params, self.text = tokenizer, template, params, text
+        self.chars_per_token = {}
+        for name, body in text.items():
+            sample = body[:100_000]
+            self.chars_per_token[name] = len(sample) / len(tokenizer(sample, add_special_tokens=False)["input_ids"])
+        self.fleet_system = self._chunk(random.Random(params.seed), "system", 1500)
+
+    def _chunk(self, rng: random.Random, name: str, tokens: int) -> str:
+        n = int(tokens * self.chars_per_token[name])
+        body = self.text[name]
         start = rng.randrange(max(1, len(body) - n))
         return body[start : start + n]
 
-    conversations = []
-    fleet_system = chunk("system", 1500)
-    for index in range(count):
+    def __call__(self, index: int) -> Conversation:
+        params, rng = self.params, random.Random(f"{self.params.seed}:{index}")
         messages = [
-            {"role": "system", "content": fleet_system if shared_system else chunk("system", 1500)},
-            {"role": "user", "content": "Task: find out why the build log shows these warnings and fix them.\n" + chunk("logs", 200)},
+            {"role": "system", "content": self.fleet_system if params.shared_system else self._chunk(rng, "system", 1500)},
+            {"role": "user", "content": "Task: find out why the build log shows these warnings and fix them.\n" + self._chunk(rng, "logs", 200)},
         ]
-        conv = Conversation(session=f"replay-{seed}-{index}", derived=chat_identity(messages))
+        conv = Conversation(session=f"replay-{params.seed}-{index}", derived=chat_identity(messages), messages=messages)
         last_role = "user"
-        tokens = 0
-        while tokens < target_tokens:
+        previous = array.array("i")
+        while not conv.turns or conv.turns[-1].tokens < params.target_tokens:
             # After an answer: a tool output. After a tool output: an answer (2/3) or
             # another tool output (1/3, which rewrites the generation prompt).
             if last_role == "user" and conv.turns and rng.random() < 2 / 3:
-                messages.append({"role": "assistant", "content": chunk("prose", delta_tokens)})
+                messages.append({"role": "assistant", "content": self._chunk(rng, "prose", params.delta_tokens)})
                 last_role, rewrite = "assistant", False
             elif conv.turns:
                 rewrite = last_role == "user"
                 tool = rng.choice(("code", "code", "logs"))
-                messages.append({"role": "user", "content": f"<tool_output name=\"{'read_file' if tool == 'code' else 'shell'}\">\n{chunk(tool, delta_tokens)}\n</tool_output>"})
+                name = "read_file" if tool == "code" else "shell"
+                messages.append({"role": "user", "content": f"<tool_output name=\"{name}\">\n{self._chunk(rng, tool, params.delta_tokens)}\n</tool_output>"})
                 last_role = "user"
             else:
                 rewrite = False
-            rendered = template.render(tokenizer, messages, True)
-            expected = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-            tokens = len(expected)
-            body = orjson.dumps({"messages": messages, "add_generation_prompt": True})
-            conv.turns.append(Turn(body, array.array("i", expected), rewrite))
-            progress.update(f"building conversation {index + 1}/{count}", tokens, target_tokens)
-        conversations.append(conv)
+            rendered = self.template.render(self.tokenizer, messages, True)
+            expected = array.array("i", self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+            reused = shared_ids(previous, expected)
+            conv.turns.append(Turn(len(messages), len(expected), reused, expected[reused:], rewrite))
+            previous = expected
+        return conv
+
+
+def shared_ids(a: array.array, b: array.array) -> int:
+    """How many ids ``a`` and ``b`` share at their start (bisected in C-level slices)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+_building: _Builder | None = None  # the builder a forked worker inherits
+
+
+def _build_in_worker(index: int) -> Conversation:
+    return _building(index)
+
+
+def build(
+    tokenizer: Any,
+    template: ChatTemplate,
+    params: BuildParams,
+    progress: Progress,
+    jobs: int = 1,
+    cache_dir: Path | None = None,
+) -> list[Conversation]:
+    """The conversations of ``params`` and their expected ids (full
+    tokenization of every turn, in ``jobs`` forked processes). With
+    ``cache_dir``, kept there under a digest of everything the ids depend on
+    (the parameters, the source texts, the tokenizer, the chat template), so
+    a second run with the same inputs reads them back instead."""
+    global _building
+    text = sources()
+    path = None
+    if cache_dir is not None:
+        path = cache_dir / f"conversations-{build_digest(tokenizer, template, params, text)}.pickle"
+        if path.exists():
+            with open(path, "rb") as f:
+                return pickle.load(f)
+    _building = _Builder(tokenizer, template, params, text)
+    conversations: list[Conversation] = []
+    try:
+        if jobs > 1:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                for conv in pool.imap(_build_in_worker, range(params.count)):
+                    conversations.append(conv)
+                    progress.update("building conversations", len(conversations), params.count)
+        else:
+            for index in range(params.count):
+                conversations.append(_building(index))
+                progress.update("building conversations", len(conversations), params.count)
+    finally:
+        _building = None
     progress.done()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(partial, "wb") as f:
+            pickle.dump(conversations, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(partial, path)
     return conversations
+
+
+def build_digest(tokenizer: Any, template: ChatTemplate, params: BuildParams, text: dict[str, str]) -> str:
+    """What the conversations and their expected ids depend on, hashed."""
+    digest = hashlib.sha256(repr(params).encode())
+    for name in sorted(text):
+        digest.update(name.encode() + b"\0" + text[name].encode("utf-8", "surrogatepass") + b"\0")
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(repr((template.source, template.origin)).encode())
+    digest.update((REPO / "mptok" / "chat_template.py").read_bytes())
+    for how in (BuildParams, _Builder, Turn, Conversation, shared_ids):  # how they are built
+        digest.update(inspect.getsource(how).encode())
+    return digest.hexdigest()[:24]
 
 
 # -- progress -----------------------------------------------------------------
@@ -237,6 +344,7 @@ class ModeResult:
     misses: float = 0.0
     uncached: float = 0.0
     routed: float = 0.0
+    routed_since: float = 0.0  # routed prompts sent as the characters after a held reply
     # mptok mode: sums and counts of mptok_route_seconds and mptok_peer_serve_seconds.
     route_s: float = 0.0
     route_calls: float = 0.0
@@ -244,6 +352,10 @@ class ModeResult:
     serve_calls: float = 0.0
     route_failures: float = 0.0
     per_instance_turns: list[float] = field(default_factory=list)
+    # At the end of the run, per frontend (/metrics): what its cache holds,
+    # and what it holds of owners' replies (mptok_held_reply_bytes).
+    cache_bytes: list[float] = field(default_factory=list)
+    held_bytes: list[float] = field(default_factory=list)
     runs: list[list[float]] = field(default_factory=list)  # per_instance_turns of each pooled run
     errors: list[str] = field(default_factory=list)
 
@@ -258,7 +370,7 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         return runs[0]
     merged = ModeResult(runs[0].mode, runs[0].how, server_cpu_s=0.0)
     for r in runs:
-        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures"):
+        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "routed_since", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures"):
             setattr(merged, name, getattr(merged, name) + getattr(r, name))
         merged.e2e_ms += r.e2e_ms
         merged.tokenize_ms += r.tokenize_ms
@@ -269,6 +381,15 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
     return merged
 
 
+@dataclass
+class _Cursor:
+    """Where one conversation's replay is: its next turn and the ids expected of the last."""
+
+    conv: Conversation
+    next: int = 0
+    expected: array.array = field(default_factory=lambda: array.array("i"))
+
+
 def replay(
     conversations: list[Conversation],
     port: int,
@@ -277,26 +398,44 @@ def replay(
     progress: Progress,
     server_pids: list[int],
     frontends: int = 1,
+    interleave: bool = False,
 ) -> None:
     """Replay every conversation against ``port``; ``server_pids`` are the roots of
     the process trees whose CPU time is the mode's server CPU; ``frontends`` is
-    how many share the port (one per instance behind nginx)."""
+    how many share the port (one per instance behind nginx).
+
+    Each client thread takes a conversation and sends its turns one after
+    the other; with ``interleave`` it sends one turn and puts the
+    conversation back at the end of the queue, so every conversation is
+    live at once (turn 1 of each, then turn 2, ...) and the caches must hold
+    all of them; a conversation never has two turns in flight."""
     keyless = result.mode == "keyless"
-    queue = list(reversed(conversations))
+    queue = collections.deque(_Cursor(c) for c in conversations)
     lock = threading.Lock()
+    returned = threading.Condition(lock)  # a conversation came back to the queue, or finished
+    unfinished = len(conversations)
     total_turns = sum(len(c.turns) for c in conversations)
 
     def client() -> None:
+        nonlocal unfinished
         while True:
             with lock:
+                # An empty queue with conversations out: they come back (interleaved).
+                while not queue and unfinished:
+                    returned.wait()
                 if not queue:
                     return
-                conv = queue.pop()
-            for turn in conv.turns:
+                cursor = queue.popleft()
+            conv = cursor.conv
+            while cursor.next < len(conv.turns):
+                turn = conv.turns[cursor.next]
+                cursor.expected = conv.expected(turn, cursor.expected)
+                cursor.next += 1
+                body = conv.body(turn)
                 started = time.perf_counter()
                 try:
                     session = {} if keyless else {"X-Session-Id": conv.session}
-                    status, payload, headers = request(port, "POST", "/tokenize", turn.body, session, timeout_s=120.0)
+                    status, payload, headers = request(port, "POST", "/tokenize", body, session, timeout_s=120.0)
                     elapsed = time.perf_counter() - started
                     answer = orjson.loads(payload) if status == 200 else None
                     ids = answer["tokens"] if answer is not None else None
@@ -313,14 +452,22 @@ def replay(
                             result.errors.append(f"HTTP {status}: {payload[:200]!r}")
                     else:
                         result.checked += 1
-                        result.exact += array.array("i", ids) == turn.expected
+                        result.exact += array.array("i", ids) == cursor.expected
                         result.e2e_ms.append(elapsed * 1000)
                         result.tokenize_ms.append(tokenize_ms)
-                        result.tokens.append(len(turn.expected))
+                        result.tokens.append(turn.tokens)
                         owner = mptok.owner_of(conv.derived if keyless else conv.session, frontends)
                         result.at_owner.append(answer["frontend"] == owner)
                     done = result.requests
+                    if cursor.next == len(conv.turns):
+                        unfinished -= 1
+                        returned.notify_all()
+                    elif interleave:
+                        queue.append(cursor)
+                        returned.notify()
                 progress.update(f"replaying: {result.mode}", done, total_turns)
+                if interleave:
+                    break
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     cpu_before = cpu_seconds(server_pids)
@@ -370,11 +517,14 @@ def collect(result: ModeResult, ports: list[int]) -> None:
         for frontend in labels:
             only = {"frontend": frontend} if frontend is not None else {}
             result.per_instance_turns.append(sum(total(mine, name, **only) for name in CACHE_WORK))
+            result.cache_bytes.append(total(mine, "mptok_cache_bytes", **only))
+            result.held_bytes.append(total(mine, "mptok_held_reply_bytes", **only))
         samples += mine
     result.hits = total(samples, "mptok_cache_hits_total")
     result.misses = total(samples, "mptok_cache_misses_total")
     result.uncached = total(samples, "mptok_cache_uncached_total")
     result.routed = total(samples, "mptok_routed_total")
+    result.routed_since = total(samples, "mptok_routed_since_total")
     result.route_s = total(samples, "mptok_route_seconds_sum")
     result.route_calls = total(samples, "mptok_route_seconds_count")
     result.serve_s = total(samples, "mptok_peer_serve_seconds_sum")
@@ -382,36 +532,43 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     result.route_failures = total(samples, "mptok_route_failures_total")
 
 
-def run_mode(mode: str, conversations: list[Conversation], frontends: int, clients: int, workdir: Path, progress: Progress) -> ModeResult:
+def run_mode(
+    mode: str,
+    conversations: list[Conversation],
+    frontends: int,
+    clients: int,
+    workdir: Path,
+    progress: Progress,
+    serve_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    interleave: bool = False,
+) -> ModeResult:
+    """Start ``mode``'s servers (each ``mptok serve`` also gets ``serve_args``
+    and ``env``), replay ``conversations`` against them, collect /metrics, stop them."""
     logs = workdir / mode
     logs.mkdir(parents=True, exist_ok=True)
+    extra = " ".join(serve_args)
     if mode in ("no-cache", "mptok", "keyless"):
-        how = f"`mptok serve --frontends {frontends}`" + (" with MPTOK_CACHE_MIN_CHARS=10^12" if mode == "no-cache" else "")
+        how = f"`mptok serve --frontends {frontends}{' ' + extra if extra else ''}`" + (" with MPTOK_CACHE_MIN_CHARS=10^12" if mode == "no-cache" else "")
         result = ModeResult(mode, how)
-        saved = {k: os.environ.get(k) for k in NO_CACHE_ENV}
-        if mode == "no-cache":
-            os.environ.update(NO_CACHE_ENV)  # Server passes os.environ to the supervisor, which spawns the frontends
-        try:
-            with Server(logs / "serve.log", "--frontends", str(frontends)) as server:
-                replay(conversations, server.port, clients, result, progress, [server.process.pid], frontends)
-                collect(result, [server.port])
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        server_env = dict(env or {}, **(NO_CACHE_ENV if mode == "no-cache" else {}))  # the supervisor's environment reaches the frontends
+        with Server(logs / "serve.log", "--frontends", str(frontends), *serve_args, env=server_env) as server:
+            replay(conversations, server.port, clients, result, progress, [server.process.pid], frontends, interleave)
+            collect(result, [server.port])
         return result
     round_robin = mode == "no-route"
-    how = f"nginx ({'round robin' if round_robin else 'hash $http_x_session_id consistent'}) -> {frontends} x `mptok serve --frontends 1`"
+    how = f"nginx ({'round robin' if round_robin else 'hash $http_x_session_id consistent'}) -> {frontends} x `mptok serve --frontends 1{' ' + extra if extra else ''}`"
     result = ModeResult(mode, how)
     servers: list[Server] = []
     try:
         for i in range(frontends):
-            servers.append(Server(logs / f"serve-{i}.log", "--frontends", "1", wait_ready=False))
+            servers.append(Server(logs / f"serve-{i}.log", "--frontends", "1", *serve_args, wait_ready=False, env=env))
         for server in servers:
             server.wait_for_log(r"event=ready ")
         port = free_port()
         config = render_nginx(STICKY_TEMPLATE, f"127.0.0.1:{port}", [f"127.0.0.1:{s.port}" for s in servers], round_robin)
         with Nginx(logs / "nginx", config, port) as nginx:
-            replay(conversations, port, clients, result, progress, [nginx.process.pid] + [s.process.pid for s in servers])
+            replay(conversations, port, clients, result, progress, [nginx.process.pid] + [s.process.pid for s in servers], interleave=interleave)
         collect(result, [s.port for s in servers])
     finally:
         for server in servers:
@@ -542,17 +699,67 @@ def plot(results: list[ModeResult], path: Path) -> str:
     return f"plot: {path.relative_to(REPO)}"
 
 
+def add_build_options(parser: argparse.ArgumentParser, conversations: int) -> None:
+    """The options that say which conversations are built (``load_conversations``)."""
+    parser.add_argument("--conversations", type=int, default=conversations, help=f"conversations replayed in each mode (default {conversations})")
+    parser.add_argument("--target-tokens", type=int, default=38_000, help="a conversation grows to this many tokens (default 38000)")
+    parser.add_argument("--delta-tokens", type=int, default=300, help="tokens added per turn (default 300)")
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--shared-system", action="store_true", help="every conversation gets the same system prompt (an agent fleet), each its own first user message")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes computing the expected ids (default: one per CPU)")
+    parser.add_argument(
+        "--no-build-cache", action="store_true",
+        help=f"compute the conversations and their expected ids again instead of reading them from {BUILD_CACHE.relative_to(REPO)}/ "
+        "(kept there under a digest of the build options, the source texts, the tokenizer and the chat template)",
+    )
+
+
+def load_conversations(args: argparse.Namespace, progress: Progress) -> tuple[Any, ChatTemplate, list[Conversation]]:
+    """The tokenizer, its chat template and the conversations ``add_build_options`` named."""
+    tokenizer = mptok.load_tokenizer()
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    params = BuildParams(args.conversations, args.target_tokens, args.delta_tokens, args.seed, args.shared_system)
+    conversations = build(tokenizer, template, params, progress, args.jobs, None if args.no_build_cache else BUILD_CACHE)
+    return tokenizer, template, conversations
+
+
+def command_line(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The command that reproduces this run (options left at their defaults omitted)."""
+    return f"    .venv/bin/python scripts/{script}" + "".join(
+        f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+        if k not in ("no_write", "quiet", "jobs", "no_build_cache") and v != parser.get_default(k)
+    )
+
+
+def workload(conversations: list[Conversation], args: argparse.Namespace) -> str:
+    """The machine and the conversations, in a sentence or two."""
+    turns = sum(len(c.turns) for c in conversations)
+    rewrites = sum(t.rewrite for c in conversations for t in c.turns)
+    sizes = [c.turns[-1].tokens for c in conversations]
+    return (
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"nginx {nginx_version()}. F = {args.frontends}, {len(conversations)} conversations x {turns // len(conversations)} turns on average "
+        f"({turns} turns per mode and run, {rewrites} of them rewriting the previous generation prompt), growing by about "
+        f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens; {args.clients} client threads, a new connection per turn; "
+        f"expected ids computed locally before the replay."
+    )
+
+
+def report_errors(results: list[ModeResult]) -> int:
+    """Print the first errors of each mode; 1 if any answer was wrong or failed, else 0."""
+    for r in results:
+        for error in r.errors[:5]:
+            print(f"{r.mode}: {error}", file=sys.stderr)
+    return 1 if sum(r.checked - r.exact + r.failed for r in results) else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frontends", type=int, default=4, help="F: frontends / instances per mode (default 4)")
-    parser.add_argument("--conversations", type=int, default=8, help="conversations replayed in each mode (default 8)")
+    add_build_options(parser, conversations=8)
     parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
-    parser.add_argument("--target-tokens", type=int, default=38_000, help="a conversation grows to this many tokens (default 38000)")
-    parser.add_argument("--delta-tokens", type=int, default=300, help="tokens added per turn (default 300)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
-    parser.add_argument("--seed", type=int, default=5)
-    parser.add_argument("--shared-system", action="store_true", help="every conversation gets the same system prompt (an agent fleet), each its own first user message")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
@@ -567,13 +774,7 @@ def main() -> int:
         return 2
     progress = Progress(not args.quiet)
     began = time.monotonic()
-    tokenizer = mptok.load_tokenizer()
-    template = ChatTemplate.for_tokenizer(tokenizer)
-    conversations = build(
-        tokenizer, template, args.conversations, args.target_tokens, args.delta_tokens, args.seed, progress, args.shared_system
-    )
-    turns = sum(len(c.turns) for c in conversations)
-    rewrites = sum(t.rewrite for c in conversations for t in c.turns)
+    _, _, conversations = load_conversations(args, progress)
     by_mode: dict[str, list[ModeResult]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="replay-bench-") as workdir:
         for run in range(args.repeat):
@@ -585,20 +786,11 @@ def main() -> int:
                 work = Path(workdir) / f"run-{run}"
                 by_mode[mode].append(run_mode(mode, conversations, args.frontends, args.clients, work, progress))
     results = [pooled(by_mode[mode]) for mode in modes]
-    command = "    .venv/bin/python scripts/replay_bench.py" + "".join(
-        f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
-        if k not in ("no_write", "quiet") and v != parser.get_default(k)
-    )
-    sizes = [len(c.turns[-1].expected) for c in conversations]
     header = (
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-        f"nginx {nginx_version()}. F = {args.frontends}, {args.conversations} conversations x {turns // len(conversations)} turns on average "
-        f"({turns} turns per mode and run, {rewrites} of them rewriting the previous generation prompt), growing by about "
-        f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens; {args.clients} client threads, a new connection per turn; "
-        f"expected ids computed locally before the replay. "
+        f"{workload(conversations, args)} "
         f"{f'{args.repeat} runs of every mode, interleaved, samples pooled. ' if args.repeat > 1 else ''}"
         f"Total run time {time.monotonic() - began:.0f} s.\n\n"
-        f"{command}\n"
+        f"{command_line('replay_bench.py', parser, args)}\n"
     )
     markdown = header + "\n" + table(results, conversations) + "\n"
     for routed in ("mptok", "keyless"):
@@ -611,11 +803,7 @@ def main() -> int:
     if not args.no_write:
         print(plot(results, PLOT))
         write_results(markdown)
-    bad = sum(r.checked - r.exact + r.failed for r in results)
-    for r in results:
-        for error in r.errors[:5]:
-            print(f"{r.mode}: {error}", file=sys.stderr)
-    return 1 if bad else 0
+    return report_errors(results)
 
 
 def nginx_version() -> str:
@@ -626,16 +814,22 @@ def nginx_version() -> str:
     return out.strip().split("/")[-1]
 
 
-def write_results(markdown: str) -> None:
-    """Put the table between the markers of docs/RESULTS.md (the rest is prose kept by hand)."""
-    block = f"{BEGIN}\n{markdown}{END}"
-    if RESULTS.exists() and BEGIN in RESULTS.read_text():
-        text = RESULTS.read_text()
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+def write_results(markdown: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``markdown`` between the markers ``begin`` and ``end`` of
+    docs/RESULTS.md (the rest is prose kept by hand); markers not there yet
+    are added at the end."""
+    block = f"{begin}\n{markdown}{end}"
+    text = RESULTS.read_text() if RESULTS.exists() else "# Results\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
-        text = f"# Results\n\n{block}\n"
+        text = text.rstrip("\n") + f"\n\n{block}\n"
     RESULTS.write_text(text)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module scripts/capacity_replay.py imports, so that the
+    # conversations pickled in .cache/replay/ name their classes the same way.
+    import replay_bench
+
+    sys.exit(replay_bench.main())

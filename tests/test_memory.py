@@ -14,11 +14,14 @@ import pytest
 import mptok
 import mptok.cache
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.config import MAX_KEY_BYTES
+from mptok.config import HELD_SHARE, MAX_KEY_BYTES
 from mptok.ids import IdPieces, intern_ids
 from mptok.peer import Held, HeldReplies, answer_peer
 from mptok.tokenize_request import RequestError, parse_tokenize_request
 from mptok_harness.conversations import plain_delta
+from mptok_harness.prompts import conversation
+
+from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 MiB = 1024 * 1024
 
@@ -169,6 +172,9 @@ def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, mon
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "64M")
     monkeypatch.delenv("MPTOK_CACHE_MAX_CACHED_CHARS")
     assert CacheConfig.from_env().max_bytes == 64 * MiB
+    assert CacheConfig.from_env().max_held_bytes == 64 * MiB // HELD_SHARE  # held replies follow the cache's budget
+    monkeypatch.setenv("MPTOK_CACHE_MAX_HELD_BYTES", "1M")
+    assert CacheConfig.from_env().max_held_bytes == MiB
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "lots")
     with pytest.raises(ValueError, match="MPTOK_CACHE_MAX_BYTES"):
         CacheConfig.from_env()
@@ -219,3 +225,30 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
     # 8-byte slots of shared ints, the offsets window, 16 versions' tails: about
     # 10-11 here; 9.4 on scripts/bench_memory.py's longer conversations.
     assert traced / tokens < 12
+
+
+def test_cache_bytes_reaches_every_frontend_and_bounds_what_each_holds(tmp_path, tokenizer):
+    """`mptok serve --cache-bytes` is each frontend's cache budget, and an
+    eighth of it the budget of its held replies (unless set): read back from
+    /metrics after more routed conversations than the frontends can keep."""
+    budget, conversations, turns = 512 * 1024, 16, 4
+    with Server(tmp_path / "serve.log", "--frontends", "2", "--cache-bytes", str(budget)) as server:
+        chats = [conversation(seed, turns, first_chars=4000) for seed in range(conversations)]
+        for turn in range(turns):
+            for seed, prompts in enumerate(chats):
+                body = {"prompt": prompts[turn], "conversation_id": f"budget-{seed}", "add_special_tokens": False}
+                assert tokenize(server.port, body)["tokens"] == full_ids(tokenizer, prompts[turn])
+        wait_for_snapshots()
+        samples = scrape(server.port)
+    frontends = {labels["frontend"] for name, labels, _ in samples if name == "mptok_cache_bytes"}
+    assert len(frontends) == 2
+    for frontend in frontends:
+        def value(name: str) -> float:
+            return total(samples, name, frontend=frontend)
+
+        assert value("mptok_cache_max_bytes") == budget
+        assert value("mptok_held_reply_max_bytes") == budget // HELD_SHARE
+        assert 0 < value("mptok_cache_bytes") <= budget
+        assert value("mptok_held_reply_bytes") <= budget // HELD_SHARE
+    assert total(samples, "mptok_cache_entries") < conversations, "the budget should have evicted conversations"
+    assert total(samples, "mptok_routed_total") > 0

@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""The replay under a memory budget: where routing between frontends pays.
+
+Issue 16. `make replay` gives every frontend room for every conversation, so a
+cache per frontend without routing still finds an older version of almost
+every conversation. In production the edge is capacity: F caches that do not
+route keep each conversation F times, so under the same budget they hold 1/F
+as many conversations; routed frontends keep each conversation once, at its
+owner. This script replays many conversations at once (the turns
+interleaved: turn 1 of every conversation, then turn 2, ..., each client
+thread sending one turn of the next conversation in the queue) against
+`mptok serve --cache-bytes B`, with the modes of scripts/replay_bench.py
+(whose conversations, servers and checks it uses: every answer is compared
+with the full tokenization computed before the replay).
+
+The budget B is given as a fraction of ONE COPY: the bytes one cache
+(`PrefixTokenCache`, default settings, no budget) holds after each
+conversation's last prompt was tokenized in it once under its conversation
+id, measured in this process before the replay (text, ids, offsets window,
+keys, bookkeeping, as the cache counts them). --budget 0.5 (the default)
+gives each frontend room for half of the conversations: the working set is
+2x what one frontend holds, and with F = 4, half of what the F frontends hold
+together.
+
+Per mode: hit rate, server tokenize ms p50/p99, end-to-end ms p50/p99,
+requests/s, server CPU ms per turn (every server process, nginx included),
+and at the end of the run each frontend's cache bytes and held-reply bytes
+(`mptok_cache_bytes`, `mptok_held_reply_bytes` from its /metrics), their
+total across frontends against one copy. Then issue 16's targets against
+the measurements they name.
+
+    make replay-capacity                                     # the F = 4 table, the F = 8 table, the sweep
+    .venv/bin/python scripts/capacity_replay.py --conversations 8 --target-tokens 6000 --no-write
+    .venv/bin/python scripts/capacity_replay.py --sweep 0.25,0.5,1 --modes no-route,mptok
+
+--sweep runs the modes at each budget and plots hit rate against the budget
+(docs/capacity_hit_rate.png). Unless --no-write, the Markdown goes into
+docs/RESULTS.md between this run's markers (one pair per F for the table, one
+for the sweep). Exit status 1 on any wrong id or failed request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import replay_bench as rb  # noqa: E402
+from percentiles import percentile  # noqa: E402
+
+from mptok.cache import PrefixTokenCache  # noqa: E402
+from mptok.chat_template import ChatTemplate  # noqa: E402
+from mptok.config import HELD_SHARE, CacheConfig, parse_bytes  # noqa: E402
+
+MODES = ("no-cache", "no-route", "mptok", "sticky")
+SWEEP_PLOT = rb.REPO / "docs" / "capacity_hit_rate.png"
+MiB = 1024 * 1024
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- capacity_replay:{name}:begin -->", f"<!-- capacity_replay:{name}:end -->"
+
+
+def one_copy(tokenizer: Any, template: ChatTemplate, conversations: list[rb.Conversation]) -> int:
+    """Bytes one unbounded cache holds after each conversation's last prompt
+    was tokenized in it once, under its conversation id (its ids checked)."""
+    cache = PrefixTokenCache(CacheConfig(max_bytes=1 << 50, max_entries=max(1024, len(conversations))))
+    for conv in conversations:
+        expected = array.array("i")
+        for turn in conv.turns:
+            expected = conv.expected(turn, expected)
+        last = conv.turns[-1]
+        text = template.render(tokenizer, conv.messages[: last.messages], True)
+        if array.array("i", cache.encode(tokenizer, text, conv.session)) != expected:
+            raise AssertionError(f"one copy: wrong ids for {conv.session}")
+    return cache.stats()["cached_bytes"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    fraction: float  # of one copy; NaN when given in bytes
+    cache_bytes: int  # each frontend's --cache-bytes
+    copy_bytes: int  # one copy, measured
+
+    @property
+    def label(self) -> str:
+        return f"{self.fraction:g}x one copy" if self.fraction == self.fraction else f"{self.cache_bytes / MiB:.1f} MiB"
+
+
+def budget_from(text: str, copy_bytes: int) -> Budget:
+    """``0.5`` (a fraction of one copy) or a size in bytes (``64M``)."""
+    try:
+        fraction = float(text)
+    except ValueError:
+        return Budget(float("nan"), parse_bytes(text), copy_bytes)
+    if fraction <= 0:
+        raise ValueError(f"a budget must be positive, got {text}")
+    return Budget(fraction, max(1, int(fraction * copy_bytes)), copy_bytes)
+
+
+def run_at(
+    budget: Budget,
+    modes: list[str],
+    conversations: list[rb.Conversation],
+    args: argparse.Namespace,
+    progress: rb.Progress,
+    workdir: Path,
+) -> list[rb.ModeResult]:
+    """Every mode once at ``budget``, turns interleaved."""
+    env = {"MPTOK_CACHE_MAX_HELD_BYTES": str(parse_bytes(args.held_bytes))} if args.held_bytes else None
+    results = []
+    for mode in modes:
+        work = workdir / f"{budget.cache_bytes}"
+        results.append(
+            rb.run_mode(
+                mode, conversations, args.frontends, args.clients, work, progress,
+                serve_args=("--cache-bytes", str(budget.cache_bytes)), env=env, interleave=True,
+            )
+        )
+    return results
+
+
+def mib_list(values: list[float]) -> str:
+    return ", ".join(f"{v / MiB:.1f}" for v in values)
+
+
+def held_of(r: rb.ModeResult) -> float:
+    return sum(r.held_bytes)
+
+
+def table(results: list[rb.ModeResult], conversations: list[rb.Conversation], copy_bytes: int) -> str:
+    can_hit = sum(len(c.turns) - 1 for c in conversations)
+    rows = [
+        "| mode | hit rate (hits / turns that can hit) | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn "
+        "| cache MiB per frontend | held replies MiB per frontend | all frontends' bytes / one copy | checked exact |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for r in results:
+        held = mib_list(r.held_bytes) if held_of(r) else "0"
+        rows.append(
+            f"| {r.mode} | {100 * r.hit_rate:.1f}% ({int(r.hits)} / {can_hit}) | {percentile(r.tokenize_ms, 0.5):.2f} / {percentile(r.tokenize_ms, 0.99):.1f} "
+            f"| {percentile(r.e2e_ms, 0.5):.1f} / {percentile(r.e2e_ms, 0.99):.1f} | {r.requests / r.wall_s:.1f} "
+            f"| {1000 * r.server_cpu_s / max(1, r.requests):.1f} | {mib_list(r.cache_bytes)} | {held} "
+            f"| {(sum(r.cache_bytes) + held_of(r)) / copy_bytes:.2f} | {r.exact} of {r.checked} ({r.failed} failed) |"
+        )
+    return "\n".join(rows)
+
+
+def targets(by_mode: dict[str, rb.ModeResult], copy_bytes: int) -> str:
+    """Issue 16's targets, each against the measurement it names."""
+    if "mptok" not in by_mode:
+        return ""
+    mptok = by_mode["mptok"]
+    rows = ["| issue 16 target | measured | met |", "|---|---|---|"]
+    others = [by_mode[m] for m in ("no-route",) if m in by_mode]
+    hit = f"mptok {100 * mptok.hit_rate:.1f}%" + "".join(f"; {o.mode} {100 * o.hit_rate:.1f}%" for o in others)
+    below = all(o.hit_rate <= mptok.hit_rate - 0.2 for o in others)
+    rows.append(f"| mptok hit rate at least 95%, per-frontend caches well below | {hit} | {'yes' if mptok.hit_rate >= 0.95 and below else 'no'} |")
+    for other in others:
+        ratio = rb.ratio_of(percentile(mptok.tokenize_ms, 0.5), percentile(other.tokenize_ms, 0.5))
+        rows.append(
+            f"| mptok tokenize p50 at most 0.5x {other.mode}'s | {percentile(mptok.tokenize_ms, 0.5):.2f} / "
+            f"{percentile(other.tokenize_ms, 0.5):.2f} ms = {ratio:.2f}x | {'yes' if ratio <= 0.5 else 'no'} |"
+        )
+    held = held_of(mptok)
+    ratio = (sum(mptok.cache_bytes) + held) / copy_bytes
+    rows.append(
+        f"| bytes across frontends per conversation at most 1.3x one copy | ({sum(mptok.cache_bytes) / MiB:.1f} MiB cached + "
+        f"{held / MiB:.1f} MiB held replies) / {copy_bytes / MiB:.1f} MiB = {ratio:.2f}x | {'yes' if ratio <= 1.3 else 'no'} |"
+    )
+    return "\n".join(rows)
+
+
+def sweep_table(points: list[tuple[Budget, list[rb.ModeResult]]]) -> str:
+    modes = [r.mode for r in points[0][1]]
+    rows = [
+        "| per-frontend budget | " + " | ".join(f"{m} hit rate | {m} tokenize p50 ms | {m} bytes / one copy" for m in modes) + " |",
+        "|---|" + "---:|" * (3 * len(modes)),
+    ]
+    for budget, results in points:
+        cells = []
+        for r in results:
+            cells += [f"{100 * r.hit_rate:.1f}%", f"{percentile(r.tokenize_ms, 0.5):.2f}", f"{(sum(r.cache_bytes) + held_of(r)) / budget.copy_bytes:.2f}"]
+        rows.append(f"| {budget.label} ({budget.cache_bytes / MiB:.1f} MiB) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot_sweep(points: list[tuple[Budget, list[rb.ModeResult]]], frontends: int, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (`make replay-capacity` installs it): no plot"
+    fig, axis = plt.subplots(figsize=(6.5, 4.5))
+    for index, mode in enumerate(r.mode for r in points[0][1]):
+        xs = [b.fraction for b, _ in points]
+        ys = [100 * results[index].hit_rate for _, results in points]
+        axis.plot(xs, ys, marker="o", label=mode)
+    axis.axvline(1 / frontends, color="grey", linestyle=":", label=f"1/F of one copy (F = {frontends})")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks([b.fraction for b, _ in points], [f"{b.fraction:g}" for b, _ in points])
+    axis.minorticks_off()
+    axis.set_xlabel("each frontend's cache budget (fraction of one copy of all conversations)")
+    axis.set_ylabel("hit rate %")
+    axis.set_ylim(0, 102)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    axis.set_title("hit rate against the memory budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return f"plot: {path.relative_to(rb.REPO)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frontends", type=int, default=4, help="F: frontends / instances per mode (default 4)")
+    rb.add_build_options(parser, conversations=64)
+    parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(rb.MODES)} (default {','.join(MODES)})")
+    parser.add_argument("--budget", default="0.5", help="each frontend's --cache-bytes: a fraction of one copy (default 0.5) or a size (64M)")
+    parser.add_argument("--held-bytes", default=None, help="MPTOK_CACHE_MAX_HELD_BYTES for every frontend (default: mptok's)")
+    parser.add_argument("--sweep", default=None, help="comma-separated budgets (fractions of one copy): run the modes at each and plot hit rate against the budget")
+    parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args()
+    if args.held_bytes:
+        try:
+            parse_bytes(args.held_bytes)
+        except ValueError as e:
+            parser.error(f"--held-bytes: {e}")
+    modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
+    unknown = set(modes) - set(rb.MODES)
+    if unknown:
+        parser.error(f"unknown modes: {sorted(unknown)}")
+    if any(m in ("no-route", "sticky") for m in modes) and rb.nginx_binary() is None:
+        print("capacity_replay: nginx is not installed (apt-get install nginx-light)", file=sys.stderr)
+        return 2
+    progress = rb.Progress(not args.quiet)
+    began = time.monotonic()
+    tokenizer, template, conversations = rb.load_conversations(args, progress)
+    copy_bytes = one_copy(tokenizer, template, conversations)
+    try:
+        budgets = [budget_from(b, copy_bytes) for b in (args.sweep or args.budget).split(",") if b]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.sweep and any(b.fraction != b.fraction for b in budgets):
+        parser.error("--sweep takes fractions of one copy (0.25,0.5,1), not sizes")
+    points = []
+    with tempfile.TemporaryDirectory(prefix="capacity-replay-") as workdir:
+        for budget in budgets:
+            points.append((budget, run_at(budget, modes, conversations, args, progress, Path(workdir))))
+    all_results = [r for _, results in points for r in results]
+    oversubscribed = f" F = {args.frontends} frontends on {os.cpu_count()} CPUs: oversubscribed, every figure is from a machine with more busy processes than cores." if args.frontends > (os.cpu_count() or 1) else ""
+    held = f"MPTOK_CACHE_MAX_HELD_BYTES={args.held_bytes}" if args.held_bytes else f"held replies bounded by mptok's default, 1/{HELD_SHARE} of each frontend's budget"
+    header = (
+        f"{rb.workload(conversations, args)} Turns interleaved across all conversations (each client sends one turn of the next "
+        f"conversation in the queue); one run per mode. One copy (each conversation's last prompt once in one unbounded cache, "
+        f"measured): {copy_bytes / MiB:.1f} MiB, {copy_bytes / len(conversations) / MiB:.2f} MiB per conversation; {held}.{oversubscribed} "
+        f"Total run time {time.monotonic() - began:.0f} s.\n\n{rb.command_line('capacity_replay.py', parser, args)}\n"
+    )
+    if args.sweep:
+        markdown = header + "\n" + sweep_table(points) + "\n"
+        name = "sweep"
+    else:
+        budget, results = points[0]
+        by_mode = {r.mode: r for r in results}
+        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, conversations, copy_bytes) + "\n"
+        if "mptok" in by_mode:
+            mptok = by_mode["mptok"]
+            markdown += (
+                f"\n{rb.owner_split(mptok)} Of the {int(mptok.routed)} routed prompts, {int(mptok.routed_since)} were sent as the "
+                f"characters after a reply the asker held (`mptok_routed_since_total`), the rest whole.\n"
+            )
+        goals = targets(by_mode, copy_bytes)
+        if goals:
+            aside = "" if args.frontends == 4 else f"\nIssue 16 sets its targets for F = 4; at F = {args.frontends}, for reference:\n"
+            markdown += aside + "\n" + goals + "\n"
+        name = f"F{args.frontends}"
+    print(markdown)
+    if not args.no_write:
+        if args.sweep:
+            print(plot_sweep(points, args.frontends, SWEEP_PLOT))
+        rb.write_results(markdown, *markers(name))
+    return rb.report_errors(all_results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
