@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mptok.config import ENV_PREFIX, CacheConfig
+from mptok.config import ENV_PREFIX, HELD_SHARE, CacheConfig
 from mptok.logfmt import configure_logging, log_event
 from mptok.serve_options import ServeOptions, add_arguments
 
@@ -51,9 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _default_help(field: dataclasses.Field) -> str:
+    if field.name == "max_held_bytes":
+        return f" (default MAX_BYTES/{HELD_SHARE})"
+    return "" if field.default is None else f" (default {field.default})"
+
+
 def _environment_help() -> str:
     cache = ", ".join(
-        ENV_PREFIX + f.name.upper() + ("" if f.default is None else f" (default {f.default})") for f in dataclasses.fields(CacheConfig)
+        ENV_PREFIX + f.name.upper() + _default_help(f) for f in dataclasses.fields(CacheConfig)
     )
     return (
         f"Environment: the cache's limits, read by every frontend at start (docs/CACHE.md): {cache}; "

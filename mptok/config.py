@@ -73,7 +73,9 @@ class CacheConfig:
         tokenized but not kept.
     max_held_bytes: the same budget for the replies a frontend holds of the
         conversations it routed to their owners (``mptok.routing``); by
-        default ``max_bytes // HELD_SHARE`` (32 MiB of the default 512 MiB).
+        default ``max_bytes // HELD_SHARE`` (32 MiB of the default 512 MiB),
+        worked out once, when the config is made: ``dataclasses.replace``
+        with a new ``max_bytes`` keeps it unless given ``max_held_bytes=None``.
         Each held reply is a second copy of a conversation its owner keeps,
         so with F frontends held replies add at most F / HELD_SHARE of one
         frontend's budget to the one copy the owners keep.

@@ -662,6 +662,42 @@ def targets(by_mode: dict[str, list[ModeResult]]) -> str:
     return "\n".join(rows)
 
 
+def crossing_targets(by_mode: dict[str, list[ModeResult]], clients: int) -> str:
+    """Issue 12's targets: what a turn that lands on a non-owner costs, and
+    what routing buys against a cache per frontend and against sticky nginx."""
+    routed_mode = next((mode for mode in ("mptok", "keyless") if mode in by_mode), None)
+    if routed_mode is None:
+        return ""
+    mptok = pooled(by_mode[routed_mode])
+    owner = percentile([ms for ms, at in zip(mptok.tokenize_ms, mptok.at_owner) if at], 0.5)
+    routed = percentile([ms for ms, at in zip(mptok.tokenize_ms, mptok.at_owner) if not at], 0.5)
+    limit = 1.0 if clients > 1 else 0.3
+    rows = [
+        f"| issue 12 target ({routed_mode}) | measured | met |",
+        "|---|---|---|",
+        f"| routed turns' tokenize p50 at most {limit} ms above owner-reached ({clients} client{'s' if clients > 1 else ''}) "
+        f"| {routed:.2f} - {owner:.2f} = {routed - owner:.2f} ms | {'yes' if routed - owner <= limit else 'no'} |",
+    ]
+    if "no-route" in by_mode:
+        spread = pooled(by_mode["no-route"])
+        tokenize = ratio_of(percentile(mptok.tokenize_ms, 0.5), percentile(spread.tokenize_ms, 0.5))
+        throughput = ratio_of(mptok.requests / mptok.wall_s, spread.requests / spread.wall_s)
+        rows += [
+            f"| tokenize p50 at most 0.7x no-route's | {tokenize:.2f}x | {'yes' if tokenize <= 0.7 else 'no'} |",
+            f"| requests/s at least 1.2x no-route's | {throughput:.2f}x | {'yes' if throughput >= 1.2 else 'no'} |",
+        ]
+    if "sticky" in by_mode:
+        each = [
+            ratio_of(percentile(m.e2e_ms, 0.5), percentile(s.e2e_ms, 0.5))
+            for m, s in zip(by_mode[routed_mode], by_mode["sticky"])
+        ]
+        rows.append(
+            f"| end-to-end p50 at most 1.15x sticky nginx, run by run | {', '.join(f'{x:.2f}x' for x in each)} "
+            f"| {'yes' if all(x <= 1.15 for x in each) else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
 def ratio_of(a: float, b: float) -> float:
     """a / b, NaN (never met) when either is missing or b is 0."""
     return a / b if b > 0 and a == a else float("nan")
@@ -799,6 +835,9 @@ def main() -> int:
     goals = targets(by_mode)
     if goals:
         markdown += "\n" + goals + "\n"
+    crossing = crossing_targets(by_mode, args.clients)
+    if crossing:
+        markdown += "\n" + crossing + "\n"
     print(markdown)
     if not args.no_write:
         print(plot(results, PLOT))
