@@ -17,14 +17,16 @@ reading them, and routing only decides whom to ask.
 
 from __future__ import annotations
 
+import sys
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mptok.config import CacheConfig
-from mptok.ids import NO_IDS, IdPieces, common_prefix_length, held_bytes
+from mptok.ids import IdPieces, common_prefix_length, held_bytes
 
 # Earlier versions of a conversation whose ids an owner remembers, so that a
 # peer holding one of them gets only the ids that changed (``answer_peer``).
@@ -52,7 +54,7 @@ class PeerReply:
 
     version: int
     reused: int
-    ids: list[int]
+    ids: Sequence[int]  # a list from ``answer_peer``; int32 (HELD_ID_TYPE) from the transport
 
 
 @dataclass(frozen=True)
@@ -152,21 +154,26 @@ class BadReply(Exception):
     """An owner's reply contradicts what this frontend sent it."""
 
 
+# Held ids are int32, as the transport carries them: 4 bytes an id, and no
+# int objects to make or share for a reply that may never be used again.
+HELD_ID_TYPE = "i"
+
+
 @dataclass(frozen=True)
 class Held:
     """The last reply an owner sent this frontend for one conversation."""
 
     version: int
     text: str
-    ids: IdPieces
+    ids: array  # HELD_ID_TYPE
 
 
 # One call to an owner: (text, since, shared_chars) -> its reply, or None
 # when it does not remember version ``since``.
 AskOwner = Callable[[str, "int | None", int], "PeerReply | None"]
 
-# What a held reply costs beyond its key, text and id lists: the Held and
-# IdPieces objects, piece tuples, the LRU dict's slot (scripts/bench_memory.py).
+# What a held reply costs beyond its key, text and id array: the Held
+# object, the array's header, the LRU dict's slot (scripts/bench_memory.py).
 HELD_OVERHEAD_BYTES = 512
 
 
@@ -177,7 +184,8 @@ class HeldReplies:
     ``ask`` sends the owner only the characters after those a prompt shares
     with the held text and splices the ids that changed into the held ones.
     LRU, bounded by entries and by bytes, counted as the cache counts its
-    own (``CacheConfig.max_held_bytes``): key, text, id lists, bookkeeping.
+    own (``CacheConfig.max_held_bytes``): key, text, ids (int32, 4 bytes
+    each), bookkeeping.
     A reply over the budget by itself is not held. Thread-safe.
     """
 
@@ -208,12 +216,16 @@ class HeldReplies:
             reply = call(text, None, 0)
             if reply is None:
                 raise BadReply("the owner asked for a version it was not given")
-        if reply.reused > (held.ids.length if held is not None else 0):
+        if reply.reused > (len(held.ids) if held is not None else 0):
             self.put(owner, key, None)
             raise BadReply("the owner reused more ids than this frontend holds")
-        ids = (held.ids if held is not None else NO_IDS).spliced(reply.reused, reply.ids).bounded()
+        ids = held.ids[: reply.reused] if held is not None else array(HELD_ID_TYPE)
+        if isinstance(reply.ids, array) and reply.ids.typecode == HELD_ID_TYPE:
+            ids.extend(reply.ids)  # a copy of bytes, where a list converts id by id
+        else:
+            ids.fromlist(list(reply.ids))
         self.put(owner, key, Held(reply.version, text, ids) if reply.version else None)
-        return ids.to_list(), answered_since
+        return ids.tolist(), answered_since
 
     def get(self, owner: Hashable, key: str) -> Held | None:
         with self._lock:
@@ -225,7 +237,7 @@ class HeldReplies:
 
     def put(self, owner: Hashable, key: str, held: Held | None) -> None:
         """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
-        nbytes = 0 if held is None else held_bytes((owner, key), held.text, held.ids) + HELD_OVERHEAD_BYTES
+        nbytes = 0 if held is None else held_bytes((owner, key), held.text) + sys.getsizeof(held.ids) + HELD_OVERHEAD_BYTES
         with self._lock:
             old = self._held.pop((owner, key), None)
             if old is not None:

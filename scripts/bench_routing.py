@@ -6,6 +6,8 @@ in the same run (the machine is noisy; read the ratios):
 * a routed hit (the prompt tokenized by the owner's cache, in another
   process) vs a local hit (this process's cache) vs full tokenization, for
   conversations of about 38k and 200k tokens growing about 300 tokens a turn;
+* a routed hit whose asker holds no reply (all of the prompt sent, all of
+  its ids back), as under a tight ``max_held_bytes``;
 * the transport round trip of ``EncodeProxy`` (150k characters in, 38k ids
   out) vs a plain length-prefixed AF_UNIX socket (the protocol of the
   reference module), both served by another process with the same work;
@@ -231,6 +233,13 @@ def main() -> None:
             ) as owners:
                 rows = measure(args, tokenizer, local_cache, owners, ipc_dir)
                 rows += owner_busy_rows(args, tokenizer, owners, parent, "patience (default)")
+            # An asker that holds no reply (a budget of 1 byte): every routed
+            # prompt goes whole, and all its ids come back.
+            with TokenizationOwners(
+                ipc_dir, 1, 2, mptok.PrefixTokenCache(mptok.CacheConfig(max_held_bytes=1)), tokenizer,
+                authkey=AUTHKEY, backoff_s=BACKOFF_S,
+            ) as owners:
+                rows += whole_prompt_rows(args, tokenizer, local_cache, owners)
             # The same busy owner, asked by a frontend that waits for its timeout.
             with TokenizationOwners(
                 ipc_dir, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S,
@@ -292,6 +301,24 @@ def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
     proxy.close()
 
     return rows
+
+
+def whole_prompt_rows(args, tokenizer, local_cache, owners: TokenizationOwners) -> list[tuple]:
+    runs = [
+        conversation_run(tokenizer, local_cache, owners, 7000 + r, 137_000, args.turns, 1) for r in range(args.runs)
+    ]
+    routed = statistics.median(r["routed"] for r in runs)
+    vs_local = statistics.median(r["routed"] / r["local"] for r in runs)
+    tokens = int(statistics.median(r["tokens"] for r in runs))
+    return [
+        (
+            f"routed hit sent whole (the asker holds no reply), {tokens} tokens",
+            routed,
+            f"{vs_local:.2f}x a local hit",
+            "",
+            None,
+        )
+    ]
 
 
 def overhead_rows(ipc_dir: str) -> list[tuple]:

@@ -122,7 +122,7 @@ class EncodeProxy:
         reply = self.encode_since(text, key, incarnation=incarnation)
         if reply is None:
             raise OwnerError(f"{self.address} asked for a version it was not given")
-        return reply.ids
+        return list(reply.ids)
 
     def encode_since(
         self,
@@ -296,7 +296,7 @@ def _reply_from(address: str, kind: object, result: object) -> PeerReply | None:
             ids.frombytes(result[2])
         except ValueError as e:
             raise OwnerError(f"{address} sent {len(result[2])} bytes, not int32 ids") from e
-        return PeerReply(result[0], result[1], ids.tolist())
+        return PeerReply(result[0], result[1], ids)  # kept int32: the asker holds them so
     if kind == "#RETURN" and isinstance(result, str):
         raise OwnerError(f"{address} could not tokenize the prompt: {result}")
     raise OwnerError(f"{address} answered {kind!r}: {str(result)[:200]}")
