@@ -54,7 +54,7 @@ class PeerReply:
 
     version: int
     reused: int
-    ids: Sequence[int]  # a list from ``answer_peer``; int32 (HELD_ID_TYPE) from the transport
+    ids: Sequence[int]  # a list from ``answer_peer``; an int32 array from the transport
 
 
 @dataclass(frozen=True)
@@ -154,26 +154,29 @@ class BadReply(Exception):
     """An owner's reply contradicts what this frontend sent it."""
 
 
-# Held ids are int32, as the transport carries them: 4 bytes an id, and no
-# int objects to make or share for a reply that may never be used again.
-HELD_ID_TYPE = "i"
-
-
 @dataclass(frozen=True)
 class Held:
-    """The last reply an owner sent this frontend for one conversation."""
+    """The last reply an owner sent this frontend for one conversation.
+
+    ``ids`` are shared ints (``IdPieces``) once a delta was spliced into
+    them, which makes the next splice and the caller's list cheap; a reply
+    that came whole keeps the int32 array it came in (4 bytes an id) until
+    then: under a tight budget most are evicted unused, and interning 40k
+    ids costs the asker 2-3 ms (``HeldReplies.ask``).
+    """
 
     version: int
     text: str
-    ids: array  # HELD_ID_TYPE
+    ids: IdPieces | array
 
 
 # One call to an owner: (text, since, shared_chars) -> its reply, or None
 # when it does not remember version ``since``.
 AskOwner = Callable[[str, "int | None", int], "PeerReply | None"]
 
-# What a held reply costs beyond its key, text and id array: the Held
-# object, the array's header, the LRU dict's slot (scripts/bench_memory.py).
+# What a held reply costs beyond its key, text and ids: the Held and
+# IdPieces objects, piece tuples or the array's header, the LRU dict's slot
+# (scripts/bench_memory.py).
 HELD_OVERHEAD_BYTES = 512
 
 
@@ -216,16 +219,18 @@ class HeldReplies:
             reply = call(text, None, 0)
             if reply is None:
                 raise BadReply("the owner asked for a version it was not given")
-        if reply.reused > (len(held.ids) if held is not None else 0):
+        if reply.reused > (_length(held.ids) if held is not None else 0):
             self.put(owner, key, None)
             raise BadReply("the owner reused more ids than this frontend holds")
-        ids = held.ids[: reply.reused] if held is not None else array(HELD_ID_TYPE)
-        if isinstance(reply.ids, array) and reply.ids.typecode == HELD_ID_TYPE:
-            ids.extend(reply.ids)  # a copy of bytes, where a list converts id by id
-        else:
-            ids.fromlist(list(reply.ids))
+        if held is None:  # the whole prompt's ids: held as they came
+            whole = reply.ids if isinstance(reply.ids, array) else array(_INT32, reply.ids)
+            self.put(owner, key, Held(reply.version, text, whole) if reply.version else None)
+            return whole.tolist(), answered_since
+        base = held.ids if isinstance(held.ids, IdPieces) else IdPieces.of(held.ids.tolist())
+        tail = reply.ids.tolist() if isinstance(reply.ids, array) else list(reply.ids)
+        ids = base.spliced(reply.reused, tail).bounded()
         self.put(owner, key, Held(reply.version, text, ids) if reply.version else None)
-        return ids.tolist(), answered_since
+        return ids.to_list(), answered_since
 
     def get(self, owner: Hashable, key: str) -> Held | None:
         with self._lock:
@@ -237,7 +242,7 @@ class HeldReplies:
 
     def put(self, owner: Hashable, key: str, held: Held | None) -> None:
         """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
-        nbytes = 0 if held is None else held_bytes((owner, key), held.text) + sys.getsizeof(held.ids) + HELD_OVERHEAD_BYTES
+        nbytes = 0 if held is None else _held_reply_bytes((owner, key), held)
         with self._lock:
             old = self._held.pop((owner, key), None)
             if old is not None:
@@ -254,3 +259,17 @@ class HeldReplies:
         """``held_entries`` and ``held_bytes`` (never more than ``held_max_bytes``)."""
         with self._lock:
             return {"held_entries": len(self._held), "held_bytes": self._bytes, "held_max_bytes": self._max_bytes}
+
+
+# The transport's id type: int32 ("i" is 4 bytes wherever CPython runs).
+_INT32 = "i"
+
+
+def _length(ids: IdPieces | array) -> int:
+    return ids.length if isinstance(ids, IdPieces) else len(ids)
+
+
+def _held_reply_bytes(key: Hashable, held: Held) -> int:
+    if isinstance(held.ids, IdPieces):
+        return held_bytes(key, held.text, held.ids) + HELD_OVERHEAD_BYTES
+    return held_bytes(key, held.text) + sys.getsizeof(held.ids) + HELD_OVERHEAD_BYTES

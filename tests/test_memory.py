@@ -17,7 +17,7 @@ import mptok.cache
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.config import HELD_SHARE, MAX_KEY_BYTES
 from mptok.ids import intern_ids
-from mptok.peer import HELD_ID_TYPE, Held, HeldReplies, answer_peer
+from mptok.peer import Held, HeldReplies, answer_peer
 from mptok.tokenize_request import RequestError, parse_tokenize_request
 from mptok_harness.conversations import plain_delta
 from mptok_harness.prompts import conversation
@@ -185,14 +185,14 @@ def test_held_replies_are_bounded_by_bytes():
     budget = 256 * 1024
     held = HeldReplies(max_bytes=budget)
     for i in range(40):
-        ids = array(HELD_ID_TYPE, range(1000 + i, 6000 + i))
+        ids = array("i", range(1000 + i, 6000 + i))
         held.put((1, 7), f"conversation-{i}", Held(i + 1, "x" * 10_000, ids))
         assert held.stats()["held_bytes"] <= budget
     stats = held.stats()
     assert 0 < stats["held_entries"] < 40
     assert held.get((1, 7), "conversation-39") is not None
     assert held.get((1, 7), "conversation-0") is None
-    held.put((1, 7), "huge", Held(99, "y" * budget, array(HELD_ID_TYPE, [1, 2, 3])))
+    held.put((1, 7), "huge", Held(99, "y" * budget, array("i", [1, 2, 3])))
     assert held.get((1, 7), "huge") is None and held.stats()["held_bytes"] <= budget
 
 
