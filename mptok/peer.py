@@ -187,8 +187,8 @@ class HeldReplies:
     ``ask`` sends the owner only the characters after those a prompt shares
     with the held text and splices the ids that changed into the held ones.
     LRU, bounded by entries and by bytes, counted as the cache counts its
-    own (``CacheConfig.max_held_bytes``): key, text, ids (int32, 4 bytes
-    each), bookkeeping.
+    own (``CacheConfig.max_held_bytes``): key, text, ids (see ``Held``),
+    bookkeeping.
     A reply over the budget by itself is not held. Thread-safe.
     """
 
