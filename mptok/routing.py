@@ -398,11 +398,11 @@ class TokenizationOwners:
                 return None
             # An owner found live (or that answered) within revalidate_s is
             # called at once and checked while it works (``_ask``).
-            record, reason, checked = self._liveness.recently_live(frontend), None, False
-            if record is None:
-                record, reason = self._liveness.check(frontend)
-                checked = True
             try:
+                record, reason, checked = self._liveness.recently_live(frontend), None, False
+                if record is None:
+                    record, reason = self._liveness.check(frontend)
+                    checked = True
                 if reason is not None:
                     raise _OwnerSkipped(reason)
                 assert record is not None
