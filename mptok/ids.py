@@ -30,6 +30,11 @@ from dataclasses import dataclass
 # the shared table never grows past it.
 MAX_INTERNED_ID = 1 << 22
 
+# The array type code of ids as they cross between frontends: int32 ("i" is
+# 4 bytes wherever CPython runs); the transport packs them so, and an asker
+# holds a reply that came whole in it (``mptok.peer.Held``).
+INT32 = "i"
+
 # Pieces a prompt's ids may be held in before they are joined into one list.
 MAX_ID_PIECES = 32
 

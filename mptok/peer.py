@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mptok.config import CacheConfig
-from mptok.ids import IdPieces, common_prefix_length, held_bytes
+from mptok.ids import INT32, IdPieces, common_prefix_length, held_bytes
 
 # Earlier versions of a conversation whose ids an owner remembers, so that a
 # peer holding one of them gets only the ids that changed (``answer_peer``).
@@ -223,7 +223,7 @@ class HeldReplies:
             self.put(owner, key, None)
             raise BadReply("the owner reused more ids than this frontend holds")
         if held is None:  # the whole prompt's ids: held as they came
-            whole = reply.ids if isinstance(reply.ids, array) else array(_INT32, reply.ids)
+            whole = reply.ids if isinstance(reply.ids, array) else array(INT32, reply.ids)
             self.put(owner, key, Held(reply.version, text, whole) if reply.version else None)
             return whole.tolist(), answered_since
         base = held.ids if isinstance(held.ids, IdPieces) else IdPieces.of(held.ids.tolist())
@@ -259,10 +259,6 @@ class HeldReplies:
         """``held_entries`` and ``held_bytes`` (never more than ``held_max_bytes``)."""
         with self._lock:
             return {"held_entries": len(self._held), "held_bytes": self._bytes, "held_max_bytes": self._max_bytes}
-
-
-# The transport's id type: int32 ("i" is 4 bytes wherever CPython runs).
-_INT32 = "i"
 
 
 def _length(ids: IdPieces | array) -> int:

@@ -19,11 +19,11 @@ from array import array
 from collections.abc import Callable, Hashable
 from multiprocessing import AuthenticationError
 
+from mptok.ids import INT32
 from mptok.peer import PeerReply
 from mptok.transport.mp_private import ACCEPT_CONNECTION, authenticate_to_owner
 from mptok.transport.wire import (
     ENCODE_TYPEID,
-    INT32,
     MessageTooLarge,
     OwnerError,
     OwnerTimeout,

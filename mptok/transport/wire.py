@@ -27,6 +27,7 @@ import struct
 import time
 from typing import Any
 
+from mptok.ids import INT32
 from mptok.transport.mp_private import HookedConnection
 
 SOCKET_NAME = "tokenize-{}.sock"
@@ -35,7 +36,6 @@ SOCKET_NAME = "tokenize-{}.sock"
 ENCODE_TYPEID = "PrefixTokenCache"
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
 MAX_UNIX_PATH_BYTES = 107
-INT32 = "i"
 _SHORT_HEADER = struct.Struct("!i")
 _LONG_HEADER = struct.Struct("!iQ")
 _LENGTH_ONLY = struct.Struct("!Q")
