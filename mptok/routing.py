@@ -196,8 +196,8 @@ class TokenizationOwners:
     Starting builds the tokenizer's backend first (what the cache answers
     peers with: 1.5 s to 3 s for a large vocabulary), so that an owner is
     ready when peers can see it and no peer's first call waits on it,
-    whatever its ``timeout_s``, and learns what tokenizing a character costs
-    here (20k characters, a few ms). It then binds
+    whatever its ``timeout_s``, and, when it has peers to ask, learns what
+    tokenizing a character costs here (20k characters, a few ms). It then binds
     ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
     ``OwnerAlreadyServing`` while a live process serves this frontend id, and
     ``PermissionError`` for an ipc dir that other users can enter), publishes
@@ -287,9 +287,9 @@ class TokenizationOwners:
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
         backend = _build_backend(tokenizer)
-        self._patience_per_char_s = (
-            None if patience_factor == 0 or backend is None else patience_factor * _seconds_per_char(backend)
-        )
+        # Patience is for asking peers: a lone frontend never does.
+        asks_peers = num_frontends > 1 and patience_factor > 0 and backend is not None
+        self._patience_per_char_s = patience_factor * _seconds_per_char(backend) if asks_peers else None
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
