@@ -601,11 +601,16 @@ def instances(r: ModeResult) -> str:
     return " / ".join(", ".join(str(int(t)) for t in run) for run in runs)
 
 
+def landed(r: ModeResult, *, at_owner: bool) -> list[int]:
+    """Indices of the turns whose connection reached (or did not reach) their conversation's owner."""
+    return [i for i, at in enumerate(r.at_owner) if at == at_owner]
+
+
 def owner_split(r: ModeResult) -> str:
     """mptok's turns by where their connection landed: at the owner, or routed there."""
     parts = []
     for here, what in ((True, "reached the conversation's owner"), (False, "reached another frontend and were routed to the owner")):
-        chosen = [i for i, at in enumerate(r.at_owner) if at == here]
+        chosen = landed(r, at_owner=here)
         parts.append(
             f"{len(chosen)} turns {what}: server tokenize p50 {percentile([r.tokenize_ms[i] for i in chosen], 0.5):.2f} ms, "
             f"end-to-end p50 {percentile([r.e2e_ms[i] for i in chosen], 0.5):.1f} ms"
@@ -669,8 +674,8 @@ def crossing_targets(by_mode: dict[str, list[ModeResult]], clients: int) -> str:
     if routed_mode is None:
         return ""
     mptok = pooled(by_mode[routed_mode])
-    owner = percentile([ms for ms, at in zip(mptok.tokenize_ms, mptok.at_owner) if at], 0.5)
-    routed = percentile([ms for ms, at in zip(mptok.tokenize_ms, mptok.at_owner) if not at], 0.5)
+    owner = percentile([mptok.tokenize_ms[i] for i in landed(mptok, at_owner=True)], 0.5)
+    routed = percentile([mptok.tokenize_ms[i] for i in landed(mptok, at_owner=False)], 0.5)
     limit = 1.0 if clients > 1 else 0.3
     rows = [
         f"| issue 12 target ({routed_mode}) | measured | met |",
