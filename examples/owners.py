@@ -19,7 +19,7 @@ import tempfile
 from typing import Any
 
 import mptok
-from mptok.routing import lower_switch_interval
+from mptok.routing.owners import lower_switch_interval
 
 KEY = "conversation-1"
 WAIT_S = 120.0  # bound on every wait for the other processes

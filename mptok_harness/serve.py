@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mptok.metrics import SNAPSHOT_INTERVAL_S
+from mptok.serve.metrics import SNAPSHOT_INTERVAL_S
 
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISE = str(REPO / "scripts" / "supervise.py")

@@ -31,10 +31,11 @@ import tempfile
 import tracemalloc
 from pathlib import Path
 
-import mptok
 from bench_cache import corpus
-from mptok.config import MAX_KEY_BYTES, parse_bytes
-from mptok.ids import intern_ids
+
+import mptok
+from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
+from mptok.core.ids import intern_ids
 
 MiB = 1024 * 1024
 

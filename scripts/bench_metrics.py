@@ -1,8 +1,8 @@
 """Snapshot files against prometheus_client's multiprocess mode, for mptok's /metrics.
 
-mptok's frontends count with ``mptok.counting`` and write one JSON snapshot
+mptok's frontends count with ``mptok.core.counting`` and write one JSON snapshot
 each into the 0700 ipc dir; whichever frontend a scrape reaches renders them
-all (``mptok.metrics``). ``prometheus_client``'s multiprocess mode is what
+all (``mptok.serve.metrics``). ``prometheus_client``'s multiprocess mode is what
 multi-process Python servers usually do instead: every process writes its
 values into mmap files in ``PROMETHEUS_MULTIPROC_DIR``, one set per pid, and
 ``MultiProcessCollector`` merges them at scrape time. This script measures,
@@ -34,8 +34,16 @@ import tempfile
 import time
 import timeit
 
-from mptok.counting import SECONDS_BUCKETS, Counters, Histogram
-from mptok.metrics import SNAPSHOT_INTERVAL_S, FRONTEND_METRICS, OnePerLabel, SnapshotDir, Table, example_frontend_snapshot, render_prometheus
+from mptok.core.counting import SECONDS_BUCKETS, Counters, Histogram
+from mptok.serve.metrics import (
+    FRONTEND_METRICS,
+    SNAPSHOT_INTERVAL_S,
+    OnePerLabel,
+    SnapshotDir,
+    Table,
+    example_frontend_snapshot,
+    render_prometheus,
+)
 
 HOT_CALLS = 200_000
 SCRAPES = 30

@@ -38,8 +38,9 @@ from array import array
 from collections.abc import Callable
 
 import mptok
-from mptok.liveness import OwnerLiveness
-from mptok.routing import TokenizationOwners, lower_switch_interval, owner_of, owner_order
+from mptok.routing.liveness import OwnerLiveness
+from mptok.routing.order import owner_of, owner_order
+from mptok.routing.owners import TokenizationOwners, lower_switch_interval
 from mptok.transport import EncodeProxy, answer_in_full, serve_encode
 from mptok.transport.wire import pack_int32
 

@@ -5,7 +5,7 @@ An agent loop as a vLLM client sends it: tools in every request, each
 assistant answer first prefilled with ``continue_final_message`` and then
 finished, a tool call and its result every few turns, and real text (the
 standard library's sources) as the user's and the tools' content. Every
-turn is rendered as a frontend renders it (``mptok.chat_template``: vLLM's
+turn is rendered as a frontend renders it (``mptok.api.chat_template``: vLLM's
 view of messages and tools, transformers' ``apply_chat_template``), then
 tokenized through the cache and in full with the same tokenizer; every
 cached result is checked against the full one. The tokenizer is the test
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mptok
-from mptok.chat_template import ChatTemplate, vllm_conversation, vllm_tools
+from mptok.api.chat_template import ChatTemplate, vllm_conversation, vllm_tools
 
 TOOLS = [
     {

@@ -56,9 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replay_bench as rb  # noqa: E402
 from percentiles import percentile  # noqa: E402
 
-from mptok.cache import PrefixTokenCache  # noqa: E402
-from mptok.chat_template import ChatTemplate  # noqa: E402
-from mptok.config import HELD_SHARE, CacheConfig, parse_bytes  # noqa: E402
+from mptok.api.chat_template import ChatTemplate  # noqa: E402
+from mptok.cache.config import HELD_SHARE, CacheConfig, parse_bytes  # noqa: E402
+from mptok.cache.prefix_cache import PrefixTokenCache  # noqa: E402
 
 MODES = ("no-cache", "no-route", "mptok", "sticky")
 SWEEP_PLOT = rb.REPO / "docs" / "capacity_hit_rate.png"

@@ -69,13 +69,14 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import mptok  # noqa: E402
 from bench_cache import conversation, corpus  # noqa: E402
 from drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
-from mptok_harness.serve import Server, request, scrape, total  # noqa: E402
 from percentiles import percentile  # noqa: E402
-from mptok.routing import FALLBACK_REASONS  # noqa: E402
-from mptok.supervisor import ServeOptions  # noqa: E402
+
+import mptok  # noqa: E402
+from mptok.routing.liveness import FALLBACK_REASONS  # noqa: E402
+from mptok.serve.supervisor import ServeOptions  # noqa: E402
+from mptok_harness.serve import Server, request, scrape, total  # noqa: E402
 
 MIN_TOKENS, MAX_TOKENS = 2_000, 8_000
 TURNS = 21  # bench_cache grows a conversation by about 300 tokens a turn

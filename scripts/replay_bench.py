@@ -95,13 +95,14 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import mptok  # noqa: E402
 from bench_cache import corpus  # noqa: E402
+from percentiles import percentile  # noqa: E402
+
+import mptok  # noqa: E402
+from mptok.api.affinity import chat_identity  # noqa: E402
+from mptok.api.chat_template import ChatTemplate  # noqa: E402
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx  # noqa: E402
 from mptok_harness.serve import Server, free_port, request, scrape, total, wait_for_snapshots  # noqa: E402
-from percentiles import percentile  # noqa: E402
-from mptok.affinity import chat_identity  # noqa: E402
-from mptok.chat_template import ChatTemplate  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 RESULTS = REPO / "docs" / "RESULTS.md"

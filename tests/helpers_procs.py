@@ -41,7 +41,7 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = HANG
 
 def key_owned_by(owner: int, num_frontends: int, prefix: str, *, then: int | None = None) -> str:
     """A conversation key whose owner is ``owner`` (and whose next frontend is ``then``)."""
-    from mptok.routing import owner_order
+    from mptok.routing.order import owner_order
 
     for i in range(100_000):
         key = f"{prefix}-{i}"
@@ -76,7 +76,7 @@ def _hold_gil(seconds: int) -> None:
 def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int, options: dict) -> None:
     """Body of a frontend child: serve, route, and answer the test's commands."""
     import mptok
-    from mptok.routing import ServerLimits, TokenizationOwners, lower_switch_interval
+    from mptok.routing.owners import ServerLimits, TokenizationOwners, lower_switch_interval
 
     lower_switch_interval()  # as mptok serve's frontends do
     tokenizer = mptok.load_tokenizer()
@@ -245,8 +245,8 @@ def scripted_owner_main(conn: Any, ipc_dir: str, frontend_id: int, delay_s: floa
     prompt took, through the peer's counters.
     """
     import mptok
-    from mptok.liveness import publish
-    from mptok.peer import PeerReply
+    from mptok.core.protocol import PeerReply
+    from mptok.routing.liveness import publish
     from mptok.transport import serve_encode, socket_path
 
     tokenizer = mptok.load_tokenizer()

@@ -14,9 +14,9 @@ import pytest
 from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
-from mptok.affinity import IdentityKind, chat_identity, identify, prompt_identity
-from mptok.chat_template import DEEPSEEK_V3_TEMPLATE
-from mptok.peer import answer_peer
+from mptok.api.affinity import IdentityKind, chat_identity, identify, prompt_identity
+from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE
+from mptok.routing.answer import answer_peer
 from mptok_harness.conversations import plain_delta
 
 FRONTENDS = 4
@@ -26,7 +26,7 @@ TURNS = 6
 
 def test_an_explicit_id_wins():
     messages = [{"role": "user", "content": "hi"}]
-    assert identify("session-7", messages, None) == mptok.affinity.ConversationIdentity("session-7", IdentityKind.KEYED)
+    assert identify("session-7", messages, None) == mptok.api.affinity.ConversationIdentity("session-7", IdentityKind.KEYED)
 
 
 def test_a_chat_keeps_its_identity_from_turn_to_turn():

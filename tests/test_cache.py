@@ -15,11 +15,11 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizer
 
 import mptok
-import mptok.cache
-import mptok.peer
-from mptok.peer import answer_peer
+import mptok.cache.prefix_cache
+import mptok.core.protocol
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.ids import IdPieces
+from mptok.core.ids import IdPieces
+from mptok.routing.answer import answer_peer
 from mptok_harness.conversations import adversarial_delta, plain_delta
 from mptok_harness.families import CHAT_MARKERS, load_family
 
@@ -246,8 +246,8 @@ def test_internal_error_disables_cache_with_one_warning(tokenizer, monkeypatch, 
     def broken(*args, **kwargs):
         raise IndexError("injected")
 
-    monkeypatch.setattr(mptok.cache, "extend_prompt", broken)
-    with caplog.at_level(logging.WARNING, logger="mptok.cache"):
+    monkeypatch.setattr(mptok.cache.prefix_cache, "extend_prompt", broken)
+    with caplog.at_level(logging.WARNING, logger="mptok.cache.prefix_cache"):
         for _ in range(3):
             text += prompt(rng, 10)
             assert cache.encode(tokenizer, text, key="k") == full_ids(tokenizer, text)
@@ -340,7 +340,7 @@ def test_peer_gets_only_the_ids_after_its_version(tokenizer):
         peer = peers[turn * 7 % 3]
         if peer in held:
             version, old_text, old_ids = held[peer]
-            from mptok.ids import common_prefix_length
+            from mptok.core.ids import common_prefix_length
 
             shared = common_prefix_length(old_text, text)
             reply = answer_peer(cache, tokenizer, text[shared:], "conv", since=version, shared_chars=shared)
@@ -375,7 +375,7 @@ def test_peer_naming_an_unknown_version_is_asked_for_the_whole_text(tokenizer):
     assert whole.ids == full_ids(tokenizer, longer) and whole.reused == 0
     assert whole.version != first.version
     # A prompt without a key has no versions: answered whole, or not rebuilt.
-    assert answer_peer(cache, tokenizer, longer, None) == mptok.peer.PeerReply(
+    assert answer_peer(cache, tokenizer, longer, None) == mptok.core.protocol.PeerReply(
         0, 0, full_ids(tokenizer, longer)
     )
     assert answer_peer(cache, tokenizer, "x", None, since=whole.version, shared_chars=1) is None
@@ -386,7 +386,7 @@ def test_peer_versions_are_forgotten_past_the_history(tokenizer):
     rng = random.Random(15)
     text = prompt(rng, 300)
     first = answer_peer(cache, tokenizer, text, "conv")
-    for _ in range(mptok.peer.PEER_HISTORY + 1):
+    for _ in range(mptok.core.protocol.PEER_HISTORY + 1):
         text += prompt(rng, 10)
         answer_peer(cache, tokenizer, text, "conv")
     assert answer_peer(cache, tokenizer, "more", "conv", since=first.version, shared_chars=10) is None

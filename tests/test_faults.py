@@ -24,7 +24,7 @@ import pytest
 from helpers_procs import HANG_GUARD_S, Frontend, FrontendPool, key_owned_by, wait_until
 from helpers_procs import expected_ids as expected
 
-from mptok.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
+from mptok.routing.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
 from mptok.transport import socket_path
 from mptok_harness.prompts import conversation
 

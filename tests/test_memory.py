@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import gc
 import random
-from array import array
 import tracemalloc
 import warnings
+from array import array
 
 import pytest
+from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
-import mptok.cache
+import mptok.cache.prefix_cache
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.config import HELD_SHARE, MAX_KEY_BYTES
-from mptok.ids import intern_ids
-from mptok.peer import Held, HeldReplies, answer_peer
-from mptok.tokenize_request import RequestError, parse_tokenize_request
+from mptok.api.tokenize_request import RequestError, parse_tokenize_request
+from mptok.cache.config import HELD_SHARE, MAX_KEY_BYTES
+from mptok.core.ids import intern_ids
+from mptok.routing.answer import answer_peer
+from mptok.routing.held import Held, HeldReplies
 from mptok_harness.conversations import plain_delta
 from mptok_harness.prompts import conversation
-
-from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 MiB = 1024 * 1024
 
@@ -135,7 +135,7 @@ def test_an_allocation_failure_empties_the_cache_and_the_ids_stay_exact(tokenize
     text = plain_delta(rng, 800)
     cache.encode(tokenizer, "another conversation " * 20, key="other")
     cache.encode(tokenizer, text, key="c")
-    real_extend = mptok.cache.extend_prompt
+    real_extend = mptok.cache.prefix_cache.extend_prompt
     failures = []
 
     def extend_out_of_memory(*args, **kwargs):
@@ -144,7 +144,7 @@ def test_an_allocation_failure_empties_the_cache_and_the_ids_stay_exact(tokenize
             raise MemoryError
         return real_extend(*args, **kwargs)
 
-    monkeypatch.setattr(mptok.cache, "extend_prompt", extend_out_of_memory)
+    monkeypatch.setattr(mptok.cache.prefix_cache, "extend_prompt", extend_out_of_memory)
     text += plain_delta(rng, 40)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "cache disabled" warning either

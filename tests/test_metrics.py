@@ -9,8 +9,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from mptok.counting import Histogram
-from mptok.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, audit, example_frontend_snapshot, render_prometheus
+from mptok.core.counting import Histogram
+from mptok.serve.metrics import (
+    FRONTEND_METRICS,
+    SUPERVISOR_METRICS,
+    SUPERVISOR_SNAPSHOT,
+    audit,
+    example_frontend_snapshot,
+    render_prometheus,
+)
 
 
 def test_a_declared_snapshot_renders_whole():

@@ -21,7 +21,7 @@ import orjson
 from helpers_serve import Server, free_port, request, scrape, total, wait_for_snapshots
 
 import mptok
-from mptok.chat_template import ChatTemplate
+from mptok.api.chat_template import ChatTemplate
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx
 
 REPO = Path(__file__).resolve().parents[1]

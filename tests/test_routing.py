@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import pickle
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -16,7 +16,9 @@ from helpers_procs import AUTHKEY, FrontendPool, key_owned_by
 from helpers_procs import expected_ids as expected
 
 import mptok
-from mptok.routing import FALLBACK_REASONS, TokenizationOwners, owner_of, owner_order
+from mptok.routing.liveness import FALLBACK_REASONS
+from mptok.routing.order import owner_of, owner_order
+from mptok.routing.owners import TokenizationOwners
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
 from mptok_harness.prompts import conversation
 
@@ -277,7 +279,7 @@ def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, 
     with in_process_owners(str(tmp_path / "ipc"), tokenizer, 4) as (caches, owners):
         key = key_owned_by(0, 4, "alternating")
         # Frontend 3 then waits longer than the owner remembers versions.
-        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * (mptok.peer.PEER_HISTORY + 2)
+        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * (mptok.core.protocol.PEER_HISTORY + 2)
         prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=len(askers))
         for asker, prompt in zip(askers, prompts):
             assert owners[asker].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)

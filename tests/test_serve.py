@@ -23,18 +23,29 @@ import time
 
 import psutil
 import pytest
-from helpers_serve import HANG_GUARD_S, SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
+from helpers_serve import (
+    HANG_GUARD_S,
+    SUPERVISE,
+    Server,
+    free_port,
+    request,
+    scrape,
+    tokenize,
+    total,
+    wait_for_snapshots,
+)
 
 import mptok
-from mptok import frontend, supervisor
-from mptok.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
-from mptok.cli import parse_serve_options
-from mptok.config import CacheConfig
-from mptok.frontend import FrontendSettings, tcp_socket
-from mptok.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, SnapshotDir, audit
-from mptok.routing import FALLBACK_REASONS, TokenizationOwners
-from mptok.serve_options import Option, ServeOptions, Use, declared_options
-from mptok.tokenize_service import SpecialTokenFrame, TokenizeService
+from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
+from mptok.cache.config import CacheConfig
+from mptok.routing.liveness import FALLBACK_REASONS
+from mptok.routing.owners import TokenizationOwners
+from mptok.serve import frontend, supervisor
+from mptok.serve.cli import parse_serve_options
+from mptok.serve.frontend import FrontendSettings, tcp_socket
+from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, SnapshotDir, audit
+from mptok.serve.options import Option, ServeOptions, Use, declared_options
+from mptok.serve.service import SpecialTokenFrame, TokenizeService
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import _tokenizer_file, load_family_hf
 from mptok_harness.prompts import conversation
@@ -412,7 +423,7 @@ def _non_default_words(declared: Option, default: object) -> list[str]:
 
 
 def test_every_option_reaches_the_component_that_uses_it():
-    """Each option declared in mptok.serve_options is on the command line and arrives,
+    """Each option declared in mptok.serve.options is on the command line and arrives,
     with its value, in what a frontend receives and in the keyword arguments of
     the component it is declared for, so that none is wired halfway."""
     defaults = ServeOptions()
@@ -520,7 +531,7 @@ def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_pat
 
 
 def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_next_start(tmp_path):
-    from mptok.run_dir import LOCK_NAME
+    from mptok.serve.run_dir import LOCK_NAME
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()

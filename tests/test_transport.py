@@ -25,16 +25,16 @@ import pytest
 from helpers_procs import wait_until
 
 import mptok
-from mptok.transport import mp_private
 from mptok.transport import (
     EncodeProxy,
-    answer_in_full,
     OwnerAlreadyServing,
     OwnerError,
     OwnerTimeout,
     OwnerUnreachable,
     ServerLimits,
     TokenizeManager,
+    answer_in_full,
+    mp_private,
     secure_ipc_dir,
     serve_encode,
     socket_path,

@@ -38,8 +38,8 @@ import pytest
 from helpers_serve import REPO, Server, request, scrape, total, wait_for_snapshots
 
 import mptok
-from mptok.chat_template import ChatTemplate
-from mptok.vllm_contract import tokenizer_info_payload
+from mptok.api.chat_template import ChatTemplate
+from mptok.api.vllm_contract import tokenizer_info_payload
 from mptok_harness.chat_tokenizers import write_chat_tokenizer
 from mptok_harness.conversations import plain_delta
 

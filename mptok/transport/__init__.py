@@ -44,6 +44,7 @@ from mptok.transport.wire import (
     OwnerTimeout,
     OwnerUnreachable,
     TransportError,
+    left_or_zero,
     secure_ipc_dir,
     socket_path,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "TokenizeManager",
     "TransportError",
     "answer_in_full",
+    "left_or_zero",
     "secure_ipc_dir",
     "serve_encode",
     "socket_path",

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mptok.counting import Counters
+from mptok.core.counting import Counters
 from mptok.transport.wire import MAX_UNIX_PATH_BYTES, TimedConnection, left_or_zero, open_private_file
 
 logger = logging.getLogger(__name__)

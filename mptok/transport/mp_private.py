@@ -78,7 +78,7 @@ from multiprocessing import connection, process
 from multiprocessing.managers import BaseManager, Server, State
 from typing import Any, Protocol, Self
 
-from mptok.counting import Counters
+from mptok.core.counting import Counters
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mptok.counting import Counters, Histogram
-from mptok.peer import PeerReply
+from mptok.core.counting import Counters, Histogram
+from mptok.core.protocol import PeerReply
 from mptok.transport.listener import OwnerAlreadyServing, ServerLimits, _Acceptor, _SocketFile
 from mptok.transport.mp_private import InProcessManager, OwnerServer
 from mptok.transport.wire import ENCODE_TYPEID, pack_int32
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 # What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
-# as ``mptok.peer.answer_peer`` with its cache and tokenizer bound.
+# as ``mptok.routing.answer.answer_peer`` with its cache and tokenizer bound.
 PeerAnswer = Callable[[str, "str | None", "int | None", int], "PeerReply | None"]
 
 

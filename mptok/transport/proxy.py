@@ -19,8 +19,8 @@ from array import array
 from collections.abc import Callable, Hashable
 from multiprocessing import AuthenticationError
 
-from mptok.ids import INT32
-from mptok.peer import PeerReply
+from mptok.core.ids import INT32
+from mptok.core.protocol import PeerReply
 from mptok.transport.mp_private import ACCEPT_CONNECTION, authenticate_to_owner
 from mptok.transport.wire import (
     ENCODE_TYPEID,
@@ -140,7 +140,7 @@ class EncodeProxy:
         Without ``since``, ``text`` is the whole prompt. With it, the caller
         holds the ids of the conversation's version ``since`` and ``text``
         is the prompt after its first ``shared_chars`` characters, which it
-        shares with that version (see ``mptok.peer.answer_peer``);
+        shares with that version (see ``mptok.routing.answer.answer_peer``);
         None means the owner cannot rebuild the prompt from that version.
 
         The call ends by ``deadline`` (a ``time.monotonic()`` instant) if

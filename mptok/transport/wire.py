@@ -27,7 +27,7 @@ import struct
 import time
 from typing import Any
 
-from mptok.ids import INT32
+from mptok.core.ids import INT32
 from mptok.transport.mp_private import HookedConnection
 
 SOCKET_NAME = "tokenize-{}.sock"

@@ -13,16 +13,15 @@ back to it. A prompt that no owner tokenizes in time is tokenized where it
 arrived: routing changes where the work is done, never the ids.
 
 Routing is a layer above the cache: ``TokenizationOwners.encode`` either
-asks the owner (through the peer delta protocol, ``mptok.peer``) or calls
+asks the owner (through the peer delta protocol, ``mptok.routing.held``) or calls
 the local cache's ``encode``; the cache never calls back up. The owner side
-of the transport answers peers with ``mptok.peer.answer_peer`` directly.
+of the transport answers peers with ``mptok.routing.answer.answer_peer`` directly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -35,12 +34,23 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from mptok.backend import SlowTokenizerError, TokenizerBackend, backend_for
-from mptok.cache import TokenCache
-from mptok.counting import FALLBACK_REASONS, Counters, Histogram
-from mptok.errors import RouteFailed
-from mptok.peer import BadReply, HeldReplies, PeerCache, PeerReply, answer_peer
-from mptok.liveness import OwnerLiveness, OwnerRecord, publish, unpublish
+from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for
+from mptok.cache.prefix_cache import TokenCache
+from mptok.core.counting import Counters, Histogram
+from mptok.core.protocol import PeerReply
+from mptok.routing.answer import PeerCache, answer_peer
+from mptok.routing.held import BadReply, HeldReplies
+from mptok.routing.liveness import (
+    ERROR,
+    FALLBACK_REASONS,
+    PATIENCE,
+    TIMEOUT,
+    OwnerLiveness,
+    OwnerRecord,
+    publish,
+    unpublish,
+)
+from mptok.routing.order import owner_order
 from mptok.transport import (
     EncodeProxy,
     OwnerAlreadyServing,
@@ -49,21 +59,18 @@ from mptok.transport import (
     OwnerUnreachable,
     ServerLimits,
     TransportError,
+    left_or_zero,
     secure_ipc_dir,
     serve_encode,
     socket_path,
 )
-from mptok.transport.wire import left_or_zero
 
 __all__ = [
-    "FALLBACK_REASONS",
     "OwnerAlreadyServing",
     "RoutableCache",
     "ServerLimits",
     "TokenizationOwners",
     "lower_switch_interval",
-    "owner_of",
-    "owner_order",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,7 +78,6 @@ logger = logging.getLogger(__name__)
 _ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures") + tuple(
     f"fallback_{reason}" for reason in FALLBACK_REASONS
 )
-_HASH_PERSON = b"mptok-route-v1"
 
 
 # How long an asker waits for an owner that holds the conversation: at most
@@ -114,30 +120,9 @@ def _seconds_per_char(backend: TokenizerBackend) -> float:
     return (time.perf_counter() - started) / len(sample)
 
 
-def owner_order(key: str, num_frontends: int) -> list[int]:
-    """Frontend ids in the order they serve conversation ``key``; the first is its owner.
-
-    Rendezvous (highest random weight) hashing over blake2b: the same in
-    every process and every run, whatever PYTHONHASHSEED is. While a
-    frontend is down, each of its conversations moves to the next frontend in
-    that conversation's own order, so the load of a dead frontend spreads
-    over the others and nothing else moves.
-    """
-    if num_frontends < 1:
-        raise ValueError(f"num_frontends must be >= 1, got {num_frontends}")
-    base = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8, person=_HASH_PERSON)
-    scored = []
-    for frontend in range(num_frontends):
-        h = base.copy()
-        h.update(frontend.to_bytes(4, "big"))
-        scored.append((h.digest(), frontend))
-    scored.sort(reverse=True)
-    return [frontend for _, frontend in scored]
-
-
-def owner_of(key: str, num_frontends: int) -> int:
-    """The frontend that tokenizes conversation ``key`` while it is up."""
-    return owner_order(key, num_frontends)[0]
+class _RouteFailed(Exception):
+    """A call to a conversation's owner failed; the prompt is then tokenized
+    by the next frontend in its order, or here. Never reaches a caller."""
 
 
 class _OwnerSkipped(Exception):
@@ -410,12 +395,12 @@ class TokenizationOwners:
             except _OwnerSkipped as e:
                 self._counters.add(f"fallback_{e.reason}")
                 continue
-            except RouteFailed as e:
+            except _RouteFailed as e:
                 logger.debug("route for %r failed: %s", key, e)
                 return None
             except Exception:
                 logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
-                self._count_failure("error")
+                self._count_failure(ERROR)
                 return None
             self._route_seconds.observe(time.perf_counter() - started)
             return ids
@@ -459,24 +444,24 @@ class TokenizationOwners:
             ids, answered_since = self._held.ask((frontend, record.incarnation), key, text, call)
         except OwnerTimeout as e:
             self._liveness.timed_out(frontend, record)
-            raise self._failed("patience" if patience_ran_out else "timeout", frontend, e) from e
+            raise self._failed(PATIENCE if patience_ran_out else TIMEOUT, frontend, e) from e
         except OwnerUnreachable as e:
             # An owner that died (or went) since its last check is skipped,
             # as that check would have; any other failure is one.
             self._liveness.failed(frontend)
             self._confirm_live(frontend)
-            raise self._failed("error", frontend, e) from e
+            raise self._failed(ERROR, frontend, e) from e
         except (OwnerError, BadReply) as e:
-            raise self._failed("error", frontend, e) from e
+            raise self._failed(ERROR, frontend, e) from e
         self._liveness.answered(frontend, record)
         if answered_since:
             self._counters.add("routed_since")
         self._counters.add("routed")
         return ids
 
-    def _failed(self, reason: str, frontend: int, error: TransportError | BadReply) -> RouteFailed:
+    def _failed(self, reason: str, frontend: int, error: TransportError | BadReply) -> _RouteFailed:
         self._count_failure(reason)
-        return RouteFailed(f"frontend {frontend} did not tokenize the prompt: {error}")
+        return _RouteFailed(f"frontend {frontend} did not tokenize the prompt: {error}")
 
     def _count_failure(self, reason: str) -> None:
         self._counters.add(f"fallback_{reason}")

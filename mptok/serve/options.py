@@ -2,9 +2,9 @@
 
 Each ``ServeOptions`` field is one option: its name, type and default, and,
 through ``option(...)``, its flag, parser (which validates), help text and
-the component that uses it (``Use``). The command line (``mptok.cli``), the
+the component that uses it (``Use``). The command line (``mptok.serve.cli``), the
 supervisor's options and what each frontend receives
-(``mptok.frontend.FrontendSettings`` carries the ``ServeOptions``) are all
+(``mptok.serve.frontend.FrontendSettings`` carries the ``ServeOptions``) are all
 derived from these fields, and a frontend hands the options of a component to
 it as keyword arguments (``ServeOptions.arguments_for``), so adding an option
 is one field here plus the parameter that uses it.
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mptok.config import parse_bytes
-from mptok.routing import PATIENCE_FACTOR, PATIENCE_FLOOR_S
+from mptok.cache.config import parse_bytes
+from mptok.routing.owners import PATIENCE_FACTOR, PATIENCE_FLOOR_S
 
 
 class Use(enum.Enum):

@@ -64,7 +64,7 @@ class CacheConfig:
     """Bounds of a ``PrefixTokenCache``.
 
     max_entries: prompts kept (one per conversation, up to
-        ``mptok.cache.MAX_BRANCHES`` when conversations share a key), least
+        ``mptok.cache.prefix_cache.MAX_BRANCHES`` when conversations share a key), least
         recently used evicted first.
     max_bytes: memory the cache may hold for its conversations: prompt
         text, ids, offsets, earlier versions, keys and bookkeeping, counted

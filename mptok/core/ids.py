@@ -32,7 +32,7 @@ MAX_INTERNED_ID = 1 << 22
 
 # The array type code of ids as they cross between frontends: int32 ("i" is
 # 4 bytes wherever CPython runs); the transport packs them so, and an asker
-# holds a reply that came whole in it (``mptok.peer.Held``).
+# holds a reply that came whole in it (``mptok.routing.held.Held``).
 INT32 = "i"
 
 # Pieces a prompt's ids may be held in before they are joined into one list.

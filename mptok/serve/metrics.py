@@ -36,8 +36,9 @@ from typing import Any
 
 import orjson
 
-from mptok.affinity import IdentityKind
-from mptok.counting import FALLBACK_REASONS, Histogram
+from mptok.api.affinity import IdentityKind
+from mptok.core.counting import Histogram
+from mptok.routing.liveness import FALLBACK_REASONS
 
 logger = logging.getLogger(__name__)
 

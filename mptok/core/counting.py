@@ -2,7 +2,7 @@
 
 The cache, the transport, routing and the HTTP service each count their own
 events and time their own work with these two classes, and nothing else;
-``mptok.metrics`` only collects their snapshots and renders them. Kept apart
+``mptok.serve.metrics`` only collects their snapshots and renders them. Kept apart
 from both, they let every component count without importing the exposition
 format, and the exposition format read the names of routing's fallback
 reasons without importing routing.
@@ -15,16 +15,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-# Seconds: a cache hit is about 1 ms, a 200k-token prompt in full about
-# 0.5 s, and a request whose routed call timed out (mptok_tokenize_seconds)
-# takes the route timeout.
-# Why a prompt was not tokenized by its conversation's owner: the owner was
-# skipped without a call (the first six), or the call failed. Routing counts
-# them as ``fallback_<reason>``; mptok_route_fallbacks_total{reason} shows them.
-FALLBACK_REASONS = (
-    "not_published", "dead", "zombie", "stopped", "pid_reused", "backoff", "timeout", "patience", "error"
-)
-
+# Seconds: from a cache hit to a request whose routed call waited out the
+# route timeout (mptok_tokenize_seconds).
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -2,12 +2,12 @@
 
 The supervisor owns everything the frontends share: the private ipc
 directory (mode 0700, removed at exit; those that SIGKILLed supervisors
-left behind are swept at start, see ``mptok.run_dir``) and the authkey (32 random bytes,
+left behind are swept at start, see ``mptok.serve.run_dir``) and the authkey (32 random bytes,
 handed to each child as a spawn-context Process argument, which travels over
 a pipe: never argv, environment, logs or a file). It checks the port before
 starting anything (a plain bind without SO_REUSEPORT, since an SO_REUSEPORT
 bind would quietly share a port another server of this user holds), starts
-the frontends (``mptok.frontend``), and logs ``ready`` once every one has
+the frontends (``mptok.serve.frontend``), and logs ``ready`` once every one has
 reported over its pipe that its port listens and it serves its peers.
 
 While serving, a frontend that dies is restarted under the same id, after a
@@ -23,7 +23,7 @@ SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
 its in-flight requests and stops within ``graceful_timeout_s`` in all;
 stragglers are SIGKILLed after a further ``_EXIT_MARGIN_S``; then the ipc
 directory is removed. Every wait in here has a deadline. If the supervisor
-itself dies, the kernel sends each frontend SIGTERM (``mptok.lifeline``):
+itself dies, the kernel sends each frontend SIGTERM (``mptok.serve.lifeline``):
 the frontends are started from the supervisor's main thread, which lives
 as long as it does.
 """
@@ -44,12 +44,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptok.chat_template import ChatTemplateError, check_template_source
-from mptok.frontend import FrontendSettings, frontend_main, tcp_socket
-from mptok.logfmt import log_event
-from mptok.metrics import SUPERVISOR_SNAPSHOT, SnapshotDir
-from mptok.run_dir import RunDir, sweep_stale
-from mptok.serve_options import ServeOptions
+from mptok.api.chat_template import ChatTemplateError, check_template_source
+from mptok.serve.frontend import FrontendSettings, frontend_main, tcp_socket
+from mptok.serve.logfmt import log_event
+from mptok.serve.metrics import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.serve.options import ServeOptions
+from mptok.serve.run_dir import RunDir, sweep_stale
 
 __all__ = ["EXIT_ALL_GIVEN_UP", "EXIT_CANNOT_START", "EXIT_OK", "ServeOptions", "StartupError", "StopSignals", "Supervisor"]
 
@@ -124,7 +124,7 @@ class StopSignals:
     """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once.
 
     Process-wide: entering installs the handlers (and the wakeup fd), from
-    the main thread, as the process's entry point does (``mptok.cli.serve``);
+    the main thread, as the process's entry point does (``mptok.serve.cli.serve``);
     leaving restores what was there.
     """
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from mptok.config import check_key
+from mptok.cache.config import check_key
 
 
 class RequestError(Exception):

@@ -24,7 +24,7 @@ import shutil
 import stat
 import tempfile
 
-from mptok.logfmt import log_event
+from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.supervisor")
 

@@ -1,10 +1,10 @@
 """Turn a ``/tokenize`` body into exact ids and a JSON answer, in a bounded thread pool.
 
 ``TokenizeService`` is everything a frontend does for one request apart from
-HTTP: parse it (``mptok.tokenize_request``), render the chat template,
+HTTP: parse it (``mptok.api.tokenize_request``), render the chat template,
 tokenize through the frontend's routing layer (``TokenizationOwners.encode``:
 the conversation's owner, or the local ``PrefixTokenCache``), and serialize the ids with orjson. The HTTP app
-(``mptok.frontend``) only reads bodies and writes answers.
+(``mptok.serve.frontend``) only reads bodies and writes answers.
 
 Admission control lives here too, because the pool is what overload fills:
 ``Admission`` bounds the requests a frontend holds at once and refuses the
@@ -27,12 +27,9 @@ from typing import Any
 
 import orjson
 
-from mptok.affinity import IdentityKind, identify
-from mptok.cache import Encoder, TokenCache
-from mptok.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
-from mptok.counting import Counters, Histogram
-from mptok.logfmt import log_event
-from mptok.tokenize_request import (
+from mptok.api.affinity import IdentityKind, identify
+from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
+from mptok.api.tokenize_request import (
     RequestError,
     TokenizeRequest,
     error_body,
@@ -40,7 +37,10 @@ from mptok.tokenize_request import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from mptok.vllm_contract import RequestLimits, UnknownModel
+from mptok.api.vllm_contract import RequestLimits, UnknownModel
+from mptok.cache.prefix_cache import Encoder, TokenCache
+from mptok.core.counting import Counters, Histogram
+from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
 

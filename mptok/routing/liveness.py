@@ -59,6 +59,15 @@ STOPPED = "stopped"
 PID_REUSED = "pid_reused"
 BACKOFF = "backoff"
 SKIP_REASONS = (NOT_PUBLISHED, DEAD, ZOMBIE, STOPPED, PID_REUSED, BACKOFF)
+# Why a call to an owner failed: past the route timeout, past the patience
+# for an owner asked only for what changed, or any other failure.
+TIMEOUT = "timeout"
+PATIENCE = "patience"
+ERROR = "error"
+# Why a prompt was not tokenized by its conversation's owner: the owner was
+# skipped without a call, or the call failed. Routing counts each as
+# ``fallback_<reason>``; mptok_route_fallbacks_total{reason} shows them.
+FALLBACK_REASONS = SKIP_REASONS + (TIMEOUT, PATIENCE, ERROR)
 
 _STATUS_REASONS = {
     psutil.STATUS_ZOMBIE: ZOMBIE,

@@ -4,8 +4,8 @@ A router or gateway that already calls vLLM's ``/tokenize`` and
 ``/detokenize`` expects vLLM's answers to the same requests: a 404 for a model
 the server does not serve, a 400 for more tokens than the context holds, the
 context length itself in every answer, and ``/tokenizer_info``. Parsing and
-type-checking the bodies is ``mptok.tokenize_request``; rendering a chat as
-vLLM does is ``mptok.chat_template``; this module holds the rest, so that
+type-checking the bodies is ``mptok.api.tokenize_request``; rendering a chat as
+vLLM does is ``mptok.api.chat_template``; this module holds the rest, so that
 what vLLM decides reads in one place (see docs/SERVE.md, "Endpoints").
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mptok.chat_template import ChatTemplate
-from mptok.tokenize_request import RequestError
+from mptok.api.chat_template import ChatTemplate
+from mptok.api.tokenize_request import RequestError
 
 # transformers reports an unknown context length as int(1e30); a limit at or
 # above this is not a real model's.

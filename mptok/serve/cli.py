@@ -2,8 +2,8 @@
 
 Only argument parsing and process-level set-up live here (logging, the
 environment the frontends inherit, signal handlers); the options themselves
-are declared in ``mptok.serve_options``, and what serving means is in
-``mptok.supervisor`` and ``mptok.frontend``.
+are declared in ``mptok.serve.options``, and what serving means is in
+``mptok.serve.supervisor`` and ``mptok.serve.frontend``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mptok.config import ENV_PREFIX, HELD_SHARE, CacheConfig
-from mptok.logfmt import configure_logging, log_event
-from mptok.serve_options import ServeOptions, add_arguments
+from mptok.cache.config import ENV_PREFIX, HELD_SHARE, CacheConfig
+from mptok.serve.logfmt import configure_logging, log_event
+from mptok.serve.options import ServeOptions, add_arguments
 
 logger = logging.getLogger("mptok.cli")
 
@@ -87,7 +87,7 @@ def serve(options: ServeOptions) -> int:
     environment the frontends inherit, and the SIGTERM/SIGINT handlers
     (restored on return).
     """
-    from mptok.supervisor import EXIT_CANNOT_START, StartupError, StopSignals, Supervisor
+    from mptok.serve.supervisor import EXIT_CANNOT_START, StartupError, StopSignals, Supervisor
 
     configure_logging("supervisor")
     # Inherited by the frontends: no advisory warnings from transformers

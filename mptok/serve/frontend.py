@@ -1,6 +1,6 @@
 """One tokenization frontend process of ``mptok serve``: HTTP in, exact token ids out.
 
-The supervisor (``mptok.supervisor``) starts N of these; each binds the same
+The supervisor (``mptok.serve.supervisor``) starts N of these; each binds the same
 port with SO_REUSEPORT, so the kernel spreads connections over them, and
 each serves its ``PrefixTokenCache`` to the others through
 ``TokenizationOwners``, so a conversation is tokenized by the frontend whose
@@ -8,15 +8,15 @@ cache holds it wherever its request lands. The HTTP side is FastAPI on
 uvicorn, as in vLLM and SGLang; everything that costs CPU (parsing,
 rendering the chat template, tokenizing, possibly waiting on a peer, and
 serializing the ids with orjson) runs in ``TokenizeService``'s bounded
-thread pool (``mptok.tokenize_service``), never on the event loop, so
+thread pool (``mptok.serve.service``), never on the event loop, so
 ``/health`` and ``/metrics`` answer while prompts tokenize. Under overload
 ``/tokenize`` answers 503 at once (``Admission``); bad clients meet the
-guards of ``mptok.http_protocol``. This module is the HTTP app and the
+guards of ``mptok.serve.http_protocol``. This module is the HTTP app and the
 process's lifecycle.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
-(every frontend's counters, see ``mptok.metrics``).
+(every frontend's counters, see ``mptok.serve.metrics``).
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from mptok.chat_template import ChatTemplate
-from mptok.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
-from mptok.lifeline import stop_with_parent
-from mptok.logfmt import configure_logging, log_event
-from mptok.metrics import PeriodicTask, SnapshotDir, render_prometheus
-from mptok.serve_options import ServeOptions, Use
-from mptok.tokenize_request import RequestError, error_body
-from mptok.tokenize_service import Answer, TokenizeService
-from mptok.vllm_contract import resolve_max_model_len, tokenizer_info_payload
+from mptok.api.chat_template import ChatTemplate
+from mptok.api.tokenize_request import RequestError, error_body
+from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
+from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.serve.lifeline import stop_with_parent
+from mptok.serve.logfmt import configure_logging, log_event
+from mptok.serve.metrics import PeriodicTask, SnapshotDir, render_prometheus
+from mptok.serve.options import ServeOptions, Use
+from mptok.serve.service import Answer, TokenizeService
 
 logger = logging.getLogger("mptok.frontend")
 
@@ -64,7 +64,7 @@ CLIENT_GONE = 499
 class FrontendSettings:
     """What one frontend process needs to start; picklable (it crosses the spawn pipe).
 
-    ``options`` are the command line's (``mptok.serve_options``), with the
+    ``options`` are the command line's (``mptok.serve.options``), with the
     port the supervisor bound (never 0). The authkey is not in here: it
     travels as its own Process argument and is never logged.
     """
@@ -263,9 +263,10 @@ class Frontend:
     """
 
     def __init__(self, settings: FrontendSettings, authkey: bytes):
-        import mptok
-        from mptok.config import CacheConfig
-        from mptok.routing import TokenizationOwners
+        from mptok.cache.backend import load_tokenizer
+        from mptok.cache.config import CacheConfig
+        from mptok.cache.prefix_cache import PrefixTokenCache
+        from mptok.routing.owners import TokenizationOwners
 
         self.settings = settings
         options = settings.options
@@ -273,11 +274,11 @@ class Frontend:
         self._stop_deadline: float | None = None
         self._stack = contextlib.ExitStack()
         try:
-            tokenizer = mptok.load_tokenizer(options.tokenizer)
+            tokenizer = load_tokenizer(options.tokenizer)
             template = ChatTemplate.for_tokenizer(tokenizer, settings.chat_template)
             # load_tokenizer has built the cache's tokenizer copy, and
             # TokenizationOwners runs it once before peers can see this owner.
-            cache = mptok.PrefixTokenCache(CacheConfig.from_env(**options.arguments_for(Use.CACHE)))
+            cache = PrefixTokenCache(CacheConfig.from_env(**options.arguments_for(Use.CACHE)))
             self.socket = self._stack.enter_context(tcp_socket(options.host, options.port, reuse_port=True))
             self.owners = self._stack.enter_context(
                 TokenizationOwners(
@@ -393,7 +394,7 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
     Sends ``("ready", pid)`` once its port listens and it serves its peers,
     or ``("failed", one_line_reason)`` and exits 1 if it cannot start. If the
     supervisor dies, however it dies, the kernel sends this process SIGTERM
-    (``mptok.lifeline``), and it stops as if the supervisor had stopped it.
+    (``mptok.serve.lifeline``), and it stops as if the supervisor had stopped it.
     """
     # What is process-wide is set here, not by the components: logging, the
     # stop signals' handlers, and the switch interval peers' calls need.
@@ -401,7 +402,9 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
     stop = _StopRequests()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop.handle)
-    from mptok.routing import lower_switch_interval  # the supervisor, importing this module, needs none of routing
+    from mptok.routing.owners import (
+        lower_switch_interval,  # the supervisor, importing this module, needs none of routing
+    )
 
     lower_switch_interval()
     parent = multiprocessing.parent_process()

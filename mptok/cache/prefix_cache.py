@@ -4,12 +4,12 @@ In chat and agentic serving every prompt is the previous prompt of its
 conversation plus a little, often with the chat template's generation prompt
 rewritten. ``PrefixTokenCache`` keeps the ids of each conversation's last
 prompt and tokenizes only from a proven seam near the point where the new
-prompt departs from it (``mptok.seam``), so a 200k-token prompt costs about
+prompt departs from it (``mptok.cache.seam``), so a 200k-token prompt costs about
 what its last few hundred tokens cost. Whatever it returns equals
 ``tokenizer(text, add_special_tokens=False)["input_ids"]``.
 
 It only ever tokenizes here. Each kept prompt carries a version and the
-versions before it, which the peer delta protocol (``mptok.peer``) reads
+versions before it, which the peer delta protocol (``mptok.routing.answer``) reads
 through ``kept_branches`` and ``encode_kept``; routing a prompt to the
 frontend that holds its conversation is a layer above (``mptok.routing``).
 """
@@ -28,18 +28,18 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mptok.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
-from mptok.config import CacheConfig, check_key
-from mptok.counting import Counters
-from mptok.ids import common_prefix_length, held_bytes
-from mptok.peer import History, Kept, history_after
-from mptok.prefix_index import PrefixIndex
-from mptok.seam import CachedPrompt, extend_prompt, tokenize_prompt
+from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
+from mptok.cache.config import CacheConfig, check_key
+from mptok.cache.prefix_index import PrefixIndex
+from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt
+from mptok.core.counting import Counters
+from mptok.core.ids import common_prefix_length, held_bytes
+from mptok.core.protocol import History, Kept, history_after
 
 logger = logging.getLogger(__name__)
 
 # Prompts kept under one conversation key. Two conversations may share a key
-# (one derived from their identical first messages, ``mptok.affinity``; a
+# (one derived from their identical first messages, ``mptok.api.affinity``; a
 # client that reuses a session id; a regenerated answer): each keeps a branch
 # of its own, and a prompt extends the branch it shares the most with,
 # instead of the conversations evicting each other turn after turn.
@@ -62,7 +62,7 @@ VERSION_OVERHEAD_BYTES = 256
 @dataclass(frozen=True)
 class _Entry:
     """A kept prompt, its version, and what the owner remembers of the
-    versions before it (``mptok.peer.History``); ``nbytes`` is what it all
+    versions before it (``mptok.core.protocol.History``); ``nbytes`` is what it all
     costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
@@ -150,7 +150,7 @@ class PrefixTokenCache:
         ``key`` names the conversation; without it, the longest kept prompt
         that ``text`` starts with is extended. Raises ``TypeError`` for text
         that is not a str, ``ValueError`` for a key longer than
-        ``mptok.config.MAX_KEY_BYTES`` (256 UTF-8 bytes), and whatever the
+        ``mptok.cache.config.MAX_KEY_BYTES`` (256 UTF-8 bytes), and whatever the
         tokenizer itself raises.
         """
         _check_input(text, key)

@@ -35,7 +35,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mptok.tokenize_request import error_body
+from mptok.api.tokenize_request import error_body
 
 logger = logging.getLogger("mptok.frontend")
 

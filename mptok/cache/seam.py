@@ -34,8 +34,8 @@ import unicodedata
 from array import array
 from dataclasses import dataclass
 
-from mptok.backend import TokenizerBackend
-from mptok.ids import IdPieces
+from mptok.cache.backend import TokenizerBackend
+from mptok.core.ids import IdPieces
 
 __all__ = ["CachedPrompt", "extend_prompt", "tokenize_prompt"]
 

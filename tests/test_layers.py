@@ -1,0 +1,80 @@
+"""The package's folders are its layers, and imports only go down.
+
+Every import in every module of ``mptok`` (at module level or inside a
+function) is read from the source and checked against the layer order; and
+``docs/ARCHITECTURE.md`` names every module, so the map a reader starts
+from matches the folders.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "mptok"
+
+# Bottom to top. A module may import its own layer and the layers below it;
+# layers of one rank (cache and transport, routing and api, serve and vllm)
+# stand side by side and may not import each other.
+RANKS = {"core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "serve": 3, "vllm": 3}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "mptok" else None
+
+
+def _modules() -> list[tuple[str, Path]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(REPO).with_suffix("")
+        parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+        found.append((".".join(parts), path))
+    return found
+
+
+def _imports(module: str, path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: -node.level] if path.name != "__init__.py" else module.split(".")[: len(module.split(".")) - node.level + 1]
+                names.append(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                names.append(node.module)
+    return [name for name in names if name == "mptok" or name.startswith("mptok.")]
+
+
+def test_every_module_sits_in_a_known_layer():
+    for module, path in _modules():
+        if module == "mptok":
+            continue
+        assert _layer(module) in RANKS, f"{path.relative_to(REPO)} is in no layer of {sorted(RANKS)}"
+
+
+@pytest.mark.parametrize("module,path", _modules(), ids=lambda value: value if isinstance(value, str) else "")
+def test_imports_only_go_down(module, path):
+    here = _layer(module)
+    if here is None:  # mptok/__init__.py: the public names, loaded lazily from every layer
+        return
+    for imported in _imports(module, path):
+        there = _layer(imported)
+        assert there is not None, f"{module} imports the package root ({imported}); import the layer's module"
+        if there == here:
+            continue
+        assert RANKS[there] < RANKS[here], f"{module} ({here}) imports {imported} ({there}): not a lower layer"
+
+
+def test_the_architecture_doc_names_every_module():
+    doc = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    for module, path in _modules():
+        if path.name == "__init__.py":
+            continue
+        relative = path.relative_to(PACKAGE).as_posix()
+        assert relative in doc, f"docs/ARCHITECTURE.md's module table does not name {relative}"
