@@ -57,7 +57,7 @@ import replay_bench as rb  # noqa: E402
 from percentiles import percentile  # noqa: E402
 
 from mptok.api.chat_template import ChatTemplate  # noqa: E402
-from mptok.cache.config import HELD_SHARE, CacheConfig, parse_bytes  # noqa: E402
+from mptok.cache.config import DEFAULT_MAX_HELD_BYTES, CacheConfig, parse_bytes  # noqa: E402
 from mptok.cache.prefix_cache import PrefixTokenCache  # noqa: E402
 
 MODES = ("no-cache", "no-route", "mptok", "sticky")
@@ -262,7 +262,7 @@ def main() -> int:
             points.append((budget, run_at(budget, modes, conversations, args, progress, Path(workdir))))
     all_results = [r for _, results in points for r in results]
     oversubscribed = f" F = {args.frontends} frontends on {os.cpu_count()} CPUs: oversubscribed, every figure is from a machine with more busy processes than cores." if args.frontends > (os.cpu_count() or 1) else ""
-    held = f"MPTOK_CACHE_MAX_HELD_BYTES={args.held_bytes}" if args.held_bytes else f"held replies bounded by mptok's default, 1/{HELD_SHARE} of each frontend's budget"
+    held = f"MPTOK_CACHE_MAX_HELD_BYTES={args.held_bytes}" if args.held_bytes else f"held fingerprints bounded by mptok's default, {DEFAULT_MAX_HELD_BYTES >> 20} MiB per frontend"
     header = (
         f"{rb.workload(conversations, args)} Turns interleaved across all conversations (each client sends one turn of the next "
         f"conversation in the queue); one run per mode. One copy (each conversation's last prompt once in one unbounded cache, "

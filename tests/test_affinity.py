@@ -138,4 +138,4 @@ def test_conversations_sharing_an_identity_keep_a_branch_each(tokenizer):
     # branch, though the second chat was kept after it.
     text = tokenizer.apply_chat_template(chats[0] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}], chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=True, tokenize=False)
     whole = answer_peer(cache, tokenizer, text, key)
-    assert whole is not None and whole.ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert whole is not None and whole.id_array().tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]

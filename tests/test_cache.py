@@ -16,10 +16,7 @@ from transformers import PreTrainedTokenizer
 
 import mptok
 import mptok.cache.prefix_cache
-import mptok.core.protocol
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.core.ids import IdPieces
-from mptok.routing.answer import answer_peer
 from mptok_harness.conversations import adversarial_delta, plain_delta
 from mptok_harness.families import CHAT_MARKERS, load_family
 
@@ -323,75 +320,6 @@ def test_rust_tokenizer_works_directly():
     assert cache.stats()["hits"] == 1
 
 
-# -- answering peers with what changed -------------------------------------------------
-
-
-def test_peer_gets_only_the_ids_after_its_version(tokenizer):
-    """Peers hold different, older versions of one conversation; each gets
-    the prompt's ids as a prefix of its version's ids plus the rest."""
-    from mptok_harness.conversations import chat_turns
-
-    cache = PrefixTokenCache()
-    prompts = chat_turns(random.Random(13), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=12)
-    held: dict[str, tuple[int, str, list[int]]] = {}  # peer -> (version, text, ids)
-    peers = ["a", "b", "c"]
-    small_replies = 0
-    for turn, text in enumerate(prompts):
-        peer = peers[turn * 7 % 3]
-        if peer in held:
-            version, old_text, old_ids = held[peer]
-            from mptok.core.ids import common_prefix_length
-
-            shared = common_prefix_length(old_text, text)
-            reply = answer_peer(cache, tokenizer, text[shared:], "conv", since=version, shared_chars=shared)
-            assert reply is not None
-            ids = old_ids[: reply.reused] + reply.ids
-            # Everything but the rewritten generation prompt is reused.
-            small_replies += reply.reused >= len(old_ids) - 20
-        else:
-            reply = answer_peer(cache, tokenizer, text, "conv")
-            assert reply.reused == 0
-            ids = reply.ids
-        assert ids == full_ids(tokenizer, text)
-        held[peer] = (reply.version, text, ids)
-    assert small_replies >= 8
-    assert cache.stats()["hits"] == len(prompts) - 1
-
-
-def test_peer_naming_an_unknown_version_is_asked_for_the_whole_text(tokenizer):
-    cache = PrefixTokenCache()
-    rng = random.Random(14)
-    text = prompt(rng, 300)
-    first = answer_peer(cache, tokenizer, text, "conv")
-    longer = text + prompt(rng, 20)
-    assert answer_peer(cache, tokenizer, longer, "conv", since=first.version + 1) is None
-    assert answer_peer(cache, tokenizer, longer, "other", since=first.version) is None
-    # More characters than that version had: not rebuilt from it.
-    assert (
-        answer_peer(cache, tokenizer, "x", "conv", since=first.version, shared_chars=len(text) + 1)
-        is None
-    )
-    whole = answer_peer(cache, tokenizer, longer, "conv")
-    assert whole.ids == full_ids(tokenizer, longer) and whole.reused == 0
-    assert whole.version != first.version
-    # A prompt without a key has no versions: answered whole, or not rebuilt.
-    assert answer_peer(cache, tokenizer, longer, None) == mptok.core.protocol.PeerReply(
-        0, 0, full_ids(tokenizer, longer)
-    )
-    assert answer_peer(cache, tokenizer, "x", None, since=whole.version, shared_chars=1) is None
-
-
-def test_peer_versions_are_forgotten_past_the_history(tokenizer):
-    cache = PrefixTokenCache()
-    rng = random.Random(15)
-    text = prompt(rng, 300)
-    first = answer_peer(cache, tokenizer, text, "conv")
-    for _ in range(mptok.core.protocol.PEER_HISTORY + 1):
-        text += prompt(rng, 10)
-        answer_peer(cache, tokenizer, text, "conv")
-    assert answer_peer(cache, tokenizer, "more", "conv", since=first.version, shared_chars=10) is None
-
-
 def test_long_tokenization_lets_other_threads_run(tokenizer):
     """A frontend's event loop and owner threads keep running while a long
     prompt is tokenized in full (Tokenizer.encode would hold the GIL)."""
@@ -416,21 +344,3 @@ def test_long_tokenization_lets_other_threads_run(tokenizer):
     assert ids == full_ids(tokenizer, text)
     # Holding the GIL throughout, the ticker would get one or two turns.
     assert ticks >= 20, ticks
-
-
-def test_common_prefix_of_id_pieces_matches_a_plain_comparison():
-    """Pieces shared by identity, pieces equal by value, differences early,
-    late and nowhere: the count is always what comparing the lists gives."""
-    rng = random.Random(7)
-    for _ in range(200):
-        base = [rng.randrange(128_000) for _ in range(rng.choice((0, 3, 70, 500, 5000)))]
-        cut = rng.randint(0, len(base))
-        shared = IdPieces.of(base[:cut])
-        tail = list(base[cut:])
-        if tail and rng.random() < 0.7:
-            tail[rng.randrange(len(tail))] = 128_001
-        mine = shared.spliced(cut, base[cut:])
-        theirs = shared.spliced(cut, tail) if rng.random() < 0.5 else IdPieces.of(base[:cut] + tail)
-        a, b = mine.to_list(), theirs.to_list()
-        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert mine.common_prefix(theirs) == want

@@ -8,7 +8,6 @@ import gc
 import random
 import tracemalloc
 import warnings
-from array import array
 
 import pytest
 from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
@@ -17,10 +16,10 @@ import mptok
 import mptok.cache.prefix_cache
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.api.tokenize_request import RequestError, parse_tokenize_request
-from mptok.cache.config import HELD_SHARE, MAX_KEY_BYTES
-from mptok.core.ids import intern_ids
+from mptok.cache.config import DEFAULT_MAX_HELD_BYTES, MAX_KEY_BYTES
+from mptok.core.fingerprint import Fingerprint, extend_chain
 from mptok.routing.answer import answer_peer
-from mptok.routing.held import Held, HeldReplies
+from mptok.routing.held import HeldReplies
 from mptok_harness.conversations import plain_delta
 from mptok_harness.prompts import conversation
 
@@ -35,12 +34,12 @@ def test_eviction_keeps_the_bytes_within_the_budget_and_ids_exact(tokenizer):
     budget = 1 * MiB
     cache = PrefixTokenCache(CacheConfig(max_bytes=budget, min_chars=0))
     rng = random.Random(1)
-    texts = {f"conversation-{i}": plain_delta(rng, 4000) for i in range(12)}
+    texts = {f"conversation-{i}": plain_delta(rng, 4000) for i in range(24)}
     for key, text in texts.items():
         assert cache.encode(tokenizer, text, key=key) == full_ids(tokenizer, text)
         assert 0 < cache.stats()["cached_bytes"] <= budget
     stats = cache.stats()
-    assert stats["entries"] < len(texts), "a 1 MiB budget cannot hold 12 prompts of ~20k characters"
+    assert stats["entries"] < len(texts), "a 1 MiB budget cannot hold 24 prompts of ~20k characters and their ids"
     # The oldest was evicted: its next turn is tokenized in full, exactly.
     first = "conversation-0"
     longer = texts[first] + plain_delta(rng, 50)
@@ -71,33 +70,28 @@ def test_keys_count_in_the_bytes(tokenizer):
     assert sizes[1] - sizes[0] >= MAX_KEY_BYTES - 1
 
 
-def test_history_counts_and_history_sharing_nothing_is_dropped(tokenizer):
+def test_a_new_prompt_replaces_its_predecessor_and_counts_only_the_buffer_it_pins(tokenizer):
     rng = random.Random(4)
     cache = PrefixTokenCache(CacheConfig(min_chars=0))
     base = plain_delta(rng, 12_000)
     cache.encode(tokenizer, base, key="c")
     alone = cache.stats()["cached_bytes"]
-    # The next prompt, as long, departs before the offsets window: a miss
-    # whose predecessor, which shares a long prefix, is remembered beside
-    # it with its own list.
-    rewritten = base[: len(base) // 4] + plain_delta(rng, 9_000)
+    ids_bytes = _entry(cache, "c").prompt.ids.nbytes
+    assert 4 * len(full_ids(tokenizer, base)) <= ids_bytes <= 4.6 * len(full_ids(tokenizer, base))
+    # A prompt that shares nothing with it replaces it: nothing of the old
+    # one stays beside it (peers name text by fingerprint, not by earlier
+    # versions' ids).
+    rewritten = "Z" + plain_delta(rng, 9_000)
     cache.encode(tokenizer, rewritten, key="c")
-    assert cache.stats()["misses"] == 2
-    with_history = cache.stats()["cached_bytes"]
-    remembered = len(full_ids(tokenizer, base)) * 8
-    assert with_history - alone >= remembered * 0.9
-    reply = answer_peer(cache, tokenizer, "", "c", since=_version(cache, "c"), shared_chars=0)
-    assert reply is not None
-    # An unrelated prompt under a key: nothing earlier of that key is kept.
-    cache.encode(tokenizer, base, key="d")
-    old_version = _version(cache, "d")
-    before = cache.stats()["cached_bytes"]
-    unrelated = "Z" + plain_delta(rng, 1000)
-    cache.encode(tokenizer, unrelated, key="d")
-    entry = _entry(cache, "d")
-    assert entry.history == ()
-    assert answer_peer(cache, tokenizer, "x", "d", since=old_version, shared_chars=0) is None
-    assert cache.stats()["cached_bytes"] < before
+    assert cache.stats()["misses"] == 2 and cache.stats()["entries"] == 1
+    assert cache.stats()["cached_bytes"] < alone
+    # An extension shares its predecessor's buffer, counted once.
+    longer = rewritten + plain_delta(rng, 30)
+    before = _entry(cache, "c").prompt.ids
+    cache.encode(tokenizer, longer, key="c")
+    assert cache.stats()["hits"] == 1
+    after = _entry(cache, "c").prompt.ids
+    assert after.buffer is before.buffer or after.nbytes <= 4.6 * after.length + 2048
 
 
 def _entry(cache: PrefixTokenCache, key: str):
@@ -173,7 +167,7 @@ def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, mon
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "64M")
     monkeypatch.delenv("MPTOK_CACHE_MAX_CACHED_CHARS")
     assert CacheConfig.from_env().max_bytes == 64 * MiB
-    assert CacheConfig.from_env().max_held_bytes == 64 * MiB // HELD_SHARE  # held replies follow the cache's budget
+    assert CacheConfig.from_env().max_held_bytes == DEFAULT_MAX_HELD_BYTES  # fingerprints, whatever the cache's budget
     monkeypatch.setenv("MPTOK_CACHE_MAX_HELD_BYTES", "1M")
     assert CacheConfig.from_env().max_held_bytes == MiB
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "lots")
@@ -181,27 +175,24 @@ def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, mon
         CacheConfig.from_env()
 
 
-def test_held_replies_are_bounded_by_bytes():
-    budget = 256 * 1024
+def test_held_fingerprints_are_bounded_by_bytes_whatever_the_conversation_length():
+    budget = 16 * 1024
     held = HeldReplies(max_bytes=budget)
-    for i in range(40):
-        ids = array("i", range(1000 + i, 6000 + i))
-        held.put((1, 7), f"conversation-{i}", Held(i + 1, "x" * 10_000, ids))
+    for i in range(200):
+        text = f"conversation {i} " * (1000 + 5000 * (i % 3))
+        held.put((1, 7), f"conversation-{i}", Fingerprint.of(text, extend_chain(text)))
         assert held.stats()["held_bytes"] <= budget
     stats = held.stats()
-    assert 0 < stats["held_entries"] < 40
-    assert held.get((1, 7), "conversation-39") is not None
+    assert 16 < stats["held_entries"] < 200  # under 1 KiB each, whatever the text's length
+    assert held.get((1, 7), "conversation-199") is not None
     assert held.get((1, 7), "conversation-0") is None
-    held.put((1, 7), "huge", Held(99, "y" * budget, array("i", [1, 2, 3])))
-    assert held.get((1, 7), "huge") is None and held.stats()["held_bytes"] <= budget
 
 
 def test_counted_bytes_match_what_python_allocates(tokenizer):
     """The budget is honest: the cache's own count is within 25% of what
-    tracemalloc sees it hold, over long conversations that compact their
-    id lists (more than 32 turns) and remember earlier versions."""
+    tracemalloc sees it hold, over long conversations whose id buffers
+    grow by appends and are copied when they fill or a turn rewrites."""
     rng = random.Random(7)
-    intern_ids(list(range(tokenizer.vocab_size + 1000)))  # the shared ints, a fixed cost, made up front
     texts = {f"c{i}": [plain_delta(rng, 25_000)] for i in range(3)}
     for turns in texts.values():
         for _ in range(40):
@@ -223,14 +214,15 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
     assert cache.stats()["hits"] >= 110
     assert abs(counted - traced) <= 0.25 * traced, (counted, traced)
     tokens = sum(len(full_ids(tokenizer, turns[-1])) for turns in texts.values())
-    # 8-byte slots of shared ints, the offsets window, 16 versions' tails: about
-    # 10-11 here; 9.4 on scripts/bench_memory.py's longer conversations.
-    assert traced / tokens < 12
+    # 4-byte ids, their buffers' spare room (at most an eighth), the offsets
+    # window and the fingerprint chain: about 5 here, the window weighing
+    # most on these short conversations (scripts/bench_memory.py).
+    assert traced / tokens < 6.5
 
 
 def test_cache_bytes_reaches_every_frontend_and_bounds_what_each_holds(tmp_path, tokenizer):
-    """`mptok serve --cache-bytes` is each frontend's cache budget, and an
-    eighth of it the budget of its held replies (unless set): read back from
+    """`mptok serve --cache-bytes` is each frontend's cache budget, the held
+    fingerprints have their own (``DEFAULT_MAX_HELD_BYTES``): read back from
     /metrics after more routed conversations than the frontends can keep."""
     budget, conversations, turns = 512 * 1024, 16, 4
     with Server(tmp_path / "serve.log", "--frontends", "2", "--cache-bytes", str(budget)) as server:
@@ -248,8 +240,8 @@ def test_cache_bytes_reaches_every_frontend_and_bounds_what_each_holds(tmp_path,
             return total(samples, name, frontend=frontend)
 
         assert value("mptok_cache_max_bytes") == budget
-        assert value("mptok_held_reply_max_bytes") == budget // HELD_SHARE
+        assert value("mptok_held_reply_max_bytes") == DEFAULT_MAX_HELD_BYTES
         assert 0 < value("mptok_cache_bytes") <= budget
-        assert value("mptok_held_reply_bytes") <= budget // HELD_SHARE
+        assert value("mptok_held_reply_bytes") <= DEFAULT_MAX_HELD_BYTES
     assert total(samples, "mptok_cache_entries") < conversations, "the budget should have evicted conversations"
     assert total(samples, "mptok_routed_total") > 0

@@ -59,7 +59,7 @@ def test_owner_order_is_pinned_across_runs():
 
 def test_owner_order_is_the_same_in_another_process_with_another_hash_seed():
     keys = [f"key-{i}" for i in range(50)]
-    code = "import sys; from mptok.routing import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
+    code = "import sys; from mptok.routing.order import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(
         [sys.executable, "-c", code, *keys], env=env, capture_output=True, text=True, check=True, timeout=60
@@ -208,7 +208,10 @@ def in_process_owners(ipc_dir: str, tokenizer, count: int):
     owners = []
     try:
         for i in range(count):
-            owners.append(TokenizationOwners(ipc_dir, i, count, caches[i], tokenizer, authkey=AUTHKEY))
+            # Every prompt routed, so that what crosses is known in advance.
+            owners.append(
+                TokenizationOwners(ipc_dir, i, count, caches[i], tokenizer, authkey=AUTHKEY, weigh_crossing=False)
+            )
         yield caches, owners
     finally:
         for owner in owners:
@@ -222,13 +225,13 @@ def test_two_owners_in_one_process_each_answer_for_themselves(tmp_path, tokenize
         registries = {id(type(m)._registry) for m in managers_}
         assert len(registries) == 3
         for owner in (0, 1):
-            for text in conversation(owner, 3):
+            for text in conversation(owner, 3, first_chars=6000):
                 key = key_owned_by(owner, 3, f"in-process-{owner}")
                 assert owners[2].encode(tokenizer, text, key=key) == expected(tokenizer, text)
         served = [o.stats()["served"] for o in owners]
         assert served == [3, 3, 0]
-        # After the first turn, frontend 2 holds each conversation's ids and
-        # sends and gets back only what changed.
+        # After the first turn, frontend 2 holds each conversation's
+        # fingerprint and sends only the new characters.
         assert [o.stats()["served_since"] for o in owners] == [2, 2, 0]
         assert owners[2].stats()["routed_since"] == 4
         # Each owner's cache holds only its own conversation.
@@ -269,26 +272,57 @@ def plain_words(rng: random.Random) -> str:
     return " " + " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(20))
 
 
-def test_turns_asked_from_alternating_frontends_get_only_what_changed(tmp_path, tokenizer):
+def test_turns_asked_from_alternating_frontends_send_only_what_changed(tmp_path, tokenizer):
     """Turns of one conversation land on different frontends, as SO_REUSEPORT
-    spreads them: each asker sends only the characters after what it holds,
-    the owner answers from its version history, and every id list is exact.
-    A held version the owner has forgotten costs one whole-text retry."""
+    spreads them: each asker sends only the characters after what its
+    fingerprint covers, however many turns the owner kept since, and every
+    id list is exact. A conversation the owner has forgotten costs one
+    whole-text retry."""
     from mptok_harness.conversations import chat_turns
 
     with in_process_owners(str(tmp_path / "ipc"), tokenizer, 4) as (caches, owners):
         key = key_owned_by(0, 4, "alternating")
-        # Frontend 3 then waits longer than the owner remembers versions.
-        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * (mptok.core.protocol.PEER_HISTORY + 2)
-        prompts = chat_turns(random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=len(askers))
+        # Frontend 3 asks again only after 20 turns went through others.
+        askers = [1, 2, 3, 1, 1, 2] * 2 + [3] * 2 + [2] * 18 + [3]
+        prompts = chat_turns(
+            random.Random(5), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=len(askers) + 1, words_per_message=800
+        )
+        assert len(prompts[0]) > 4096 + 256  # every prompt gets a fingerprint
         for asker, prompt in zip(askers, prompts):
             assert owners[asker].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
-        assert owners[3].encode(tokenizer, prompts[-1] + "x", key=key) == expected(
-            tokenizer, prompts[-1] + "x"
-        )
+        caches[0].clear()
+        assert owners[3].encode(tokenizer, prompts[-1], key=key) == expected(tokenizer, prompts[-1])
         served, since = owners[0].stats()["served"], owners[0].stats()["served_since"]
-        asked = len(prompts) + 1
-        # Three first requests and one forgotten version go whole (the
-        # forgotten one twice); every other turn is answered with a delta.
+        asked = len(askers) + 1
+        # Three first requests and one forgotten conversation go whole (the
+        # forgotten one twice); every other turn is answered from a fingerprint.
         assert served == asked + 1 and since == asked - 4
-        assert caches[0].stats()["hits"] == asked - 1
+        # The first turn and the one after the owner forgot are misses.
+        assert caches[0].stats()["hits"] == asked - 2
+
+
+def test_crossing_routes_unless_the_prompt_is_cheaper_here():
+    """The choice, from given costs: a character here costs 1 us, a delta
+    call to owner "a" what was observed, averaged."""
+    from mptok.routing.crossing import (
+        LOCAL_CHEAPER,
+        PROBE_EVERY,
+        ROUTE_CHEAPER,
+        ROUTE_PROBE,
+        ROUTE_UNKNOWN,
+        CrossingCosts,
+    )
+
+    costs = CrossingCosts(seconds_per_char=1e-6)
+    assert costs.choose("a", 10_000) == ROUTE_UNKNOWN  # nothing learned yet: route, and learn
+    costs.observe("a", 0.002)
+    assert costs.choose("a", 10_000) == ROUTE_CHEAPER  # 10 ms here against 2 ms
+    choices = [costs.choose("a", 1_000) for _ in range(2 * PROBE_EVERY)]  # 1 ms here
+    assert choices.count(ROUTE_PROBE) == 2 and choices.count(LOCAL_CHEAPER) == 2 * PROBE_EVERY - 2
+    assert costs.choose("b", 1_000) == ROUTE_UNKNOWN  # per owner
+    # The average follows what calls take now.
+    for _ in range(30):
+        costs.observe("a", 0.0005)
+    assert costs.choose("a", 1_000) == ROUTE_CHEAPER
+    # Without a cost per character (a lone frontend, or not weighing), always route.
+    assert CrossingCosts(None).choose("a", 1) == ROUTE_UNKNOWN

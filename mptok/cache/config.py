@@ -22,16 +22,11 @@ MAX_KEY_BYTES = 256
 
 MiB = 1024 * 1024
 
-# The default budget of held replies is this fraction of the cache's. Under a
-# budget that keeps each conversation only at its owner, what askers hold is
-# memory beside the owners' copies: with a fixed 256 MiB, held replies grew
-# to 1.7 copies of every conversation beside the owners' one
-# (scripts/capacity_replay.py, docs/RESULTS.md). A sixteenth keeps the held
-# replies of 8 frontends (the most deployments run) within half of one
-# frontend's budget. It trades speed for memory: under a tight budget most
-# routed prompts then go whole, about 5 ms more per routed turn at ~20k
-# tokens under load (docs/CACHE.md, "Held replies").
-HELD_SHARE = 16
+# The default budget of what a frontend holds of the conversations it routed
+# to their owners: a fingerprint each (``mptok.routing.held``), about 350
+# bytes with its key, whatever the conversation's length, so 4 MiB holds
+# about 12,000 conversations per frontend.
+DEFAULT_MAX_HELD_BYTES = 4 * MiB
 
 
 def check_key(key: str) -> None:
@@ -71,14 +66,10 @@ class CacheConfig:
         as Python allocates them; least recently used conversations are
         evicted to stay within it, and a prompt that alone exceeds it is
         tokenized but not kept.
-    max_held_bytes: the same budget for the replies a frontend holds of the
-        conversations it routed to their owners (``mptok.routing``); by
-        default ``max_bytes // HELD_SHARE`` (32 MiB of the default 512 MiB),
-        worked out once, when the config is made: ``dataclasses.replace``
-        with a new ``max_bytes`` keeps it unless given ``max_held_bytes=None``.
-        Each held reply is a second copy of a conversation its owner keeps,
-        so with F frontends held replies add at most F / HELD_SHARE of one
-        frontend's budget to the one copy the owners keep.
+    max_held_bytes: memory for the fingerprints a frontend holds of the
+        conversations it routed to their owners (``mptok.routing.held``):
+        tens of bytes each plus the key, never a copy of the text or ids
+        (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently routed evicted.
     max_cached_chars: deprecated (use ``max_bytes``); still enforced as a
         limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither
@@ -92,7 +83,7 @@ class CacheConfig:
 
     max_entries: int = 1024
     max_bytes: int = 512 * MiB
-    max_held_bytes: int | None = None  # None: max_bytes // HELD_SHARE
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES
     max_cached_chars: int | None = None
     min_chars: int = 256
     seam_window_tokens: int = 4096
@@ -108,8 +99,6 @@ class CacheConfig:
             "seam_window_tokens": 16,
             "max_seam_attempts": 1,
         }
-        if self.max_held_bytes is None and isinstance(self.max_bytes, int) and not isinstance(self.max_bytes, bool):
-            object.__setattr__(self, "max_held_bytes", max(1, self.max_bytes // HELD_SHARE))  # frozen: set once, here
         for name, lowest in lower_bounds.items():
             value = getattr(self, name)
             if value is None and name == "max_cached_chars":

@@ -8,15 +8,18 @@ prompt departs from it (``mptok.cache.seam``), so a 200k-token prompt costs abou
 what its last few hundred tokens cost. Whatever it returns equals
 ``tokenizer(text, add_special_tokens=False)["input_ids"]``.
 
-It only ever tokenizes here. Each kept prompt carries a version and the
-versions before it, which the peer delta protocol (``mptok.routing.answer``) reads
-through ``kept_branches`` and ``encode_kept``; routing a prompt to the
-frontend that holds its conversation is a layer above (``mptok.routing``).
+It only ever tokenizes here. Ids are held as int32 arrays
+(``mptok.core.ids``): ``encode`` returns a list, ``encode_array`` the array
+itself, for a caller that writes JSON or sends ids on. Each prompt kept
+under a conversation key also keeps the fingerprint chain of its text
+(``mptok.core.fingerprint``), so that another frontend can ask for its next
+turn by sending only the new characters (``answer_peer``, one call);
+routing a prompt to the frontend that holds its conversation is a layer
+above (``mptok.routing``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import secrets
@@ -32,9 +35,12 @@ from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerR
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
 from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt
+import numpy as np
+
 from mptok.core.counting import Counters
-from mptok.core.ids import common_prefix_length, held_bytes
-from mptok.core.protocol import History, Kept, history_after
+from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
+from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
+from mptok.core.protocol import PeerReply
 
 logger = logging.getLogger(__name__)
 
@@ -50,42 +56,42 @@ MAX_BRANCHES = 4
 # earlier turn); one that parts earlier starts a branch of its own.
 BRANCH_SLACK_CHARS = 256
 
-# What an entry costs beyond its text, ids and offsets, which are counted by
-# size: the entry, prompt and IdPieces objects, the holder tuple, the slots of
-# the LRU dict and of the content index. Measured with tracemalloc
-# (scripts/bench_memory.py) and rounded up.
+# What an entry costs beyond its text, ids, offsets and fingerprint chain,
+# which are counted by size: the entry, prompt and IdPieces objects, the id
+# buffer's lock, the holder tuple, the slots of the LRU dict and of the
+# content index. Measured with tracemalloc (scripts/bench_memory.py) and
+# rounded up.
 ENTRY_OVERHEAD_BYTES = 1024
-# Per remembered version: its tuple, IdPieces and piece tuples.
-VERSION_OVERHEAD_BYTES = 256
 
 
 @dataclass(frozen=True)
 class _Entry:
-    """A kept prompt, its version, and what the owner remembers of the
-    versions before it (``mptok.core.protocol.History``); ``nbytes`` is what it all
-    costs (``entry_bytes``)."""
+    """A kept prompt, its version, the fingerprint chain of its text (empty
+    for a prompt kept without a key: no peer asks for those), and
+    ``nbytes``, what it all costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
     version: int
-    history: History
+    chain: bytes = b""
     nbytes: int = 0
 
-    def kept(self) -> Kept:
-        return Kept(self.prompt.text, self.version, self.prompt.ids, self.history)
 
-
-def entry_bytes(holder: Hashable, prompt: CachedPrompt, history: History) -> int:
-    """Bytes a kept prompt holds: its key, text, the lists of its ids and of
-    its remembered versions' ids (each list once: versions share them), its
-    offsets window and bookkeeping. O(pieces), not O(tokens)."""
+def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
+    """Bytes a kept prompt holds: its key, text, the id buffer it pins (spare
+    room included), its offsets window, fingerprint chain and bookkeeping."""
     return (
-        held_bytes(holder, prompt.text, prompt.ids, *(ids for _, ids, _ in history))
+        held_bytes(holder, prompt.text, prompt.ids)
         + sys.getsizeof(prompt.starts)
         + sys.getsizeof(prompt.ends)
         + sys.getsizeof(prompt.word_starts)
+        + sys.getsizeof(chain)
         + ENTRY_OVERHEAD_BYTES
-        + VERSION_OVERHEAD_BYTES * len(history)
     )
+
+
+# A kept prompt that a new one extends: its holder, its entry, and the
+# characters they share.
+_Extension = tuple[Hashable, "_Entry | None", int]
 
 
 class Encoder(Protocol):
@@ -94,6 +100,10 @@ class Encoder(Protocol):
 
     def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
         """Exactly ``tokenizer(text, add_special_tokens=False)["input_ids"]``."""
+        ...
+
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
+        """``encode``'s ids as a 1-D int32 numpy array."""
         ...
 
 
@@ -117,9 +127,11 @@ class PrefixTokenCache:
     ``encode`` returns a new list each call, equal to
     ``tokenizer(text, add_special_tokens=False)["input_ids"]`` for a
     transformers fast tokenizer or to ``tokenizer.encode(text,
-    add_special_tokens=False).ids`` for a ``tokenizers.Tokenizer``. It
-    always tokenizes in this process; ``mptok.TokenizationOwners.encode``
-    is the same call that may have another frontend do it.
+    add_special_tokens=False).ids`` for a ``tokenizers.Tokenizer``;
+    ``encode_array`` the same ids as a read-only int32 numpy array, without
+    building a list. It always tokenizes in this process;
+    ``mptok.TokenizationOwners.encode`` is the same call that may have
+    another frontend do it.
     """
 
     def __init__(self, config: CacheConfig | None = None):
@@ -154,7 +166,21 @@ class PrefixTokenCache:
         tokenizer itself raises.
         """
         _check_input(text, key)
-        return self._encode_here(tokenizer, text, key)
+        if not text:
+            return []
+        entry = self._entry_or_ids(tokenizer, text, key)
+        return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
+
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True) -> np.ndarray:
+        """``encode``'s ids as a 1-D int32 numpy array, read-only when it is
+        the cache's own (it never changes). For a caller that writes the ids
+        as JSON (orjson's ``OPT_SERIALIZE_NUMPY``) or sends them on: no list
+        and no Python int is made for them. With ``keep=False`` the prompt
+        extends what is kept as ``encode`` would, but is not kept itself
+        (another frontend keeps its conversation). Raises what ``encode`` raises."""
+        _check_input(text, key)
+        entry = self._entry_or_ids(tokenizer, text, key, keep=keep) if text else []
+        return entry.prompt.ids.array() if isinstance(entry, _Entry) else as_id_array(entry)
 
     def would_keep(self, text: str, key: str | None = None) -> bool:
         """Whether ``encode(tokenizer, text, key)`` would keep the prompt
@@ -163,25 +189,60 @@ class PrefixTokenCache:
         _check_input(text, key)
         return self._keeps(text)
 
-    def encode_kept(self, tokenizer: Any, text: str, key: str) -> Kept | list[int]:
-        """Tokenize ``text`` of conversation ``key`` as ``encode`` does; the
-        prompt as kept, with its new version, or its ids if it was not kept
-        (too short or long, a tokenizer the cache cannot serve)."""
+    def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
+        """``encode_array``'s ids as a peer's reply, with the version the
+        prompt was kept as (0 if it was not kept)."""
         _check_input(text, key)
-        entry = self._entry_or_ids(tokenizer, text, key)
-        return entry.kept() if isinstance(entry, _Entry) else entry
+        entry = self._entry_or_ids(tokenizer, text, key) if text else []
+        if isinstance(entry, _Entry):
+            return PeerReply(entry.version, 0, entry.prompt.ids.array())
+        return PeerReply(0, 0, as_id_array(entry))
 
-    def kept_branches(self, tokenizer: Any, key: str) -> list[Kept]:
-        """The prompts kept for conversation ``key`` with ``tokenizer``,
-        newest first (at most ``MAX_BRANCHES``); empty for a tokenizer the
-        cache cannot serve."""
-        check_key(key)
+    def answer_peer(self, tokenizer: Any, key: str, since: int, shared_chars: int, tail: str) -> PeerReply | None:
+        """The reply to a peer that sends conversation ``key``'s new prompt as
+        ``tail``, the characters after the first ``shared_chars``, which it
+        names by their fingerprint ``since`` (``Fingerprint.since``).
+
+        One call: finds the kept prompt whose first ``shared_chars``
+        characters have that fingerprint, compares ``tail`` with the rest of
+        its text, tokenizes from a seam there and keeps the new prompt, as
+        ``encode(tokenizer, text[:shared_chars] + tail, key)`` would. Returns
+        None when no kept prompt has that fingerprint (a wrong or stale one,
+        an evicted conversation, a tokenizer the cache cannot serve): the
+        peer then sends the whole text. Raises what ``encode`` raises for
+        bad input.
+        """
+        _check_input(tail, key)
+        if key is None:
+            raise TypeError("a peer's delta names a conversation: key must be a str")
+        fingerprint = Fingerprint.from_wire(since, shared_chars)
+        if fingerprint is None:
+            return None
         try:
             backend = backend_for(tokenizer)
         except SlowTokenizerError:
-            return []
+            return None
         with self._lock:
-            return [entry.kept() for entry in self._branches_of(backend.serial, key)]
+            found = next(
+                (
+                    (holder, entry)
+                    for holder, entry in self._branches_of(backend.serial, key)
+                    if fingerprint.matches(entry.chain)
+                ),
+                None,
+            )
+        if found is None:
+            return None
+        holder, known = found
+        kept_text = known.prompt.text
+        rest = kept_text[shared_chars:]
+        shared = shared_chars + common_prefix_length(rest, tail)
+        text = kept_text if shared == len(kept_text) == shared_chars + len(tail) else kept_text[:shared_chars] + tail
+        holder = self._branch_holder(backend, key, holder, known, shared, text)
+        entry = self._entry_or_ids(tokenizer, text, key, extending=(holder, known, shared))
+        if isinstance(entry, _Entry):
+            return PeerReply(entry.version, 0, entry.prompt.ids.array())
+        return PeerReply(0, 0, as_id_array(entry))
 
     def stats(self) -> dict[str, int]:
         """Counters since creation, and the current size of the cache.
@@ -217,21 +278,19 @@ class PrefixTokenCache:
             and len(text) > 0
         )
 
-    def _encode_here(self, tokenizer: Any, text: str, key: str | None) -> list[int]:
-        if not text:
-            return []
-        entry = self._entry_or_ids(tokenizer, text, key)
-        return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
-
-    def _entry_or_ids(self, tokenizer: Any, text: str, key: str | None) -> _Entry | list[int]:
-        """The entry kept for ``text``, made here, or its ids if it is not kept."""
+    def _entry_or_ids(
+        self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, keep: bool = True
+    ) -> _Entry | list[int]:
+        """The entry for ``text``, made here (extending the kept prompt
+        ``extending`` names, if given) and kept unless ``keep`` is false, or
+        its ids if it cannot be kept."""
         try:
             backend = backend_for(tokenizer)
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
         try:
-            entry = self._entry_here(backend, text, key)
+            entry = self._entry_here(backend, text, key, extending, keep)
         except TokenizerRefused:
             # Exactly what the tokenizer itself does with this text: its ids
             # or its error. Nothing is kept.
@@ -240,7 +299,9 @@ class PrefixTokenCache:
             return self._encode_full(backend, tokenizer, text)
         return entry
 
-    def _entry_here(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry | None:
+    def _entry_here(
+        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: bool
+    ) -> _Entry | None:
         """The entry kept for ``text``, made here; None if the text is not kept.
 
         Raises ``TokenizerRefused`` for text the Rust tokenizer refuses.
@@ -249,7 +310,7 @@ class PrefixTokenCache:
             self._count("uncached")
             return None
         try:
-            return self._encode_cached(backend, text, key)
+            return self._encode_cached(backend, text, key, extending, keep)
         except TokenizerRefused:
             raise
         except MemoryError:
@@ -264,8 +325,12 @@ class PrefixTokenCache:
             self._disable()
             return None
 
-    def _encode_cached(self, backend: TokenizerBackend, text: str, key: str | None) -> _Entry:
-        if key is None:
+    def _encode_cached(
+        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: bool
+    ) -> _Entry:
+        if extending is not None:
+            holder, known, shared = extending
+        elif key is None:
             holder, known, shared = self._kept_by_content(backend, text)
         else:
             holder, known, shared = self._branch_for(backend, key, text)
@@ -287,14 +352,13 @@ class PrefixTokenCache:
             self._count("misses")
         else:
             self._count("hits")
-        history = history_after(known.kept() if known is not None else None, shared)
-        compact = prompt.ids.bounded()
-        if compact is not prompt.ids:
-            # Joined into one list: the remembered versions move onto it, or
-            # they would keep the old lists alive beside the new one.
-            history = tuple((version, ids.rebased(prompt.ids, compact), chars) for version, ids, chars in history)
-            prompt = dataclasses.replace(prompt, ids=compact)
-        entry = _Entry(prompt, next(self._versions), history, entry_bytes(holder, prompt, history))
+        if not keep:
+            return _Entry(prompt, 0)
+        chain = b""
+        if key is not None:  # peers ask for keyed prompts only
+            reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
+            chain = extend_chain(text, reused)
+        entry = _Entry(prompt, next(self._versions), chain, entry_bytes(holder, prompt, chain))
         self._keep(holder, entry, by_content=key is None)
         return entry
 
@@ -324,17 +388,25 @@ class PrefixTokenCache:
             if shared > best[2]:
                 best = (holder, entry, shared)
         holder, known, shared = best
+        shared = max(shared, 0)
+        return self._branch_holder(backend, key, holder, known, shared, text), known, shared
+
+    def _branch_holder(
+        self, backend: TokenizerBackend, key: str, holder: Hashable, known: _Entry | None, shared: int, text: str
+    ) -> Hashable:
+        """Where a prompt of ``key`` that extends branch ``holder`` (``known``)
+        by ``shared`` characters is kept (see ``_branch_for``)."""
         if known is None:
             # The first branch has a fixed holder, so that threads starting
             # one conversation at once keep one branch, not one each.
-            holder = (backend.serial, key, 0)
-        elif BRANCH_SLACK_CHARS <= shared < min(len(known.prompt.text), len(text)) - BRANCH_SLACK_CHARS:
-            holder = (backend.serial, key, next(self._branch_ids))
-        return holder, known, max(shared, 0)
+            return (backend.serial, key, 0)
+        if BRANCH_SLACK_CHARS <= shared < min(len(known.prompt.text), len(text)) - BRANCH_SLACK_CHARS:
+            return (backend.serial, key, next(self._branch_ids))
+        return holder
 
-    def _branches_of(self, serial: int, key: str) -> list[_Entry]:
+    def _branches_of(self, serial: int, key: str) -> list[tuple[Hashable, _Entry]]:
         """The kept branches of ``key``, newest first; the caller holds the lock."""
-        return [self._entries[holder] for holder in reversed(self._branches.get((serial, key), ()))]
+        return [(holder, self._entries[holder]) for holder in reversed(self._branches.get((serial, key), ()))]
 
     def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool) -> None:
         """Keep ``entry`` as the newest, then evict the least recently used

@@ -1,237 +1,202 @@
-"""Token ids held compactly: shared int objects, shared lists, and their byte cost.
+"""Token ids in one compact form, from the cache to the JSON bytes: int32 numpy arrays.
 
-A cached conversation holds one id per token of its last prompt, and the
-versions before it. Held as the Rust tokenizer returns them, each id is a
-fresh Python int (28 bytes) behind an 8-byte list slot: about 35 bytes per
-token, several times the prompt's own text. Here every stored id is replaced
-by the one shared int object of its value (``intern_ids``), so a stored
-token costs its 8-byte slot, and the versions of a conversation share their
-lists (``IdPieces``), so a version costs only the ids it changed.
+A cached conversation holds one id per token of its last prompt. Held as
+Python ints in a list, each costs its 8-byte slot and, for a copy, a
+reference-count touch of an int object somewhere in memory: a list copy of a
+47k-id prompt took 0.87 ms after other work, as much as the rest of a cache
+hit. An int32 array costs 4 bytes an id, is copied with one ``memcpy``,
+spliced without creating an int, and written to JSON by orjson
+(``OPT_SERIALIZE_NUMPY``) without a list; the transport sends it as it is.
 
-An ``array('i')`` would cost 4 bytes a token, but turning it back into the
-``list[int]`` callers get creates an int object per id: about 100 times
-slower than copying a list of shared ints (30 ms against 0.3 ms at 200k
-ids), which would eat the whole gain of a cache hit.
-
-``IdPieces.nbytes`` and ``list_bytes`` are what a cache's byte budget counts;
-the shared ints themselves are a fixed cost per process (one object per
-token id value seen, at most the vocabulary: about 4.6 MB for 128k ids),
-never per cached token.
+``IdPieces`` is one version of a prompt's ids: the first ``length`` ids of
+a buffer (``_IdBuffer``) that nothing ever writes below ``length`` again, so
+a view of them handed out stays what it was. A version that extends
+another by appending, with the ids its seam re-tokenized equal to the ones
+already there, writes only its new ids into the buffer's spare room and
+shares the rest; any other splice copies into a new buffer. ``nbytes`` is
+what a version pins: the whole buffer (a view pins its base).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-# Ids at or above this stay as they are (no real vocabulary comes near it);
-# the shared table never grows past it.
-MAX_INTERNED_ID = 1 << 22
+import numpy as np
 
 # The array type code of ids as they cross between frontends: int32 ("i" is
-# 4 bytes wherever CPython runs); the transport packs them so, and an asker
-# holds a reply that came whole in it (``mptok.routing.held.Held``).
+# 4 bytes wherever CPython runs); the transport packs them so.
 INT32 = "i"
+ID_DTYPE = np.dtype(np.int32)
 
-# Pieces a prompt's ids may be held in before they are joined into one list.
-MAX_ID_PIECES = 32
+# Spare room a new buffer gets for later appends, as a fraction of its ids
+# (1/8: a version pins at most 4.5 bytes an id), and at least this many ids.
+HEADROOM_SHARE = 8
+MIN_HEADROOM_IDS = 256
 
-_LIST_HEADER = sys.getsizeof([])
-_SLOT = 8
-
-_shared_ints: list[int] = list(range(1024))
-_grow_lock = threading.Lock()
-
-
-def _grow_to(highest: int) -> None:
-    global _shared_ints
-    with _grow_lock:
-        size = len(_shared_ints)
-        if highest < size:
-            return
-        # Grown by doubling and swapped in whole, so that readers without
-        # the lock see either table, both valid.
-        new_size = min(max(size * 2, highest + 1), MAX_INTERNED_ID)
-        _shared_ints = _shared_ints + list(range(size, new_size))
+_EMPTY = np.zeros(0, dtype=ID_DTYPE)
+_EMPTY.flags.writeable = False
 
 
-def intern_ids(ids: list[int]) -> list[int]:
-    """``ids`` (handed over, mutated in place) with each id replaced by the
-    process-wide int object of its value; the same list is returned."""
-    if not ids or min(ids) < 0:  # a negative index would read the wrong int
-        return ids
-    try:
-        # Materialized before anything is assigned: an IndexError leaves ids as they were.
-        ids[:] = map(_shared_ints.__getitem__, ids)
-    except IndexError:
-        highest = max(ids)
-        if highest >= MAX_INTERNED_ID:
-            return ids
-        _grow_to(highest)
-        ids[:] = map(_shared_ints.__getitem__, ids)
-    return ids
+def as_id_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``ids`` as a 1-D int32 array: the same memory for an int32 array or
+    buffer (``array('i')``), else a copy. Raises ``OverflowError`` for an id
+    outside int32 and ``ValueError`` for anything not one-dimensional."""
+    if isinstance(ids, np.ndarray) and ids.dtype == ID_DTYPE:
+        out = ids
+    elif isinstance(ids, (list, tuple)):
+        out = np.array(ids, dtype=ID_DTYPE) if ids else _EMPTY
+    else:
+        out = np.frombuffer(ids, dtype=ID_DTYPE) if getattr(ids, "typecode", None) == INT32 else np.asarray(ids)
+        if out.dtype != ID_DTYPE:
+            if out.size and (out.min() < np.iinfo(ID_DTYPE).min or out.max() > np.iinfo(ID_DTYPE).max):
+                raise OverflowError("token ids must fit in int32")
+            out = out.astype(ID_DTYPE)
+    if out.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {out.shape}")
+    return out
 
 
-def list_bytes(ids: list[int]) -> int:
-    """Bytes a list of shared ints costs: header and slots (over-allocation
-    included), not the ints."""
-    return sys.getsizeof(ids)
+class _IdBuffer:
+    """An int32 buffer and how far it was handed out (``published``): ids
+    below it never change; an append claims the room after it under ``lock``."""
 
+    __slots__ = ("array", "lock", "published")
 
-def exact_list(ids: list[int]) -> list[int]:
-    """``ids`` itself if it has no spare slots, else an exact copy (a slice
-    allocates exactly; a list grown by appending does not)."""
-    return ids[:] if sys.getsizeof(ids) > _LIST_HEADER + _SLOT * len(ids) else ids
+    def __init__(self, ids: np.ndarray, room: int):
+        self.array = np.empty(len(ids) + room, dtype=ID_DTYPE)
+        self.array[: len(ids)] = ids
+        self.published = len(ids)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def holding(cls, *parts: np.ndarray) -> _IdBuffer:
+        total = sum(len(part) for part in parts)
+        buffer = cls(_EMPTY, total + max(MIN_HEADROOM_IDS, total // HEADROOM_SHARE))
+        offset = 0
+        for part in parts:
+            buffer.array[offset : offset + len(part)] = part
+            offset += len(part)
+        buffer.published = total
+        return buffer
+
+    def append_at(self, start: int, ids: np.ndarray) -> bool:
+        """Write ``ids`` at ``start`` if ``start`` is where the published ids
+        end and they fit; whether they were written (and are published)."""
+        end = start + len(ids)
+        with self.lock:
+            if start != self.published or end > len(self.array):
+                return False
+            self.array[start:end] = ids
+            self.published = end
+        return True
 
 
 @dataclass(frozen=True)
 class IdPieces:
-    """Token ids held as prefixes of lists of shared ints that are never mutated.
+    """One version of a prompt's token ids: ``buffer``'s first ``length`` ids.
 
-    Extending a conversation shares the previous prompt's lists instead of
-    copying them, so a 200k-token prompt is copied once per turn (into the
-    caller's list) rather than twice, and earlier versions cost only their
-    own tails.
+    Immutable: nothing writes below ``length`` in ``buffer`` again. Versions
+    of one conversation share a buffer while each extends the last.
     """
 
-    pieces: tuple[tuple[list[int], int], ...]
+    buffer: _IdBuffer | None
     length: int
 
     @classmethod
-    def of(cls, ids: list[int]) -> IdPieces:
-        """Wrap ``ids``, which the caller hands over and must not mutate."""
-        intern_ids(ids)
-        return cls(((ids, len(ids)),), len(ids))
+    def of(cls, ids: Sequence[int] | np.ndarray) -> IdPieces:
+        """The ids copied into a buffer of their own, with room to grow."""
+        ids = as_id_array(ids)
+        if len(ids) == 0:
+            return NO_IDS
+        return cls(_IdBuffer.holding(ids), len(ids))
+
+    def array(self) -> np.ndarray:
+        """All the ids as a read-only int32 view (no copy); it never changes."""
+        if self.buffer is None:
+            return _EMPTY
+        view = self.buffer.array[: self.length]
+        view.flags.writeable = False
+        return view
 
     def to_list(self) -> list[int]:
         """A new list of all the ids."""
-        if not self.pieces:
-            return []
-        (first, used), *rest = self.pieces
-        out = first[:used]
-        for ids, used in rest:  # growing in place beats preallocating (no stores of a filler)
-            out += ids if used == len(ids) else ids[:used]
-        return out
+        return self.array().tolist()
 
     def slice(self, start: int, stop: int) -> list[int]:
         """``ids[start:stop]`` as a new list."""
-        out: list[int] = []
-        offset = 0
-        for ids, used in self.pieces:
-            if offset >= stop:
-                break
-            low, high = max(start - offset, 0), min(stop - offset, used)
-            if low < high:
-                out += ids[low:high]
-            offset += used
-        return out
+        return self.array()[start:stop].tolist()
 
-    def lists(self) -> Iterable[list[int]]:
-        """The lists holding these ids (each once per piece)."""
-        return (ids for ids, _ in self.pieces)
-
-    def shared_by_identity(self, other: IdPieces) -> int:
-        """Leading ids that ``self`` and ``other`` hold in the very same lists."""
-        shared = 0
-        for (mine, used), (theirs, other_used) in zip(self.pieces, other.pieces):
-            if mine is not theirs:
-                break
-            shared += min(used, other_used)
-            if used != other_used:
-                break
-        return shared
+    @property
+    def nbytes(self) -> int:
+        """Bytes this version pins: its whole buffer, spare room included."""
+        return 0 if self.buffer is None else self.buffer.array.nbytes + _ARRAY_HEADER_BYTES
 
     def common_prefix(self, other: IdPieces) -> int:
-        """How many leading ids ``self`` and ``other`` share.
+        """How many leading ids ``self`` and ``other`` share."""
+        shortest = min(self.length, other.length)
+        if self.buffer is other.buffer:
+            return shortest  # both are prefixes of what the buffer published
+        return first_difference(self.array()[:shortest], other.array()[:shortest])
 
-        Pieces that both hold (the same list, as a conversation's turns
-        share them) are skipped whole; only the rest is compared by value.
+    def spliced(self, keep: int, tail: Sequence[int] | np.ndarray) -> IdPieces:
+        """The first ``keep`` ids followed by ``tail``.
+
+        Shares this version's buffer when the result extends it: ``tail``
+        agrees with the ids this version holds after ``keep`` and its new ids
+        fit in the buffer's room right after what was published; else copies.
         """
-        shared = self.shared_by_identity(other)
-        rest = min(self.length, other.length) - shared
-        a, b = self.slice(shared, shared + rest), other.slice(shared, shared + rest)
-        if a == b:
-            return shared + rest
-        return shared + _first_difference(a, b, 0, rest)
-
-    def head(self, keep: int) -> list[tuple[list[int], int]]:
-        """The pieces holding the first ``keep`` ids."""
-        pieces = []
-        offset = 0
-        for ids, used in self.pieces:
-            if offset >= keep:
-                break
-            take = min(used, keep - offset)
-            pieces.append((ids, take))
-            offset += take
-        return pieces
-
-    def spliced(self, keep: int, tail: list[int]) -> IdPieces:
-        """The first ``keep`` ids followed by ``tail`` (handed over, interned).
-
-        Never joins pieces: a caller that keeps other versions sharing these
-        lists joins with ``compacted`` and moves them onto the joined list
-        (``rebased``), so that no list is held twice.
-        """
-        pieces = self.head(keep)
-        if tail:
-            pieces.append((intern_ids(exact_list(tail)), len(tail)))
-        return IdPieces(tuple(pieces), keep + len(tail))
-
-    def compacted(self) -> IdPieces:
-        """The same ids in one list."""
-        joined = exact_list(self.to_list())
-        return IdPieces(((joined, len(joined)),), len(joined))
-
-    def rebased(self, before: IdPieces, after: IdPieces) -> IdPieces:
-        """These ids, with the part held in ``before``'s lists read from
-        ``after`` instead (``after`` holds the same ids as ``before``)."""
-        shared = self.shared_by_identity(before)
-        if shared == 0:
-            return self
-        pieces = after.head(shared)
-        offset = 0
-        for ids, used in self.pieces:
-            end = offset + used
-            if end > shared:
-                if offset < shared:  # the rest of a list that ``before`` holds too
-                    rest = ids[shared - offset : used]
-                    pieces.append((rest, len(rest)))
-                else:
-                    pieces.append((ids, used))
-            offset = end
-        return IdPieces(tuple(pieces), self.length)
-
-    def bounded(self) -> IdPieces:
-        """``self``, or ``compacted()`` once it has more than MAX_ID_PIECES pieces."""
-        return self.compacted() if len(self.pieces) > MAX_ID_PIECES else self
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"keep={keep} is outside 0..{self.length}")
+        tail = as_id_array(tail)
+        length = keep + len(tail)
+        if self.buffer is None or keep == 0:
+            return IdPieces.of(tail)
+        if len(tail) == 0:
+            return IdPieces(self.buffer, keep)
+        mine = self.buffer.array[keep : self.length]
+        overlap = min(len(mine), len(tail))
+        if np.array_equal(mine[:overlap], tail[:overlap]):
+            if length <= self.length:
+                return IdPieces(self.buffer, length)
+            if self.buffer.append_at(self.length, tail[overlap:]):
+                return IdPieces(self.buffer, length)
+        return IdPieces(_IdBuffer.holding(self.buffer.array[:keep], tail), length)
 
 
-NO_IDS = IdPieces((), 0)
+NO_IDS = IdPieces(None, 0)
+
+_ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0, dtype=ID_DTYPE))
 
 
-def distinct_list_bytes(*ids: IdPieces) -> int:
-    """Bytes of the lists that hold ``ids``, each list counted once."""
-    seen: set[int] = set()
-    total = 0
-    for pieces in ids:
-        for held in pieces.lists():
-            if id(held) not in seen:
-                seen.add(id(held))
-                total += list_bytes(held)
-    return total
+def first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """The first index where equal-length int arrays ``a`` and ``b`` differ; their length if nowhere.
+
+    Compares in windows doubling from the start, so a difference k ids in
+    costs O(k), wherever it is, and no Python loop runs over the ids.
+    """
+    low, window, n = 0, 256, len(a)
+    while low < n:
+        high = min(n, low + window)
+        unequal = np.flatnonzero(a[low:high] != b[low:high])
+        if len(unequal):
+            return low + int(unequal[0])
+        low, window = high, window * 2
+    return n
 
 
 def held_bytes(key: Hashable, text: str, *ids: IdPieces) -> int:
-    """Bytes a kept prompt's key, text and id lists cost (lists counted once)."""
-    return _key_bytes(key) + sys.getsizeof(text) + distinct_list_bytes(*ids)
+    """Bytes a kept prompt's key, text and id buffers cost (each buffer once)."""
+    buffers = {id(pieces.buffer): pieces.nbytes for pieces in ids}
+    return key_bytes(key) + sys.getsizeof(text) + sum(buffers.values())
 
 
-def _key_bytes(key: Hashable) -> int:
+def key_bytes(key: Hashable) -> int:
+    """Bytes a key (a str, an int, or tuples of them) costs."""
     if isinstance(key, tuple):
-        return sys.getsizeof(key) + sum(_key_bytes(part) for part in key)
+        return sys.getsizeof(key) + sum(key_bytes(part) for part in key)
     return sys.getsizeof(key)
 
 
@@ -245,17 +210,13 @@ def common_prefix_length(a: str, b: str) -> int:
         return len(a)
     if len(b) < len(a) and a.startswith(b):
         return len(b)
-    return _first_difference(a, b, 0, min(len(a), len(b)))
+    return _first_text_difference(a, b, 0, min(len(a), len(b)))
 
 
-def _first_difference(a: Sequence, b: Sequence, low: int, high: int) -> int:
+def _first_text_difference(a: str, b: str, low: int, high: int) -> int:
     """The first index in ``[low, high)`` where ``a`` and ``b`` differ, given
-    ``a[:low] == b[:low]`` and a difference before ``high``.
-
-    Compares slices, in C (a Python loop over 200k ids takes milliseconds):
-    windows doubling from ``low`` until one differs, then halving inside it,
-    so a difference k items in costs O(k), wherever it is.
-    """
+    ``a[:low] == b[:low]`` and a difference before ``high``: windows doubling
+    from ``low`` until one differs, then halving inside it."""
     window = 64
     while high - low > window and a[low : low + window] == b[low : low + window]:
         low += window

@@ -23,10 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import os
-import random
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,11 +30,15 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for
+import numpy as np
+
 from mptok.cache.prefix_cache import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.protocol import PeerReply
 from mptok.routing.answer import PeerCache, answer_peer
+from mptok.routing.calibration import build_backend, seconds_per_char
+from mptok.routing.crossing import CHOICES, LOCAL_CHEAPER, CrossingCosts
+from mptok.routing.deadline import PATIENCE_FACTOR, RouteDeadline
 from mptok.routing.held import BadReply, HeldReplies
 from mptok.routing.liveness import (
     ERROR,
@@ -51,6 +51,7 @@ from mptok.routing.liveness import (
     unpublish,
 )
 from mptok.routing.order import owner_order
+from mptok.routing.switch_interval import lower_switch_interval
 from mptok.transport import (
     EncodeProxy,
     OwnerAlreadyServing,
@@ -75,49 +76,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ROUTE_COUNTERS = ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures") + tuple(
-    f"fallback_{reason}" for reason in FALLBACK_REASONS
+_ROUTE_COUNTERS = (
+    ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures")
+    + tuple(f"fallback_{reason}" for reason in FALLBACK_REASONS)
+    + tuple(f"crossing_{choice}" for choice in CHOICES)
 )
-
-
-# How long an asker waits for an owner that holds the conversation: at most
-# PATIENCE_FLOOR_S plus PATIENCE_FACTOR times what tokenizing the whole
-# prompt here would take (see ``TokenizationOwners``). A stall guard, not a
-# latency target: a burst of 64 concurrent prompts per frontend, 4
-# frontends on 2 cores, took calls past 0.1 s (tests/test_routing.py), and
-# giving up then only moves the same work onto the same saturated CPUs.
-PATIENCE_FACTOR = 2.0
-PATIENCE_FLOOR_S = 1.0
-# Characters of made-up words that the backend tokenizes at start, to learn
-# what a character costs here; new random words, because BPE caches the
-# words it has seen and a sample seen before would look cheaper than a prompt.
-_CALIBRATION_CHARS = 20_000
-_LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
-
-
-def _build_backend(tokenizer: Any) -> TokenizerBackend | None:
-    """Build (and run once) the tokenizer backend an owner answers its peers
-    with; None for a slow tokenizer, which the cache does not serve."""
-    try:
-        backend = backend_for(tokenizer)
-    except SlowTokenizerError:
-        return None
-    backend.encode("warm up")
-    return backend
-
-
-def _seconds_per_char(backend: TokenizerBackend) -> float:
-    """What tokenizing one character of made-up words costs ``backend`` here."""
-    rng = random.Random(os.urandom(8))  # words the backend has not cached yet
-    words, chars = [], 0
-    while chars < _CALIBRATION_CHARS:
-        word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 9)))
-        words.append(word)
-        chars += len(word) + 1
-    sample = " ".join(words)
-    started = time.perf_counter()
-    backend.encode(sample)
-    return (time.perf_counter() - started) / len(sample)
 
 
 class _RouteFailed(Exception):
@@ -134,100 +97,52 @@ class _OwnerSkipped(Exception):
 
 
 @dataclass(frozen=True)
-class _RouteDeadline:
-    """When the route of one prompt must end: ``timeout_at`` for every call,
-    and ``patience_at`` (if earlier) for a delta call (see ``TokenizationOwners``)."""
+class _Here:
+    """What ``_route`` says when no owner tokenized a prompt: tokenize it
+    here and ``keep`` it (this frontend is its first live owner, or the
+    route failed) or not (tokenizing here was cheaper; its owner keeps it)."""
 
-    timeout_at: float
-    patience_at: float
+    keep: bool
 
-    @classmethod
-    def starting_now(cls, timeout_s: float, patience_per_char_s: float | None, prompt_chars: int) -> _RouteDeadline:
-        now = time.monotonic()
-        patience_s = math.inf if patience_per_char_s is None else PATIENCE_FLOOR_S + patience_per_char_s * prompt_chars
-        return cls(now + timeout_s, now + patience_s)
 
-    def for_call(self, *, delta: bool) -> tuple[float, bool]:
-        """The call's deadline, and whether it is the patience's."""
-        if delta and self.patience_at < self.timeout_at:
-            return self.patience_at, True
-        return self.timeout_at, False
+_KEEP_HERE = _Here(keep=True)
+_ONLY_HERE = _Here(keep=False)
 
 
 class RoutableCache(TokenCache, PeerCache, Protocol):
-    """What routing needs from this frontend's cache: encode here, and keep
-    the versions an owner answers its peers from (``PrefixTokenCache``)."""
+    """What routing needs from this frontend's cache: encode here, and
+    answer its peers (``PrefixTokenCache``)."""
 
-
-PEER_SWITCH_INTERVAL_S = 0.001
-
-
-def lower_switch_interval(seconds: float = PEER_SWITCH_INTERVAL_S) -> None:
-    """Lower this process's ``sys.setswitchinterval`` to ``seconds`` (never raise it), so
-    that a peer's call waits about 1 ms instead of 5 ms for the GIL while the main
-    thread runs Python (see ``TokenizationOwners``). Process-wide: call it from the
-    process's entry point."""
-    if sys.getswitchinterval() > seconds:
-        sys.setswitchinterval(seconds)
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True) -> np.ndarray:
+        """``encode``'s ids as an int32 array; with ``keep=False`` the prompt is not kept."""
+        ...
 
 
 class TokenizationOwners:
     """Serve this frontend's cache to its peers and route keyed prompts to their owners.
 
-    ``encode(tokenizer, text, key)`` is the routed ``cache.encode``: the same
-    ids, tokenized by the conversation's owner when that is another live
-    frontend, else by ``cache`` here.
+    ``encode(tokenizer, text, key)`` is the routed ``cache.encode`` (and
+    ``encode_array`` the routed ``cache.encode_array``): the same ids,
+    tokenized by the conversation's owner when that is another live
+    frontend and a call to it is expected to cost less than tokenizing the
+    prompt here (``mptok.routing.crossing``), else here. It never fails
+    because an owner did: a call that fails or runs past its deadline
+    (``timeout_s``, and for a delta call this frontend's patience,
+    ``mptok.routing.deadline``) is given up and the prompt tokenized here;
+    an owner that timed out is skipped for ``backoff_s``. docs/ROUTING.md
+    has the whole protocol: liveness checks, deadlines, the GIL, close.
 
-    Starting builds the tokenizer's backend first (what the cache answers
-    peers with: 1.5 s to 3 s for a large vocabulary), so that an owner is
-    ready when peers can see it and no peer's first call waits on it,
-    whatever its ``timeout_s``, and, when it has peers to ask, learns what
-    tokenizing a character costs here (20k characters, a few ms). It then binds
+    Starting builds the tokenizer's backend (1.5 s to 3 s for a large
+    vocabulary) and, with peers to ask, learns what a character costs here
+    (``mptok.routing.calibration``), then binds
     ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
-    ``OwnerAlreadyServing`` while a live process serves this frontend id, and
-    ``PermissionError`` for an ipc dir that other users can enter), publishes
-    this process as the owner. Only keyed prompts that the cache would keep,
-    for the ``tokenizer`` given here, are routed. A prompt that an owner has
-    not answered in time (one deadline for the whole route, when the owner
-    needs a second call for the whole text) or whose call failed is
-    tokenized locally; an owner that timed out is skipped for ``backoff_s``.
-    In time means within ``timeout_s`` of the prompt's first call; and when
-    this frontend holds the owner's last reply for the conversation, so that
-    the owner is asked only for what changed, within this frontend's
-    patience too: ``PATIENCE_FLOOR_S`` plus ``patience_factor`` times what
-    tokenizing the whole prompt here would take. Past that, waiting costs
-    more than doing all the work here (an owner whose serving threads starve
-    for its GIL can take 100 times longer than its work), so the owner is
-    treated as timed out (counted as ``fallback_patience``). A call that
-    sends the whole text (first contact, or an owner that lost the version)
-    waits for ``timeout_s``: the owner's own work is then a full
-    tokenization, and several at once queue behind each other.
-    ``patience_factor=0`` always waits for ``timeout_s``.
-
-    The liveness check of an owner (a ``stat`` and a ``/proc`` read) runs
-    before the call when neither a check nor an answer showed the owner
-    live within the last ``revalidate_s`` (1 s), and before a whole-text
-    call; otherwise it runs
-    while the owner works on the delta call. An owner it then finds dead or
-    stopped, or that a call fails to reach and the check finds gone, is
-    skipped as if it had been checked first: the call is given up (its
-    connection dropped, so a late reply is never read) and the prompt goes
-    to the next frontend in its order, within the same deadline.
-
-    ``close()`` (or leaving the ``with`` block) makes ``encode`` tokenize
-    everything here, unpublishes this owner, closes the connections to peers and stops
-    serving, all within one time budget; no socket file, lock file or
-    thread remains (a thread still tokenizing when the budget runs out ends
-    when its tokenization does). It is idempotent.
-
-    The serving threads share this process's GIL, so a peer's call waits
-    for it while the frontend runs Python: about one switch interval when
-    the main thread holds it, and much longer when the main thread releases
-    and retakes it very often (an event loop polling). The call's deadline
-    bounds that wait. The measurements are in docs/ROUTING.md, "The GIL".
-    The switch interval is process-wide, so this class leaves it alone: a
-    process that serves peers should call ``lower_switch_interval()`` once
-    at start (``mptok serve``'s frontends do).
+    ``OwnerAlreadyServing`` while a live process serves this frontend id,
+    ``PermissionError`` for an ipc dir other users can enter) and publishes
+    this process as the owner. ``close()`` (or leaving the ``with`` block)
+    undoes it all within one time budget; it is idempotent. A process that
+    serves peers should call ``lower_switch_interval()`` once at start.
+    ``weigh_crossing=False`` routes every prompt an owner can answer, cheaper
+    here or not.
     """
 
     def __init__(
@@ -243,6 +158,7 @@ class TokenizationOwners:
         backoff_s: float = 10.0,
         limits: ServerLimits | None = None,
         patience_factor: float = PATIENCE_FACTOR,
+        weigh_crossing: bool = True,
     ):
         if not 0 <= frontend_id < num_frontends:
             raise ValueError(f"frontend_id {frontend_id} is not in range({num_frontends})")
@@ -271,10 +187,14 @@ class TokenizationOwners:
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
-        backend = _build_backend(tokenizer)
-        # Patience is for asking peers: a lone frontend never does.
-        asks_peers = num_frontends > 1 and patience_factor > 0 and backend is not None
-        self._patience_per_char_s = patience_factor * _seconds_per_char(backend) if asks_peers else None
+        backend = build_backend(tokenizer)
+        # Calibration is for asking peers: a lone frontend never does.
+        here_s_per_char = seconds_per_char(backend) if num_frontends > 1 and backend is not None else None
+        self._patience_per_char_s = (
+            patience_factor * here_s_per_char if here_s_per_char is not None and patience_factor > 0 else None
+        )
+        # Without weighing, every prompt an owner can answer is routed.
+        self._crossing = CrossingCosts(here_s_per_char if weigh_crossing else None)
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
@@ -297,16 +217,30 @@ class TokenizationOwners:
         """Exactly ``cache.encode(tokenizer, text, key)``'s ids, from the
         conversation's owner or from ``cache``: never fails because an owner
         did (see the class). Raises what ``cache.encode`` raises for bad input."""
+        routed = self._routed(tokenizer, text, key)
+        if isinstance(routed, np.ndarray):
+            return routed.tolist()
+        if routed.keep:
+            return self._cache.encode(tokenizer, text, key)
+        return self._cache.encode_array(tokenizer, text, key, keep=False).tolist()
+
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
+        """``encode``'s ids as a 1-D int32 numpy array (``cache.encode_array``),
+        for a caller that writes JSON or sends them on: no list is made."""
+        routed = self._routed(tokenizer, text, key)
+        if isinstance(routed, np.ndarray):
+            return routed
+        return self._cache.encode_array(tokenizer, text, key, keep=routed.keep)
+
+    def _routed(self, tokenizer: Any, text: str, key: str | None) -> np.ndarray | _Here:
         if (
             self._routing
             and key is not None
             and tokenizer is self._tokenizer
             and self._cache.would_keep(text, key)
         ):
-            ids = self._route(key, text)
-            if ids is not None:
-                return ids
-        return self._cache.encode(tokenizer, text, key)
+            return self._route(key, text)
+        return _KEEP_HERE
 
     def stats(self) -> dict[str, int]:
         """Counters since start, for /metrics.
@@ -317,10 +251,14 @@ class TokenizationOwners:
         route_failures: calls that failed (each also counts as
         fallback_timeout, fallback_patience or fallback_error; a call that
         failed to reach an owner the check then found gone counts as that
-        skip instead). fallback_<reason>: owners skipped or failed, by reason. served, serve_errors,
+        skip instead). fallback_<reason>: owners skipped or failed, by reason.
+        crossing_<choice>: for prompts this frontend could send its owner as
+        a delta, whether it did because that was cheaper (route_cheaper), not
+        yet known (route_unknown) or to refresh the estimate (route_probe), or
+        tokenized it here because that was cheaper (local_cheaper). served, serve_errors,
         active_connections, accepted, refused, handshake_failures,
         refused_requests: this frontend as an owner. held_entries,
-        held_bytes, held_max_bytes: the owners' replies held here.
+        held_bytes, held_max_bytes: the fingerprints of routed prompts held here.
         """
         return {**self._counters.snapshot(), **self._manager.stats(), **self._held.stats()}
 
@@ -371,16 +309,17 @@ class TokenizationOwners:
     ) -> None:
         self.close()
 
-    def _route(self, key: str, text: str) -> list[int] | None:
-        """The ids from the conversation's owner; None to tokenize here (this
-        frontend is the first live one in the order, or the call failed)."""
+    def _route(self, key: str, text: str) -> np.ndarray | _Here:
+        """The ids from the conversation's owner, or where to tokenize here
+        (this frontend is the first live one in the order, or the call
+        failed: kept; a call to the owner would cost more: not kept)."""
         started = time.perf_counter()
-        deadline = _RouteDeadline.starting_now(self._timeout_s, self._patience_per_char_s, len(text))
+        deadline = RouteDeadline.starting_now(self._timeout_s, self._patience_per_char_s, len(text))
         order = owner_order(key, self._num_frontends)
         for frontend in order:
             if frontend == self._frontend_id:
                 self._counters.add("owned_here" if frontend == order[0] else "taken_over_here")
-                return None
+                return _KEEP_HERE
             # An owner found live (or that answered) within revalidate_s is
             # called at once and checked while it works (``_ask``).
             try:
@@ -391,18 +330,28 @@ class TokenizationOwners:
                 if reason is not None:
                     raise _OwnerSkipped(reason)
                 assert record is not None
-                ids = self._ask(frontend, record, key, text, deadline, checked)
+                owner = (frontend, record.incarnation)
+                delta = self._held.get(owner, key) is not None
+                if delta:
+                    choice = self._crossing.choose(owner, len(text))
+                    self._counters.add(f"crossing_{choice}")
+                    if choice == LOCAL_CHEAPER:
+                        return _ONLY_HERE
+                ids, answered_since = self._ask(frontend, record, key, text, deadline, checked)
             except _OwnerSkipped as e:
                 self._counters.add(f"fallback_{e.reason}")
                 continue
             except _RouteFailed as e:
                 logger.debug("route for %r failed: %s", key, e)
-                return None
+                return _KEEP_HERE
             except Exception:
                 logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
                 self._count_failure(ERROR)
-                return None
-            self._route_seconds.observe(time.perf_counter() - started)
+                return _KEEP_HERE
+            took_s = time.perf_counter() - started
+            self._route_seconds.observe(took_s)
+            if answered_since:
+                self._crossing.observe(owner, took_s)
             return ids
         raise AssertionError("this frontend is in every order")
 
@@ -413,8 +362,8 @@ class TokenizationOwners:
             raise _OwnerSkipped(reason)
 
     def _ask(
-        self, frontend: int, record: OwnerRecord, key: str, text: str, deadline: _RouteDeadline, checked: bool
-    ) -> list[int]:
+        self, frontend: int, record: OwnerRecord, key: str, text: str, deadline: RouteDeadline, checked: bool
+    ) -> tuple[np.ndarray, bool]:
         """Ask ``frontend`` through the delta protocol, by the route's one
         ``deadline``. Unless ``checked``, the liveness check runs once:
         while the owner works on a delta call, before a whole-text call (a
@@ -457,7 +406,7 @@ class TokenizationOwners:
         if answered_since:
             self._counters.add("routed_since")
         self._counters.add("routed")
-        return ids
+        return ids, answered_since
 
     def _failed(self, reason: str, frontend: int, error: TransportError | BadReply) -> _RouteFailed:
         self._count_failure(reason)

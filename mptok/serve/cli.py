@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mptok.cache.config import ENV_PREFIX, HELD_SHARE, CacheConfig
+from mptok.cache.config import ENV_PREFIX, CacheConfig
 from mptok.serve.logfmt import configure_logging, log_event
 from mptok.serve.options import ServeOptions, add_arguments
 
@@ -52,8 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _default_help(field: dataclasses.Field) -> str:
-    if field.name == "max_held_bytes":
-        return f" (default MAX_BYTES/{HELD_SHARE})"
     return "" if field.default is None else f" (default {field.default})"
 
 

@@ -38,6 +38,7 @@ import orjson
 
 from mptok.api.affinity import IdentityKind
 from mptok.core.counting import Histogram
+from mptok.routing.crossing import CHOICES as CROSSING_CHOICES
 from mptok.routing.liveness import FALLBACK_REASONS
 
 logger = logging.getLogger(__name__)
@@ -245,17 +246,17 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _gauge("mptok_cache_bytes", "cache", "cached_bytes", "Bytes the cache holds for its conversations (text, ids, offsets, versions, keys, bookkeeping)."),
     _gauge("mptok_cache_max_bytes", "cache", "max_bytes", "The cache's byte budget (--cache-bytes)."),
     _counter("mptok_cache_allocation_failures_total", "cache", "allocation_failures", "MemoryErrors while caching; each emptied the cache and the prompt was tokenized in full."),
-    _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes held here of owners' replies for the conversations this frontend routed."),
-    _gauge("mptok_held_reply_entries", "routing", "held_entries", "Owners' replies held here, one per routed conversation."),
-    _gauge("mptok_held_reply_max_bytes", "routing", "held_max_bytes", "The budget of owners' replies held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
+    _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes of the fingerprints held here of the conversations this frontend routed."),
+    _gauge("mptok_held_reply_entries", "routing", "held_entries", "Fingerprints held here, one per routed conversation and owner."),
+    _gauge("mptok_held_reply_max_bytes", "routing", "held_max_bytes", "The budget of the fingerprints held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
     _gauge("mptok_cache_disabled", "cache", "disabled", "1 once the cache disabled itself after an internal error."),
     _counter("mptok_routed_total", "routing", "routed", "Prompts arriving here that their conversation's owner tokenized."),
-    _counter("mptok_routed_since_total", "routing", "routed_since", "Routed prompts sent as the characters after a held version, answered with the ids that changed."),
+    _counter("mptok_routed_since_total", "routing", "routed_since", "Routed prompts sent as the characters after a held fingerprint."),
     _counter("mptok_route_failures_total", "routing", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
     _counter("mptok_owned_here_total", "routing", "owned_here", "Keyed prompts whose owner is this frontend."),
     _counter("mptok_taken_over_here_total", "routing", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),
     _counter("mptok_served_total", "routing", "served", "Prompts this frontend tokenized for its peers."),
-    _counter("mptok_served_since_total", "routing", "served_since", "Peer prompts this frontend rebuilt from a version it remembered."),
+    _counter("mptok_served_since_total", "routing", "served_since", "Peer prompts this frontend rebuilt from a kept prompt a fingerprint named."),
     _counter("mptok_serve_errors_total", "routing", "serve_errors", "Peer calls this frontend failed to answer."),
     _counter("mptok_owner_connections_accepted_total", "routing", "accepted", "Peer connections this frontend accepted as an owner."),
     _counter("mptok_owner_connections_refused_total", "routing", "refused", "Peer connections closed at once because this owner served its maximum already."),
@@ -264,6 +265,8 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_owner_refused_requests_total", "routing", "refused_requests", "Authenticated peer connections that asked for something other than encode."),
     Metric("mptok_route_fallbacks_total", "counter", "Prompts not tokenized by their owner, by reason.",
            OnePerLabel("reason", {reason: ("routing", f"fallback_{reason}") for reason in FALLBACK_REASONS})),
+    Metric("mptok_crossing_choices_total", "counter", "Prompts this frontend could send its owner as new characters, by choice: route_cheaper, route_unknown (no estimate yet), route_probe (refreshing the estimate), local_cheaper (tokenized here, not kept).",
+           OnePerLabel("choice", {choice: ("routing", f"crossing_{choice}") for choice in CROSSING_CHOICES})),
     Metric("mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).",
            OnePerLabel("identity", {kind.value: ("identities", kind.value) for kind in IdentityKind})),
     Metric("mptok_http_requests_total", "counter", "HTTP requests answered, by path and status code.", Table(("requests",), ("path", "code"), _path_and_code)),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.cache.config import parse_bytes
-from mptok.routing.owners import PATIENCE_FACTOR, PATIENCE_FLOOR_S
+from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S
 
 
 class Use(enum.Enum):

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 
 from mptok.api.affinity import IdentityKind, identify
@@ -40,6 +41,7 @@ from mptok.api.tokenize_request import (
 from mptok.api.vllm_contract import RequestLimits, UnknownModel
 from mptok.cache.prefix_cache import Encoder, TokenCache
 from mptok.core.counting import Counters, Histogram
+from mptok.core.ids import as_id_array
 from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
@@ -134,6 +136,14 @@ class SpecialTokenFrame:
             if with_special[start : start + n] == without:
                 return cls(tuple(with_special[:start]), tuple(with_special[start + n :]))
         return None
+
+    @property
+    def prefix_ids(self) -> np.ndarray:
+        return as_id_array(list(self.prefix))
+
+    @property
+    def suffix_ids(self) -> np.ndarray:
+        return as_id_array(list(self.suffix))
 
 
 class TokenizeService:
@@ -250,12 +260,17 @@ class TokenizeService:
 
     def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int]:
         """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, through the cache when it can."""
+        return self.tokenize_array(text, add_special_tokens, key).tolist()
+
+    def tokenize_array(self, text: str, add_special_tokens: bool, key: str | None) -> np.ndarray:
+        """``tokenize``'s ids as a 1-D int32 array, as the cache holds them (no list is made)."""
         if not add_special_tokens:
-            return self._encoder.encode(self._tokenizer, text, key=key)
+            return self._encoder.encode_array(self._tokenizer, text, key=key)
         if self._frame is not None and text:
-            return [*self._frame.prefix, *self._encoder.encode(self._tokenizer, text, key=key), *self._frame.suffix]
+            ids = self._encoder.encode_array(self._tokenizer, text, key=key)
+            return np.concatenate((self._frame.prefix_ids, ids, self._frame.suffix_ids))
         with self._direct_lock:
-            return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
+            return as_id_array(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def count_request(self, path: str, status: int) -> None:
         self._requests.add(f"{path} {status}")
@@ -288,7 +303,7 @@ class TokenizeService:
             identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars)
             self._identities.add(identity.kind.value)
             started = time.perf_counter()
-            ids = self.tokenize(text, request.add_special_tokens, identity.key)
+            ids = self.tokenize_array(text, request.add_special_tokens, identity.key)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
             self._limits.check_length(len(ids))
@@ -344,11 +359,12 @@ class TokenizeService:
             template_kwargs=self._template.accepted_kwargs(request.chat_template_kwargs or {}),
         )
 
-    def _tokenize_payload(self, ids: list[int], return_token_strs: bool) -> bytes:
+    def _tokenize_payload(self, ids: np.ndarray, return_token_strs: bool) -> bytes:
         token_strs = None
         if return_token_strs:
             with self._direct_lock:
-                token_strs = self._tokenizer.convert_ids_to_tokens(ids)
+                token_strs = self._tokenizer.convert_ids_to_tokens(ids.tolist())
+        # The ids go to JSON straight from their int32 array: no list, no Python ints.
         return orjson.dumps(
             {
                 "count": len(ids),
@@ -356,7 +372,8 @@ class TokenizeService:
                 "tokens": ids,
                 "token_strs": token_strs,
                 "frontend": self.frontend_id,
-            }
+            },
+            option=orjson.OPT_SERIALIZE_NUMPY,
         )
 
     def _detokenize_answer(self, body: bytes) -> Answer:
