@@ -5,9 +5,11 @@ in the same run (the machine is noisy; read the ratios):
 
 * a routed hit (the prompt tokenized by the owner's cache, in another
   process) vs a local hit (this process's cache) vs full tokenization, for
-  conversations of about 38k and 200k tokens growing about 300 tokens a turn;
-* a routed hit whose asker holds no reply (all of the prompt sent, all of
-  its ids back), as under a tight ``max_held_bytes``;
+  conversations of about 38k and 200k tokens growing about 300 tokens a turn,
+  through ``encode`` (a list) and ``encode_array`` (the int32 array, as
+  ``mptok serve`` writes it to JSON);
+* a routed hit whose asker holds no fingerprint (all of the prompt sent, all
+  of its ids back), as under a tight ``max_held_bytes``;
 * the transport round trip of ``EncodeProxy`` (150k characters in, 38k ids
   out) vs a plain length-prefixed AF_UNIX socket (the protocol of the
   reference module), both served by another process with the same work;
@@ -17,13 +19,17 @@ in the same run (the machine is noisy; read the ratios):
   one that waits for its timeout;
 * the per-call cost of choosing and checking the owner.
 
+Writes docs/results/bench_routing.md (date, command, machine load).
+
 Usage: python scripts/bench_routing.py [--runs 5] [--turns 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import math
 import multiprocessing
 import os
 import random
@@ -36,6 +42,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable
+from pathlib import Path
 
 import mptok
 from mptok.routing.liveness import OwnerLiveness
@@ -48,6 +55,7 @@ from mptok.transport.wire import pack_int32
 # in a generation prompt that the next turn rewrites, as chat templates do.
 from mptok_harness.prompts import conversation
 
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_routing.md"
 AUTHKEY = os.urandom(16)
 TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
 BACKOFF_S = 2.0  # how long an asker skips an owner that it gave up on
@@ -135,7 +143,8 @@ def timed(fn: Callable[[], object]) -> float:
 def conversation_run(
     tokenizer, local_cache, owners, seed: int, first_chars: int, turns: int, full_reps: int
 ) -> dict[str, float]:
-    """Median seconds per turn of a routed hit, a local hit, and full tokenization."""
+    """Median seconds per turn of a routed hit (a list, and an int32 array),
+    a local hit (both ways), and full tokenization."""
     routed_before = owners.stats()["routed"]
     prompts = conversation(seed, turns + 1, first_chars=first_chars, turn_chars=TURN_CHARS)
     routed_key = _key_owned_by(0, f"routed-{seed}")
@@ -143,10 +152,16 @@ def conversation_run(
     # Turn 0 fills both caches (a miss); the measured turns are hits.
     owners.encode(tokenizer, prompts[0], key=routed_key)
     local_cache.encode(tokenizer, prompts[0], key=local_key)
-    routed, local = [], []
-    for text in prompts[1:]:
-        routed.append(timed(functools.partial(owners.encode, tokenizer, text, key=routed_key)))
-        local.append(timed(functools.partial(local_cache.encode, tokenizer, text, key=local_key)))
+    routed, local, routed_array, local_array = [], [], [], []
+    for i, text in enumerate(prompts[1:]):
+        # Each turn once, alternately as a list or an array, so that every
+        # measured call is a hit on a new turn.
+        if i % 2:
+            routed_array.append(timed(functools.partial(owners.encode_array, tokenizer, text, key=routed_key)))
+            local_array.append(timed(functools.partial(local_cache.encode_array, tokenizer, text, key=local_key)))
+        else:
+            routed.append(timed(functools.partial(owners.encode, tokenizer, text, key=routed_key)))
+            local.append(timed(functools.partial(local_cache.encode, tokenizer, text, key=local_key)))
     last = prompts[-1]
     want = tokenizer(last, add_special_tokens=False)["input_ids"]
     if owners.encode(tokenizer, last, key=routed_key) != want or local_cache.encode(
@@ -159,6 +174,8 @@ def conversation_run(
     return {
         "routed": statistics.median(routed),
         "local": statistics.median(local),
+        "routed_array": statistics.median(routed_array) if routed_array else math.nan,
+        "local_array": statistics.median(local_array) if local_array else math.nan,
         "full": statistics.median(full),
         "tokens": len(want),
     }
@@ -234,8 +251,8 @@ def main() -> None:
             ) as owners:
                 rows = measure(args, tokenizer, local_cache, owners, ipc_dir)
                 rows += owner_busy_rows(args, tokenizer, owners, parent, "patience (default)")
-            # An asker that holds no reply (a budget of 1 byte): every routed
-            # prompt goes whole, and all its ids come back.
+            # An asker that holds no fingerprint (a budget of 1 byte): every
+            # routed prompt goes whole, and all its ids come back.
             with TokenizationOwners(
                 ipc_dir, 1, 2, mptok.PrefixTokenCache(mptok.CacheConfig(max_held_bytes=1)), tokenizer,
                 authkey=AUTHKEY, backoff_s=BACKOFF_S,
@@ -268,6 +285,8 @@ def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
         ]
         routed = statistics.median(r["routed"] for r in runs)
         local = statistics.median(r["local"] for r in runs)
+        routed_array = statistics.median(r["routed_array"] for r in runs)
+        local_array = statistics.median(r["local_array"] for r in runs)
         full = statistics.median(r["full"] for r in runs)
         speedup = statistics.median(r["full"] / r["routed"] for r in runs)
         vs_local = statistics.median(r["routed"] / r["local"] for r in runs)
@@ -283,6 +302,8 @@ def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
                 ">= 40x faster; <= 1.5x local" if target else "",
                 (speedup >= 40 and vs_local <= 1.5) if target else None,
             ),
+            (f"local hit as an int32 array, {tokens} tokens", local_array, f"{local_array / local:.2f}x a local hit as a list", "", None),
+            (f"routed hit as an int32 array, {tokens} tokens", routed_array, f"{routed_array / local_array:.2f}x a local hit as an array", "", None),
         ]
 
     text = conversation(2, 1, first_chars=150_000)[0][:150_000]
@@ -313,7 +334,7 @@ def whole_prompt_rows(args, tokenizer, local_cache, owners: TokenizationOwners) 
     tokens = int(statistics.median(r["tokens"] for r in runs))
     return [
         (
-            f"routed hit sent whole (the asker holds no reply), {tokens} tokens",
+            f"routed hit sent whole (the asker holds no fingerprint), {tokens} tokens",
             routed,
             f"{vs_local:.2f}x a local hit",
             "",
@@ -336,7 +357,7 @@ def busy_run(tokenizer, owners: TokenizationOwners, owner_conn, seed: int, turns
     key = _key_owned_by(0, f"busy-{seed}")
     prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS)
     routed_before = owners.stats()["routed"]
-    owners.encode(tokenizer, prompts[0], key=key)  # the owner holds it, this frontend its reply
+    owners.encode(tokenizer, prompts[0], key=key)  # the owner holds it, this frontend its fingerprint
     before = owners.stats()
     if before["routed"] != routed_before + 1:
         raise SystemExit("the owner did not take the conversation's first turn")
@@ -386,13 +407,26 @@ def owner_busy_rows(args, tokenizer, owners: TokenizationOwners, owner_conn, lab
 
 def print_table(rows: list[tuple], args) -> None:
     python = sys.version.split()[0]
-    print(f"\nmptok routing benchmark: medians over {args.runs} runs, {args.turns} turns each; Python {python}\n")
-    print("| measurement | median | vs baseline (same run) | target | met |")
-    print("| --- | ---: | --- | --- | --- |")
+    load = os.getloadavg()
+    lines = [
+        "# bench_routing",
+        "",
+        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} CPUs, Python {python}, "
+        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end (other work shared the machine). "
+        f"Medians over {args.runs} runs, {args.turns} turns each.",
+        "",
+        "    python scripts/bench_routing.py " + " ".join(sys.argv[1:]),
+        "",
+        "| measurement | median | vs baseline (same run) | target | met |",
+        "| --- | ---: | --- | --- | --- |",
+    ]
     for name, seconds, versus, target, met in rows:
         shown = f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
         verdict = "" if met is None else ("yes" if met else "**no**")
-        print(f"| {name} | {shown} | {versus} | {target} | {verdict} |")
+        lines.append(f"| {name} | {shown} | {versus} | {target} | {verdict} |")
+    print("\n".join(lines))
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def test_a_new_prompt_replaces_its_predecessor_and_counts_only_the_buffer_it_pin
     cache.encode(tokenizer, base, key="c")
     alone = cache.stats()["cached_bytes"]
     ids_bytes = _entry(cache, "c").prompt.ids.nbytes
-    assert 4 * len(full_ids(tokenizer, base)) <= ids_bytes <= 4.6 * len(full_ids(tokenizer, base))
+    assert 4 * len(full_ids(tokenizer, base)) <= ids_bytes <= 4.3 * len(full_ids(tokenizer, base)) + 2048
     # A prompt that shares nothing with it replaces it: nothing of the old
     # one stays beside it (peers name text by fingerprint, not by earlier
     # versions' ids).
@@ -91,7 +91,7 @@ def test_a_new_prompt_replaces_its_predecessor_and_counts_only_the_buffer_it_pin
     cache.encode(tokenizer, longer, key="c")
     assert cache.stats()["hits"] == 1
     after = _entry(cache, "c").prompt.ids
-    assert after.buffer is before.buffer or after.nbytes <= 4.6 * after.length + 2048
+    assert after.buffer is before.buffer or after.nbytes <= 4.3 * after.length + 2048
 
 
 def _entry(cache: PrefixTokenCache, key: str):

@@ -335,6 +335,13 @@ class PrefixTokenCache:
         else:
             holder, known, shared = self._branch_for(backend, key, text)
         config = self.config
+        if keep and known is not None and shared == len(text) == len(known.prompt.text):
+            # The kept prompt again: it stays as it is, only its place in the LRU moves.
+            with self._lock:
+                if self._entries.get(holder) is known:
+                    self._entries.move_to_end(holder)
+                    self._count("hits")
+                    return known
         prompt = None
         if known is not None:
             prompt = extend_prompt(

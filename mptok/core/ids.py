@@ -32,8 +32,8 @@ INT32 = "i"
 ID_DTYPE = np.dtype(np.int32)
 
 # Spare room a new buffer gets for later appends, as a fraction of its ids
-# (1/8: a version pins at most 4.5 bytes an id), and at least this many ids.
-HEADROOM_SHARE = 8
+# (1/16: a version pins at most 4.25 bytes an id), and at least this many ids.
+HEADROOM_SHARE = 16
 MIN_HEADROOM_IDS = 256
 
 _EMPTY = np.zeros(0, dtype=ID_DTYPE)
