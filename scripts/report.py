@@ -1,0 +1,124 @@
+"""The report file every benchmark script under ``scripts/`` writes.
+
+A benchmark's figures only mean something beside the machine, the versions
+and the command that produced them, so each script writes its last measured
+run to ``docs/results/<script>.md`` through ``write_report``: a title, then a
+header (the date, the command that reproduces the run, the machine: cores,
+CPU, Python, the versions of the packages that shape the figures), then the
+script's own Markdown. The docs link these files instead of copying figures,
+so a re-run replaces them in one place. One helper, so that every report
+reads alike and no script copies the header.
+
+A script that runs in several configurations (``capacity_replay`` at F = 4,
+F = 8 and a sweep) writes each into its own ``section`` of the one file; a
+run replaces only its section and keeps the others, each with its own header.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "docs" / "results"
+# The packages whose versions change what mptok's benchmarks measure.
+DEFAULT_PACKAGES = ("mptok", "tokenizers", "transformers")
+
+
+def package_versions(names: Iterable[str]) -> str:
+    """``name version`` for each installed package of ``names``, comma-separated;
+    a package that is not installed is named as absent."""
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} absent")
+    return ", ".join(found)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the platform's processor name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_summary(packages: Iterable[str] = DEFAULT_PACKAGES, extra: Mapping[str, str] | None = None) -> str:
+    """One line: cores, CPU, OS, Python, package versions, then ``extra``
+    (``{"nginx": "1.22.1"}``: versions of programs that are not packages)."""
+    parts = [
+        f"{os.cpu_count()} CPUs ({cpu_model()})",
+        f"{platform.system()} {platform.machine()}",
+        f"Python {platform.python_version()}",
+        package_versions(packages),
+    ]
+    parts += [f"{name} {version}" for name, version in (extra or {}).items()]
+    return ", ".join(parts)
+
+
+def script_command(argv: list[str] | None = None) -> str:
+    """How this run was started, as a reader types it from the repository's
+    root: ``.venv/bin/python -m scripts.<name> <arguments>``."""
+    argv = sys.argv if argv is None else argv
+    module = "scripts." + Path(argv[0]).stem
+    return shlex.join([".venv/bin/python", "-m", module, *argv[1:]])
+
+
+def header(command: str, packages: Iterable[str] = DEFAULT_PACKAGES, extra: Mapping[str, str] | None = None, when: datetime.date | None = None) -> str:
+    """The lines a report (or a report's section) starts with."""
+    when = when or datetime.datetime.now(datetime.UTC).date()
+    return (
+        f"Measured {when.isoformat()}. Machine: {machine_summary(packages, extra)}.\n\n"
+        f"    {command}\n"
+    )
+
+
+def _markers(section: str) -> tuple[str, str]:
+    return f"<!-- section:{section}:begin -->", f"<!-- section:{section}:end -->"
+
+
+def write_report(
+    script: str,
+    title: str,
+    body: str,
+    *,
+    command: str | None = None,
+    packages: Iterable[str] = DEFAULT_PACKAGES,
+    extra: Mapping[str, str] | None = None,
+    section: str | None = None,
+    directory: Path = RESULTS_DIR,
+) -> Path:
+    """Write ``docs/results/<script>.md``: ``# title``, the header (today's
+    date, ``command`` or the command line of this process, the machine and
+    ``packages``' versions), then ``body`` (Markdown). With ``section``, only
+    that section of the file (headed ``## section``) is replaced, or added
+    at the end if new, and the others are kept. Returns the file's path."""
+    path = directory / f"{script}.md"
+    block = header(command or script_command(), packages, extra) + "\n" + body.strip("\n") + "\n"
+    if section is None:
+        text = f"# {title}\n\n_Written by `scripts/{script}.py`; re-run it to replace this file._\n\n{block}"
+    else:
+        begin, end = _markers(section)
+        block = f"{begin}\n## {section}\n\n{block}{end}"
+        text = path.read_text(encoding="utf-8") if path.exists() else f"# {title}\n\n_Written by `scripts/{script}.py`; each run replaces its own section._\n"
+        if begin in text and end in text:
+            text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+        else:
+            text = text.rstrip("\n") + f"\n\n{block}\n"
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+    return path
