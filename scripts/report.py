@@ -20,6 +20,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import shlex
 import sys
 from collections.abc import Iterable, Mapping
@@ -85,8 +86,11 @@ def header(command: str, packages: Iterable[str] = DEFAULT_PACKAGES, extra: Mapp
     )
 
 
-def _markers(section: str) -> tuple[str, str]:
-    return f"<!-- section:{section}:begin -->", f"<!-- section:{section}:end -->"
+_SECTION = re.compile(r"<!-- section:(?P<name>[^>]*?):begin -->\n.*?<!-- section:(?P=name):end -->", re.S)
+
+
+def _section_block(section: str, block: str) -> str:
+    return f"<!-- section:{section}:begin -->\n## {section}\n\n{block}<!-- section:{section}:end -->"
 
 
 def write_report(
@@ -98,25 +102,28 @@ def write_report(
     packages: Iterable[str] = DEFAULT_PACKAGES,
     extra: Mapping[str, str] | None = None,
     section: str | None = None,
+    preamble: str = "",
     directory: Path = RESULTS_DIR,
 ) -> Path:
-    """Write ``docs/results/<script>.md``: ``# title``, the header (today's
-    date, ``command`` or the command line of this process, the machine and
-    ``packages``' versions), then ``body`` (Markdown). With ``section``, only
-    that section of the file (headed ``## section``) is replaced, or added
-    at the end if new, and the others are kept. Returns the file's path."""
+    """Write ``docs/results/<script>.md``: ``# title``, ``preamble`` (Markdown
+    that explains the report: what the rows and columns are), the header
+    (today's date, ``command`` or the command line of this process, the
+    machine and ``packages``' versions), then ``body`` (Markdown).
+
+    With ``section``, the run is one section of the file (headed ``## section``,
+    its own header): that section is replaced, or added at the end, the other
+    sections are kept, and the title and preamble are rewritten. Returns the
+    file's path."""
     path = directory / f"{script}.md"
     block = header(command or script_command(), packages, extra) + "\n" + body.strip("\n") + "\n"
+    intro = f"# {title}\n\n_Written by `scripts/{script}.py`; "
     if section is None:
-        text = f"# {title}\n\n_Written by `scripts/{script}.py`; re-run it to replace this file._\n\n{block}"
+        text = intro + "re-run it to replace this file._\n\n" + (preamble.strip("\n") + "\n\n" if preamble else "") + block
     else:
-        begin, end = _markers(section)
-        block = f"{begin}\n## {section}\n\n{block}{end}"
-        text = path.read_text(encoding="utf-8") if path.exists() else f"# {title}\n\n_Written by `scripts/{script}.py`; each run replaces its own section._\n"
-        if begin in text and end in text:
-            text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
-        else:
-            text = text.rstrip("\n") + f"\n\n{block}\n"
+        sections = {m.group("name"): m.group(0) for m in _SECTION.finditer(path.read_text(encoding="utf-8"))} if path.exists() else {}
+        sections[section] = _section_block(section, block)
+        text = intro + "each run replaces its own section._\n\n" + (preamble.strip("\n") + "\n\n" if preamble else "")
+        text += "\n\n".join(sections.values()) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(text, encoding="utf-8")
