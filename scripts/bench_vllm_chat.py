@@ -138,7 +138,7 @@ def main() -> int:
     markdown = "\n".join(lines)
     print(markdown)
     if not args.no_write:
-        path = write_report("bench_vllm_chat", "An agent's tool chat through vLLM's /tokenize path", markdown, preamble=__doc__.split("\n\n")[0])
+        path = write_report("bench_vllm_chat", "An agent's tool chat through vLLM's /tokenize path", markdown, preamble=__doc__.split("\n\n")[1])
         print(f"report: {path.relative_to(REPO)}")
     return 1 if wrong else 0
 

@@ -823,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = "\n\n".join(parts)
     print(markdown)
     if not args.no_write:
-        path = write_report("fault_drill", "The fault drill", markdown, preamble=__doc__.split("\n\n")[0])
+        path = write_report("fault_drill", "The fault drill", markdown, preamble=__doc__.split("\n\n")[1])
         print(f"report: {path.relative_to(REPO)}")
     return 0 if passed else 1
 

@@ -4,7 +4,8 @@ A benchmark's figures only mean something beside the machine, the versions
 and the command that produced them, so each script writes its last measured
 run to ``docs/results/<script>.md`` through ``write_report``: a title, then a
 header (the date, the command that reproduces the run, the machine: cores,
-CPU, Python, the versions of the packages that shape the figures), then the
+CPU, Python, the versions of the packages that shape the figures, the load
+average), then the
 script's own Markdown. The docs link these files instead of copying figures,
 so a re-run replaces them in one place. One helper, so that every report
 reads alike and no script copies the header.
@@ -81,9 +82,19 @@ def header(command: str, packages: Iterable[str] = DEFAULT_PACKAGES, extra: Mapp
     """The lines a report (or a report's section) starts with."""
     when = when or datetime.datetime.now(datetime.UTC).date()
     return (
-        f"Measured {when.isoformat()}. Machine: {machine_summary(packages, extra)}.\n\n"
+        f"Measured {when.isoformat()}. Machine: {machine_summary(packages, extra)}; {load_average()}.\n\n"
         f"    {command}\n"
     )
+
+
+def load_average() -> str:
+    """The machine's load when the report is written: other work on the same
+    cores slows every figure, so a report says how busy the machine was."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "load average unknown"
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1 / 5 / 15 min) at the end of the run"
 
 
 _SECTION = re.compile(r"<!-- section:(?P<name>[^>]*?):begin -->\n.*?<!-- section:(?P=name):end -->", re.S)
