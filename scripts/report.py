@@ -5,10 +5,9 @@ and the command that produced them, so each script writes its last measured
 run to ``docs/results/<script>.md`` through ``write_report``: a title, then a
 header (the date, the command that reproduces the run, the machine: cores,
 CPU, Python, the versions of the packages that shape the figures, the load
-average), then the
-script's own Markdown. The docs link these files instead of copying figures,
-so a re-run replaces them in one place. One helper, so that every report
-reads alike and no script copies the header.
+average), then the script's own Markdown. The docs link these files instead
+of copying figures, so a re-run replaces them in one place. One helper, so
+that every report reads alike and no script copies the header.
 
 A script that runs in several configurations (``capacity_replay`` at F = 4,
 F = 8 and a sweep) writes each into its own ``section`` of the one file; a
