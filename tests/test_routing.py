@@ -12,14 +12,14 @@ from collections import Counter
 from multiprocessing import connection, managers
 
 import pytest
-from helpers_procs import AUTHKEY, FrontendPool, key_owned_by
-from helpers_procs import expected_ids as expected
 
 import mptok
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
+from mptok_harness.checks import expected_ids as expected
+from mptok_harness.frontends import AUTHKEY, FrontendPool, key_owned_by
 from mptok_harness.prompts import conversation
 
 N = 3

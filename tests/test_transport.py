@@ -22,7 +22,6 @@ import time
 from multiprocessing import connection, managers
 
 import pytest
-from helpers_procs import wait_until
 
 import mptok
 from mptok.transport import (
@@ -39,9 +38,9 @@ from mptok.transport import (
     serve_encode,
     socket_path,
 )
+from mptok_harness.checks import HANG_GUARD_S, wait_until
 
 KEY = b"transport-test-key"
-HANG_GUARD_S = 60.0
 
 
 def echo(text: str, key: str | None) -> list[int]:
