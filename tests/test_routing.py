@@ -148,7 +148,7 @@ def test_wrong_authkey_is_refused_without_disturbing_service(cluster, tokenizer)
     before = frontends[2].stats()["routing"]
     intruder = EncodeProxy(address, b"not-the-key", timeout_s=5)
     with pytest.raises(OwnerUnreachable, match="authkey"):
-        intruder.encode("x" * 300)
+        intruder.encode_since("x" * 300)
     key = key_owned_by(2, N, "after-intruder")
     text = conversation(77, 1)[0]
     assert frontends[0].encode(key, text) == expected(tokenizer, text)
