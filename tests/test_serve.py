@@ -32,9 +32,10 @@ from mptok.routing.owners import TokenizationOwners
 from mptok.serve import frontend, supervisor
 from mptok.serve.cli import parse_serve_options
 from mptok.serve.frontend import FrontendSettings, tcp_socket
-from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, SnapshotDir, audit
+from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, audit
 from mptok.serve.options import Option, ServeOptions, Use, declared_options
 from mptok.serve.service import SpecialTokenFrame, TokenizeService
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
