@@ -141,11 +141,13 @@ def test_an_owner_that_timed_out_is_backed_off_until_it_is_replaced(ipc_dir, own
         OwnerLiveness(ipc_dir, backoff_s=-1)
 
 
-def test_a_record_open_to_others_or_reached_through_a_link_is_refused(ipc_dir, owner, tmp_path):
+def test_a_record_others_may_write_or_reached_through_a_link_is_refused(ipc_dir, owner, tmp_path):
     owner()
     path = record_path(ipc_dir, 0)
     assert read_record(path) is not None
-    os.chmod(path, 0o644)
+    os.chmod(path, 0o644)  # readable by others (in a 0700 dir) is harmless
+    assert read_record(path) is not None
+    os.chmod(path, 0o664)
     assert read_record(path) is None
     assert OwnerLiveness(ipc_dir, revalidate_s=0).check(0) == (None, NOT_PUBLISHED)
     os.chmod(path, 0o600)

@@ -58,10 +58,11 @@ def open_private_file(path: str, flags: int) -> int:
     """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link.
 
     Raises ``PermissionError`` if ``path`` is a symbolic link, anything but
-    a regular file of this user, or a file that group or others may open:
+    a regular file of this user, or a file that group or others may write:
     in the private ipc dir only a bug or another program of this user puts
     one there, and following it would make mptok read or write wherever it
-    points. ``FileNotFoundError`` as ``os.open`` raises it.
+    points, or trust what others could have written. ``FileNotFoundError``
+    as ``os.open`` raises it.
     """
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -70,10 +71,10 @@ def open_private_file(path: str, flags: int) -> int:
             raise PermissionError(f"{path} is a symbolic link; mptok refuses to follow it") from None
         raise
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         os.close(fd)
         raise PermissionError(
-            f"{path} is not a regular file of uid {os.geteuid()} closed to group and others "
+            f"{path} is not a regular file of uid {os.geteuid()} that only it may write "
             f"(mode {stat.S_IMODE(st.st_mode):04o}); mptok refuses to use it"
         )
     return fd

@@ -167,7 +167,7 @@ def unpublish(ipc_dir: str, frontend_id: int, record: OwnerRecord) -> None:
 
 def read_record(path: str) -> OwnerRecord | None:
     """The record at ``path``, or None if there is none or it is not one (a link, or
-    a file group or others may open, is not: ``open_private_file``)."""
+    a file group or others may write, is not: ``open_private_file``)."""
     try:
         with open(open_private_file(path, os.O_RDONLY), encoding="utf-8") as f:
             fields = json.load(f)

@@ -85,10 +85,6 @@ class MessageTooLarge(OSError):
     """A message longer than the connection accepts; the connection was shut down unread."""
 
 
-class BadFrame(OSError):
-    """A length header no sender of this protocol writes (a negative length, say)."""
-
-
 def time_left(deadline: float | None) -> float | None:
     """Seconds left before ``deadline`` (None: no limit); ``TimeoutError`` once it has passed."""
     if deadline is None:
@@ -139,7 +135,7 @@ class TimedConnection:
     handshake and ``Server.serve_client`` use: ``send``/``recv`` (pickles),
     ``send_bytes``/``recv_bytes``, ``close``. ``recv`` refuses messages
     longer than ``max_message_bytes`` (``MessageTooLarge``), length headers
-    that no sender writes (``BadFrame``: a negative length would otherwise
+    that no sender writes (``OSError``: a negative length would otherwise
     be read as a message of bytes taken from the next one), and pickles
     that reference globals (``pickle.UnpicklingError``). After a refused
     frame the stream is useless and the connection is shut down. No buffer
@@ -210,7 +206,7 @@ class TimedConnection:
             (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
         elif size < 0:
             self.shutdown()
-            raise BadFrame(f"length header {size}: not a message")
+            raise OSError(f"length header {size}: not a message")
         limit = self._max_message_bytes if maxlength is None else min(maxlength, self._max_message_bytes)
         if size > limit:
             self.shutdown()  # the body is still in the stream, which is therefore useless
