@@ -24,6 +24,7 @@ import os
 import pickle
 import socket
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,8 @@ _MAX_INBOX_BYTES = 1 << 20
 # A header alone never makes a buffer larger than this: a longer message's
 # buffer grows as its bytes arrive (at most the connection's message cap).
 _FIRST_READ_BYTES = 4 << 20
+# How a buffer of native int32 describes itself (numpy may spell the byte order).
+_NATIVE_INT32_FORMATS = frozenset({INT32, f"@{INT32}", f"={INT32}", f"{'<' if sys.byteorder == 'little' else '>'}{INT32}"})
 # A kernel timeout armed for a deadline is re-armed once it is this much older
 # than the time left: a read or write then ends at most this late.
 _REARM_AFTER_S = 0.01
@@ -110,7 +113,7 @@ def int32_bytes(ids: Sequence[int]) -> bytes:
     if isinstance(ids, list):
         return struct.Struct(f"{len(ids)}{INT32}").pack(*ids)
     with memoryview(ids) as view:  # type: ignore[arg-type]
-        if view.ndim != 1 or view.itemsize != 4 or view.format.lstrip("@=<") != INT32:
+        if view.ndim != 1 or view.itemsize != 4 or view.format not in _NATIVE_INT32_FORMATS:
             raise TypeError(f"ids must be int32, not a buffer of {view.format!r} x {view.ndim}-D")
         return view.tobytes()
 
