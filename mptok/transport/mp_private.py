@@ -111,18 +111,6 @@ PRIVATE_SURFACE: tuple[PrivateName, ...] = (
 )
 
 
-def authenticate_client(conn: Channel, authkey: bytes) -> None:
-    """The owner's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
-    connection.deliver_challenge(conn, authkey)
-    connection.answer_challenge(conn, authkey)
-
-
-def authenticate_to_owner(conn: Channel, authkey: bytes) -> None:
-    """The peer's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
-    connection.answer_challenge(conn, authkey)
-    connection.deliver_challenge(conn, authkey)
-
-
 class Channel(Protocol):
     """What the handshake and ``Server.serve_client`` call on a connection (``TimedConnection`` has it)."""
 
@@ -142,6 +130,18 @@ class ServedConnection(Channel, Protocol):
 
     def start_serving(self) -> None:
         """The handshake is over: requests follow."""
+
+
+def authenticate_client(conn: Channel, authkey: bytes) -> None:
+    """The owner's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
+    connection.deliver_challenge(conn, authkey)
+    connection.answer_challenge(conn, authkey)
+
+
+def authenticate_to_owner(conn: Channel, authkey: bytes) -> None:
+    """The peer's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
+    connection.answer_challenge(conn, authkey)
+    connection.deliver_challenge(conn, authkey)
 
 
 class OwnerServer(Server):
