@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-from helpers_procs import HANG_GUARD_S, wait_until
 
 from mptok.core.private_files import secure_ipc_dir
 from mptok.routing.liveness import (
@@ -30,6 +29,7 @@ from mptok.routing.liveness import (
     record_path,
     start_ticks,
 )
+from mptok_harness.checks import HANG_GUARD_S, wait_until
 
 # Publishes itself as the owner of frontend id argv[2], then waits for its stdin to close.
 OWNER = (

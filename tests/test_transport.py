@@ -26,6 +26,8 @@ from multiprocessing import connection, managers
 import pytest
 
 import mptok
+from mptok.core.private_files import secure_ipc_dir
+from mptok.core.protocol import PeerReply
 from mptok.transport import (
     EncodeProxy,
     OwnerAlreadyServing,
@@ -38,8 +40,6 @@ from mptok.transport import (
     serve_encode,
     socket_path,
 )
-from mptok.core.private_files import secure_ipc_dir
-from mptok.core.protocol import PeerReply
 from mptok_harness.checks import HANG_GUARD_S, wait_until
 
 KEY = b"transport-test-key"
