@@ -1,10 +1,9 @@
 import os
-import sys
 
 import pytest
 
-# Test helpers (families, conversations) import as top-level modules.
-sys.path.insert(0, os.path.dirname(__file__))
+# The tests compare against full tokenization in the same process; the Rust
+# tokenizer's own thread pool would only compete with the servers under test.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

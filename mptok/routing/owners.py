@@ -34,6 +34,7 @@ import numpy as np
 
 from mptok.cache.prefix_cache import TokenCache
 from mptok.core.counting import Counters, Histogram
+from mptok.core.private_files import secure_ipc_dir
 from mptok.core.protocol import PeerReply
 from mptok.routing.answer import PeerCache, answer_peer
 from mptok.routing.calibration import build_backend, seconds_per_char
@@ -61,7 +62,6 @@ from mptok.transport import (
     ServerLimits,
     TransportError,
     left_or_zero,
-    secure_ipc_dir,
     serve_encode,
     socket_path,
 )
