@@ -23,10 +23,10 @@ standard library's sources):
    ``git worktree add /tmp/base main``) the same hits run there too, in
    worker processes interleaved with this checkout's.
 
-Writes docs/results/bench_memory.md (date, command, machine load).
+Writes docs/results/bench_memory.md (scripts/report.py).
 
-    python scripts/bench_memory.py                # ~3 min
-    python scripts/bench_memory.py --skip-serve   # 1, 2 and 4
+    .venv/bin/python -m scripts.bench_memory                # ~8 min on 2 busy cores
+    .venv/bin/python -m scripts.bench_memory --skip-serve   # 1, 2 and 4
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import ctypes
-import datetime
 import gc
 import json
 import os
@@ -47,13 +46,12 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from bench_cache import corpus
-
 import mptok
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
+from scripts.bench_cache import corpus
+from scripts.report import script_command, write_report
 
 REPO = Path(__file__).resolve().parent.parent
-REPORT = REPO / "docs" / "results" / "bench_memory.md"
 
 MiB = 1024 * 1024
 
@@ -368,6 +366,12 @@ def main() -> int:
                 f"| {r['cache_mib']:.1f} | {r['held_mib']:.2f} |"
             )
 
+    try:
+        import fastokens  # noqa: F401  (the baseline of measurement 4: pip install -e '.[bench]')
+    except ImportError:
+        if not args.skip_hits:
+            say("\n(measurement 4 skipped: fastokens is not installed; pip install -e '.[bench]')")
+        args.skip_hits = True
     if not args.skip_hits:
         medians = hit_cpu(tokenizer, text, args.hit_reps, args.hit_rounds, args.baseline_repo)
         say("\n## CPU of a cache hit after other work, against fastokens' full tokenization (medians, ms)\n")
@@ -381,18 +385,8 @@ def main() -> int:
             for way, seconds in sorted(ways.items()):
                 say(f"| {int(tokens):,} | {way} | {seconds * 1e3:.3f} | {seconds / fast:.2f} |")
 
-    load = os.getloadavg()
-    header = [
-        "# bench_memory",
-        "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} CPUs, "
-        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end (other work shared the machine).",
-        "",
-        "    python scripts/bench_memory.py " + " ".join(_shown_args(args)),
-        "",
-    ]
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text("\n".join(header + lines) + "\n")
+    command = script_command([sys.argv[0], *_shown_args(args)])
+    write_report("bench_memory", "What the cache's memory costs, and a hit's ids", "\n".join(lines), command=command, packages=("mptok", "tokenizers", "transformers", "numpy", "fastokens"))
     return 1 if failed else 0
 
 

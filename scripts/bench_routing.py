@@ -19,7 +19,7 @@ in the same run (the machine is noisy; read the ratios):
   one that waits for its timeout;
 * the per-call cost of choosing and checking the owner.
 
-Writes docs/results/bench_routing.md (date, command, machine load).
+Writes docs/results/bench_routing.md (scripts/report.py).
 
 Usage: python scripts/bench_routing.py [--runs 5] [--turns 12]
 """
@@ -27,7 +27,6 @@ Usage: python scripts/bench_routing.py [--runs 5] [--turns 12]
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import math
 import multiprocessing
@@ -42,7 +41,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable
-from pathlib import Path
 
 import mptok
 from mptok.routing.liveness import OwnerLiveness
@@ -55,8 +53,8 @@ from mptok.transport.wire import int32_bytes
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
 from mptok_harness.prompts import conversation
+from scripts.report import write_report
 
-REPORT = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_routing.md"
 AUTHKEY = os.urandom(16)
 TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
 BACKOFF_S = 2.0  # how long an asker skips an owner that it gave up on
@@ -407,16 +405,8 @@ def owner_busy_rows(args, tokenizer, owners: TokenizationOwners, owner_conn, lab
 
 
 def print_table(rows: list[tuple], args) -> None:
-    python = sys.version.split()[0]
-    load = os.getloadavg()
     lines = [
-        "# bench_routing",
-        "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} CPUs, Python {python}, "
-        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end (other work shared the machine). "
-        f"Medians over {args.runs} runs, {args.turns} turns each.",
-        "",
-        "    python scripts/bench_routing.py " + " ".join(sys.argv[1:]),
+        f"Medians over {args.runs} runs, {args.turns} turns each; ratios against baselines measured in the same run.",
         "",
         "| measurement | median | vs baseline (same run) | target | met |",
         "| --- | ---: | --- | --- | --- |",
@@ -426,8 +416,7 @@ def print_table(rows: list[tuple], args) -> None:
         verdict = "" if met is None else ("yes" if met else "**no**")
         lines.append(f"| {name} | {shown} | {versus} | {target} | {verdict} |")
     print("\n".join(lines))
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text("\n".join(lines) + "\n")
+    write_report("bench_routing", "What routing a conversation to its owner costs", "\n".join(lines), packages=("mptok", "tokenizers", "numpy"))
 
 
 if __name__ == "__main__":
