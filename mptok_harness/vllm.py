@@ -159,10 +159,19 @@ class VllmServer:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> VllmServer:
         """Start it and wait until every API server has started; raises with the log's tail if it does not."""
+        return self.launch().wait_started(timeout_s)
+
+    def launch(self) -> VllmServer:
+        """Start it without waiting (``wait_started`` waits), so that several can start at once."""
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        return self
+
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> VllmServer:
+        """Wait until every API server has started; stops it and raises with the log's tail if it does not."""
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -106,7 +106,9 @@ def main() -> int:
         }
         try:
             for server in servers.values():
-                server.start()
+                server.launch()
+            for server in servers.values():
+                server.wait_started(600)
             before = mptok_totals(servers["mptok"])
             order = list(MODES)
             for turn in range(turns):
@@ -148,8 +150,9 @@ def main() -> int:
         [
             "# vLLM with and without `--tokenizer-mode mptok`",
             "",
-            f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node() and 'this machine'} "
-            f"({os.cpu_count()} cores, shared; the three servers idle while another answers), with `{command.strip()}`.",
+            f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on a {os.cpu_count()}-core "
+            f"{platform.machine()} machine shared with other work (the three servers idle while another answers), "
+            f"with `{command.strip()}`.",
             "",
             f"{args.chats} keyless chats (no session id), {turns} turns each, {min(tokens):,} to {max(tokens):,} "
             f"prompt tokens; {requests} requests per mode through `/v1/chat/completions/render`, "

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from mptok.api.affinity import chat_identity
-from mptok.routing.owners import owner_of
+from mptok.routing.order import owner_of
 from mptok_harness.serve import scrape
 from mptok_harness.vllm import VllmServer
 
@@ -38,7 +38,7 @@ def _cases() -> dict[str, tuple[str, dict[str, Any]]]:
     for turn in range(TURNS):
         for agent in range(AGENTS):
             messages = list(agent_turns(agent, TURNS))[turn]
-            cases[f"agent{agent}-turn{turn}"] = ("chat", {"messages": messages, "tools": TOOLS})
+            cases[f"agent{agent}-turn{turn}"] = ("chat", {"messages": messages, "tools": TOOLS, "tool_choice": "none"})
     piece = text_source(99)
     chat = [{"role": "user", "content": piece(2000)}, {"role": "assistant", "content": piece(600)}, {"role": "user", "content": piece(900)}]
     cases["chat-no-tools"] = ("chat", {"messages": chat})
@@ -58,7 +58,7 @@ def _cases() -> dict[str, tuple[str, dict[str, Any]]]:
     cases["completion-truncated"] = ("completion", {"prompt": prompt, "truncate_prompt_tokens": 100})
     cases["tokenize-prompt"] = ("tokenize", {"prompt": prompt + piece(100)})
     cases["tokenize-prompt-no-special-tokens"] = ("tokenize", {"prompt": prompt, "add_special_tokens": False})
-    cases["tokenize-messages"] = ("tokenize", {"messages": chat, "tools": TOOLS})
+    cases["tokenize-messages"] = ("tokenize", {"messages": chat, "tools": TOOLS, "tool_choice": "none"})
     cases["tokenize-messages-continue"] = (
         "tokenize", {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
     )
@@ -133,7 +133,8 @@ def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
     prompts = totals["mptok_prompts_total"]
     assert set(prompts) == {"0", "1"} and all(v > 0 for v in prompts.values()), prompts
     assert sum(totals["mptok_routed_total"].values()) > 0, totals
-    assert sum(totals["mptok_served_total"].values()) == sum(totals["mptok_routed_total"].values())
+    # An owner may serve a routed prompt twice (what changed, then the whole text).
+    assert sum(totals["mptok_served_total"].values()) >= sum(totals["mptok_routed_total"].values())
     assert sum(totals["mptok_cache_hits_total"].values()) > 0, totals
     # Each agent's later turns extended its earlier ones in its owner's cache.
     assert sum(totals["mptok_cache_hits_total"].values()) >= AGENTS * (TURNS - 2)
