@@ -34,13 +34,13 @@ def supported_range() -> str:
 def check_vllm() -> str:
     """The installed vLLM's version; ``UnsupportedVllm`` naming what to install otherwise."""
     try:
-        import vllm
+        from vllm import version as vllm_version
     except ImportError as e:
         raise UnsupportedVllm(
             f"--tokenizer-mode mptok needs vLLM {supported_range()}, which is not importable here ({e}); "
             "pip install 'mptok[vllm]'"
         ) from e
-    version = getattr(vllm, "__version__", "unknown")
+    version = getattr(vllm_version, "__version__", "unknown")
     release = _release(version)
     low, high = SUPPORTED_VLLM
     if release is None or not low <= release < high:

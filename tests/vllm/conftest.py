@@ -1,4 +1,5 @@
-"""Real vLLM for the plugin's tests: they run in ``make test-vllm``'s environment and are not collected elsewhere.
+"""Real vLLM for the plugin's tests: they run in ``make test-vllm``'s environment and are not collected elsewhere
+(but ``test_compat.py``, which checks the error a missing vLLM gives).
 
 The model directory is written once per session; each server is started by
 the test module that needs it and stopped at its end (module fixtures), so
@@ -15,8 +16,8 @@ from mptok_harness.vllm import write_model_dir
 
 try:
     import vllm.renderers.hf  # noqa: F401
-except ImportError:  # not make test-vllm's environment: nothing here to run
-    collect_ignore_glob = ["test_*.py"]
+except ImportError:  # not make test-vllm's environment: only what needs no vLLM runs
+    collect_ignore = ["test_plugin.py", "test_teardown.py"]
 
 
 @pytest.fixture(scope="session")

@@ -185,3 +185,21 @@ def _timed_chat(server: VllmServer, body: dict[str, Any]) -> tuple[list[int], fl
     ids = server.chat_ids(body, timeout_s=60)
     return ids, time.monotonic() - started
 
+
+
+SINGLE_CASES = [name for name in CASES if name.startswith("agent0-") or not name.startswith("agent")]
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
+    with VllmServer(model_dir, logs_dir / "mptok-single.log", mptok=True, api_servers=1) as server:
+        yield server, {name: _ids(server, *CASES[name]) for name in SINGLE_CASES}
+
+
+def test_one_api_server_uses_its_cache_alone_with_the_same_ids(single, plain_ids):
+    server, ids = single
+    assert {name: ids[name] for name in SINGLE_CASES} == {name: plain_ids[name] for name in SINGLE_CASES}
+    assert "routing off: one API server" in server.log()
+    totals = _scraped(server, "mptok_cache_hits_total", TURNS - 2)
+    assert sum(totals["mptok_cache_hits_total"].values()) >= TURNS - 2, totals
+    assert sum(totals.get("mptok_routed_total", {}).values()) == 0
