@@ -56,6 +56,9 @@ def _cases() -> dict[str, tuple[str, dict[str, Any]]]:
     cases["completion-longer"] = ("completion", {"prompt": prompt + piece(400)})
     cases["completion-no-special-tokens"] = ("completion", {"prompt": prompt + piece(200), "add_special_tokens": False})
     cases["completion-truncated"] = ("completion", {"prompt": prompt, "truncate_prompt_tokens": 100})
+    # Offsets: vLLM's own path (mptok's ids carry none).
+    cases["completion-offsets"] = ("completion", {"prompt": prompt + piece(50), "return_token_offsets": True})
+    cases["chat-offsets"] = ("chat", {"messages": chat, "return_token_offsets": True})
     cases["tokenize-prompt"] = ("tokenize", {"prompt": prompt + piece(100)})
     cases["tokenize-prompt-no-special-tokens"] = ("tokenize", {"prompt": prompt, "add_special_tokens": False})
     cases["tokenize-messages"] = ("tokenize", {"messages": chat, "tools": TOOLS, "tool_choice": "none"})
@@ -133,8 +136,9 @@ def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
     prompts = totals["mptok_prompts_total"]
     assert set(prompts) == {"0", "1"} and all(v > 0 for v in prompts.values()), prompts
     assert sum(totals["mptok_routed_total"].values()) > 0, totals
-    # An owner may serve a routed prompt twice (what changed, then the whole text).
-    assert sum(totals["mptok_served_total"].values()) >= sum(totals["mptok_routed_total"].values())
+    # Not one served per routed: an asker answers a prompt it already holds the
+    # owner's ids for without a call, and an owner may be asked twice for one.
+    assert sum(totals["mptok_served_total"].values()) > 0, totals
     assert sum(totals["mptok_cache_hits_total"].values()) > 0, totals
     # Each agent's later turns extended its earlier ones in its owner's cache.
     assert sum(totals["mptok_cache_hits_total"].values()) >= AGENTS * (TURNS - 2)
@@ -144,8 +148,8 @@ def test_metrics_show_tokens_through_mptok_and_through_vllm(switched):
     server, _ = switched
     totals = _scraped(server, "mptok_prompt_tokens_total", 1)
     assert sum(totals["mptok_prompt_tokens_total"].values()) > 0
-    # completion-truncated goes down vLLM's own path.
-    assert sum(totals["mptok_vllm_prompts_total"].values()) >= 1
+    # The requests for offsets go down vLLM's own path.
+    assert sum(totals["mptok_vllm_prompts_total"].values()) >= 2
     assert sum(totals["mptok_cache_max_bytes"].values()) > 0
 
 
