@@ -35,21 +35,19 @@ import fcntl
 import logging
 import os
 import secrets
-import shutil
 import stat
 import tempfile
 import time
 
 from mptok.routing.liveness import start_ticks
-from mptok.transport.wire import secure_ipc_dir
+from mptok.core.private_files import SERVER_LOCK, remove_if_unused, secure_ipc_dir
 
 logger = logging.getLogger("vllm.mptok")
 
 PREFIX = "mptok-serve-vllm-"
-LOCK_NAME = "supervisor.lock"
+LOCK_NAME = SERVER_LOCK
 KEY_NAME = "authkey"
 KEY_BYTES = 32
-_LOCK_SUFFIX = ".lock"
 # A sweep holds a directory's lock exclusively only while it removes it;
 # joining waits that long at most, and tries a new directory this often.
 _JOIN_WAIT_S = 2.0
@@ -88,7 +86,7 @@ class SharedIpcDir:
         fd, self._lock_fd = self._lock_fd, None
         os.close(fd)
         with contextlib.suppress(OSError):
-            _remove_if_unused(self.path)
+            remove_if_unused(self.path)
 
 
 def sweep_unused(parent: str, keep: str | None = None) -> list[str]:
@@ -106,7 +104,7 @@ def sweep_unused(parent: str, keep: str | None = None) -> list[str]:
         if path == keep:
             continue
         try:
-            if _remove_if_unused(path):
+            if remove_if_unused(path):
                 removed.append(path)
                 logger.warning("mptok: removed the ipc dir %s of a vllm serve that is gone", path)
         except OSError as e:
@@ -203,31 +201,3 @@ def _read_key(dir_fd: int) -> bytes:
     if len(key) != KEY_BYTES:
         raise PermissionError(f"the mptok authkey file holds {len(key)} bytes, not {KEY_BYTES}")
     return key
-
-
-def _remove_if_unused(path: str) -> bool:
-    """Remove ``path`` if it is this user's directory and none of its locks is held."""
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return False
-    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
-    held: list[int] = []
-    try:
-        if os.fstat(dir_fd).st_ino != st.st_ino:
-            return False
-        lock_names = [n for n in os.listdir(dir_fd) if n.endswith(_LOCK_SUFFIX)]
-        if LOCK_NAME not in lock_names:
-            return False
-        for name in [LOCK_NAME, *(n for n in lock_names if n != LOCK_NAME)]:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=dir_fd)
-            held.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-        shutil.rmtree(path)
-        return True
-    finally:
-        for fd in held:
-            os.close(fd)
-        os.close(dir_fd)
