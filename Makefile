@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
+.PHONY: test-vllm run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -71,6 +71,18 @@ test-quick: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The vLLM plugin's tests against real vLLM (CPU build) in a venv of their
+# own, built on first use (scripts/vllm_venv.sh; about 5 minutes, 3.5 GB);
+# the tests start four `vllm serve` one after another (6-9 minutes on 2
+# shared cores). `make test` does not collect them.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
+	scripts/vllm_venv.sh $(VLLM_VENV)
+	touch $@
+
+test-vllm: $(VLLM_VENV)/bin/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(ARGS)
+
 # The transport's tests on the other declared Python versions.
 test-versions:
 	scripts/test_versions.sh
@@ -78,4 +90,4 @@ test-versions:
 ci: test test-versions
 
 clean:
-	rm -rf $(VENV) .venv-3.* .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .venv-3.* .cache .pytest_cache .hypothesis

@@ -6,13 +6,20 @@ their lock files (``mptok.transport``), the owners' records
 With the authkey, the directory's permissions are what keep other users
 away from all of it, so every layer that opens something there opens it
 through here. Core, the bottom layer, so that each of them can.
+
+A directory is in use while its server's lock (``SERVER_LOCK``) or any
+process's ``*.lock`` in it is held; ``remove_if_unused`` is the one rule by
+which every sweep (``mptok serve``'s, the vLLM plugin's) removes the
+directories of servers that are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import shutil
 import stat
 
 
@@ -78,3 +85,45 @@ def open_private_file(path: str, flags: int) -> int:
             f"(mode {stat.S_IMODE(st.st_mode):04o}); mptok refuses to use it"
         )
     return fd
+
+
+# Held by the process that made a server's directory (``mptok serve``'s
+# supervisor) or shared by every process that uses it (the vLLM plugin's API
+# servers); a directory without one was not made by mptok and is never swept.
+SERVER_LOCK = "supervisor.lock"
+_LOCK_SUFFIX = ".lock"
+
+
+def remove_if_unused(path: str) -> bool:
+    """Remove ``path`` if it is this user's real directory (not a link),
+    holds ``SERVER_LOCK``, and none of its locks is held; True if removed.
+
+    The server's lock is taken first, then every other ``*.lock``: all free,
+    or the directory is in use (a frontend may outlive its supervisor while
+    it stops). Holding the server's lock, no other sweep removes it
+    meanwhile. Raises ``OSError`` for a directory it cannot read.
+    """
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    held: list[int] = []
+    try:
+        if os.fstat(dir_fd).st_ino != st.st_ino:
+            return False
+        lock_names = [n for n in os.listdir(dir_fd) if n.endswith(_LOCK_SUFFIX)]
+        if SERVER_LOCK not in lock_names:
+            return False
+        for name in [SERVER_LOCK, *(n for n in lock_names if n != SERVER_LOCK)]:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+            held.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        shutil.rmtree(path)
+        return True
+    finally:
+        for fd in held:
+            os.close(fd)
+        os.close(dir_fd)

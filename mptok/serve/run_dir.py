@@ -21,16 +21,15 @@ import fcntl
 import logging
 import os
 import shutil
-import stat
 import tempfile
 
+from mptok.core.private_files import SERVER_LOCK, remove_if_unused
 from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.supervisor")
 
 PREFIX = "mptok-serve-"
-LOCK_NAME = "supervisor.lock"
-_LOCK_SUFFIX = ".lock"
+LOCK_NAME = SERVER_LOCK
 
 
 class RunDir:
@@ -80,40 +79,9 @@ def sweep_stale(parent: str | None = None) -> list[str]:
     for name in names:
         path = os.path.join(parent, name)
         try:
-            if _remove_if_stale(path):
+            if remove_if_unused(path):
                 removed.append(path)
                 log_event(logger, logging.WARNING, "swept_stale_ipc_dir", path=path, reason="its server is gone")
         except OSError as e:
             logger.debug("left %s: %r", path, e)
     return removed
-
-
-def _remove_if_stale(path: str) -> bool:
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return False
-    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    held: list[int] = []
-    try:
-        if os.fstat(dir_fd).st_ino != st.st_ino:
-            return False
-        lock_names = [n for n in os.listdir(dir_fd) if n.endswith(_LOCK_SUFFIX)]
-        if LOCK_NAME not in lock_names:
-            return False
-        # The supervisor's lock first, then every frontend's: all free, or
-        # the directory is in use (a frontend may outlive its supervisor
-        # while it stops).
-        for name in [LOCK_NAME, *(n for n in lock_names if n != LOCK_NAME)]:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-            held.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-        # Holding the supervisor's lock: no other sweep removes it meanwhile.
-        shutil.rmtree(path)
-        return True
-    finally:
-        for fd in held:
-            os.close(fd)
-        os.close(dir_fd)

@@ -1,0 +1,203 @@
+"""The private directory and authkey that the API servers of one ``vllm serve`` share.
+
+``mptok serve`` has a supervisor that makes its ipc directory and authkey and
+hands the key to each frontend over a pipe. In vLLM the supervisor is
+vLLM's own ``vllm serve`` process, which runs no mptok code before it
+spawns its API servers; so the API servers agree among themselves:
+
+- the directory is named after the ``vllm serve`` process they share (their
+  parent): its pid and its start time in clock ticks since boot
+  (``/proc/<pid>/stat``), so two ``vllm serve`` never share one, and a pid
+  reused after a reboot or wrap gives another name; it is made 0700 by
+  whichever API server comes first and checked by every one
+  (``secure_ipc_dir``: owned by this user, no access for group or others,
+  no symbolic link);
+- the authkey is 32 random bytes in a 0600 file in it, written by the first
+  API server and published with ``link`` (atomic: it appears whole or not at
+  all, and a second writer loses instead of replacing it); never in argv,
+  the environment or a log;
+- every API server holds a shared ``flock`` on ``supervisor.lock`` for as
+  long as it lives, and each serves its socket under its own lock
+  (``mptok.transport``). The directory is in use while any of those locks is
+  held. The last API server to close removes it; the directories of a
+  ``vllm serve`` that was SIGKILLed are removed by the next one to start
+  (never a link, another user's directory, or one with a lock held).
+
+The name starts with ``mptok-serve-`` and holds the same ``supervisor.lock``
+as an ``mptok serve`` directory, so either sweep may remove the other's
+stale directories by the same rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import stat
+import tempfile
+import time
+
+from mptok.routing.liveness import start_ticks
+from mptok.core.private_files import SERVER_LOCK, remove_if_unused, secure_ipc_dir
+
+logger = logging.getLogger("vllm.mptok")
+
+PREFIX = "mptok-serve-vllm-"
+LOCK_NAME = SERVER_LOCK
+KEY_NAME = "authkey"
+KEY_BYTES = 32
+# A sweep holds a directory's lock exclusively only while it removes it;
+# joining waits that long at most, and tries a new directory this often.
+_JOIN_WAIT_S = 2.0
+_JOIN_ATTEMPTS = 3
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SharedIpcDir:
+    """The ipc directory of the ``vllm serve`` process ``server_pid`` (default: the parent), joined.
+
+    ``path`` and ``authkey`` are the same in every API server of that
+    ``vllm serve``. Raises ``PermissionError`` for a directory that is not
+    this user's alone, ``ProcessLookupError`` when ``server_pid`` is gone,
+    and ``OSError`` when the directory cannot be made. ``close()`` leaves it,
+    and removes it if no other API server is in it; it is idempotent.
+    """
+
+    def __init__(self, server_pid: int | None = None, parent: str | None = None):
+        server_pid = os.getppid() if server_pid is None else server_pid
+        ticks = start_ticks(server_pid)
+        if ticks is None:
+            raise ProcessLookupError(f"vllm serve process {server_pid} is gone")
+        self.parent = parent or tempfile.gettempdir()
+        self.path = os.path.join(self.parent, f"{PREFIX}{server_pid}-{ticks}")
+        sweep_unused(self.parent, keep=self.path)
+        self._lock_fd: int | None = _join(self.path)
+        try:
+            self.authkey = _shared_key(self.path)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._lock_fd is None:
+            return
+        fd, self._lock_fd = self._lock_fd, None
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            remove_if_unused(self.path)
+
+
+def sweep_unused(parent: str, keep: str | None = None) -> list[str]:
+    """Remove this user's ``mptok-serve-vllm-*`` directories in ``parent`` that no process uses.
+
+    Returns what was removed; never raises for one directory it cannot
+    judge or remove (it is left)."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        if path == keep:
+            continue
+        try:
+            if remove_if_unused(path):
+                removed.append(path)
+                logger.warning("mptok: removed the ipc dir %s of a vllm serve that is gone", path)
+        except OSError as e:
+            logger.debug("mptok: left %s: %r", path, e)
+    return removed
+
+
+def _join(path: str) -> int:
+    """A shared lock on ``path``'s ``supervisor.lock``, making both if missing."""
+    for _ in range(_JOIN_ATTEMPTS):
+        secure_ipc_dir(path)
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
+        try:
+            fd = _locked_shared(dir_fd)
+            try:
+                # Still the directory's lock, in the directory at ``path``: a
+                # sweep that removed it meanwhile leaves us an orphan file.
+                if (
+                    os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                    and os.lstat(path).st_ino == os.fstat(dir_fd).st_ino
+                ):
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        finally:
+            os.close(dir_fd)
+    raise OSError(f"could not join the ipc dir {path}: it was removed {_JOIN_ATTEMPTS} times while joining")
+
+
+def _locked_shared(dir_fd: int) -> int:
+    """``supervisor.lock`` in ``dir_fd``, opened and share-locked; created (0600) if missing."""
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        # Created under a private name and locked, then linked: the lock file
+        # never appears unlocked, so a sweep cannot take a starting server's dir.
+        pending = f".{LOCK_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.link(pending, LOCK_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except FileExistsError:
+                os.close(fd)
+                fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+            else:
+                return fd
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pending, dir_fd=dir_fd)
+    deadline = time.monotonic() + _JOIN_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise
+            time.sleep(0.01)
+
+
+def _shared_key(path: str) -> bytes:
+    """The authkey in ``path``, written there first if missing."""
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
+    try:
+        try:
+            return _read_key(dir_fd)
+        except FileNotFoundError:
+            pass
+        pending = f".{KEY_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+            with contextlib.suppress(FileExistsError):  # another API server's key won
+                os.link(pending, KEY_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pending, dir_fd=dir_fd)
+        return _read_key(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_key(dir_fd: int) -> bytes:
+    fd = os.open(KEY_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise PermissionError("the mptok authkey file is not a private file of this user")
+        key = f.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise PermissionError(f"the mptok authkey file holds {len(key)} bytes, not {KEY_BYTES}")
+    return key

@@ -1,0 +1,170 @@
+"""One API server's prompt tokenization through mptok: the cache, and routing between API servers.
+
+vLLM builds its renderer (and may build more than one) in each API server
+process; the cache and the owner serving it to the other API servers must
+exist once per process, under the API server's rank. ``PromptTokens.of_process``
+makes that one instance on first use and hands it to every renderer of the
+same tokenizer.
+
+With ``--api-server-count N`` > 1, vLLM gives API server i the rank i of N
+(``parallel_config._api_process_rank`` / ``_api_process_count``, set from
+``client_index`` / ``client_count`` when ``vllm serve`` spawns it): that is
+the frontend id and count of ``TokenizationOwners``, in the ipc directory the
+API servers of one ``vllm serve`` share (``mptok.vllm.ipc_dir``). With one
+process (``vllm serve`` with one API server, ``vllm launch render``), or if
+routing cannot start, the cache alone.
+
+Whatever happens inside mptok, the ids are either exactly
+``tokenizer(text, add_special_tokens=...)["input_ids"]`` or ``None``, and
+``None`` sends the prompt down vLLM's own path: mptok never turns a request
+vLLM would answer into an error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+from mptok.api.special_tokens import SpecialTokenFrame
+from mptok.cache.backend import SlowTokenizerError, backend_for
+from mptok.cache.config import CacheConfig
+from mptok.cache.prefix_cache import PrefixTokenCache
+from mptok.core.counting import Counters
+from mptok.routing.owners import TokenizationOwners, lower_switch_interval
+from mptok.vllm.ipc_dir import SharedIpcDir
+from mptok.vllm.metrics import MetricsExport
+
+logger = logging.getLogger("vllm.mptok")
+
+CLOSE_TIMEOUT_S = 2.0
+
+_lock = threading.Lock()
+_of_process: PromptTokens | None = None
+
+
+class PromptTokens:
+    """Exact prompt ids through mptok for API server ``rank`` of ``count``.
+
+    ``tokenize`` returns ``tokenizer(text, add_special_tokens=...)["input_ids"]``
+    or None (the caller then tokenizes as vLLM does). ``close()`` stops routing
+    and serving within ``CLOSE_TIMEOUT_S`` and leaves the ipc directory; it runs
+    at process exit and is idempotent.
+    """
+
+    def __init__(self, tokenizer: Any, rank: int, count: int):
+        self._tokenizer = tokenizer
+        self.name = getattr(tokenizer, "name_or_path", None)
+        self.rank = rank
+        self._cache = PrefixTokenCache(CacheConfig.from_env())
+        self._frame = SpecialTokenFrame.derive(tokenizer)
+        self._counters = Counters(("prompts", "prompt_tokens", "vllm_prompts", "vllm_prompt_tokens", "mptok_errors"))
+        self._ipc_dir: SharedIpcDir | None = None
+        self._owners: TokenizationOwners | None = None
+        self._closed = False
+        routing = "off: one API server"
+        if count > 1 and 0 <= rank < count:
+            routing = self._start_routing(rank, count)
+        else:
+            self._warm_backend()
+        self._encoder: Any = self._owners if self._owners is not None else self._cache
+        self._metrics = MetricsExport(max(rank, 0), self.stats)
+        self._metrics.start()
+        atexit.register(self.close)
+        self._log_start(routing, count)
+
+    @classmethod
+    def of_process(cls, tokenizer: Any, rank: int, count: int) -> PromptTokens | None:
+        """This process's instance, made on first call; None for a renderer of another tokenizer."""
+        global _of_process
+        with _lock:
+            if _of_process is None:
+                _of_process = cls(tokenizer, rank, count)
+            elif _of_process.name != getattr(tokenizer, "name_or_path", None):
+                logger.warning("mptok: a second tokenizer in this process (%r) is tokenized by vLLM alone", tokenizer)
+                return None
+            return _of_process
+
+    def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int] | None:
+        """The exact ids of ``text``, routed under conversation ``key``; None to let vLLM tokenize it."""
+        if add_special_tokens and (self._frame is None or not text):
+            return None
+        try:
+            ids = self._encoder.encode(self._tokenizer, text, key)
+        except Exception:
+            # vLLM's own path then gives the request whatever vLLM gives it.
+            logger.debug("mptok: tokenizing through the cache raised; vLLM tokenizes it", exc_info=True)
+            self._counters.add("mptok_errors")
+            return None
+        if add_special_tokens:
+            assert self._frame is not None
+            ids = self._frame.around(ids)
+        self._counters.add("prompts")
+        self._counters.add("prompt_tokens", len(ids))
+        return ids
+
+    def count_vllm(self, tokens: int) -> None:
+        """One prompt that vLLM tokenized itself, of ``tokens`` tokens."""
+        self._counters.add("vllm_prompts")
+        self._counters.add("vllm_prompt_tokens", tokens)
+
+    def stats(self) -> dict[str, int]:
+        """The cache's, routing's and this class's counters, for /metrics."""
+        stats = {**self._cache.stats(), **self._counters.snapshot()}
+        if self._owners is not None:
+            stats.update(self._owners.stats())
+        return stats
+
+    def close(self) -> None:
+        with _lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._metrics.stop()
+        if self._owners is not None:
+            self._owners.close(CLOSE_TIMEOUT_S)
+        if self._ipc_dir is not None:
+            self._ipc_dir.close()
+
+    def _start_routing(self, rank: int, count: int) -> str:
+        try:
+            self._ipc_dir = SharedIpcDir()
+            # Peers' calls wait for this process's GIL: about 1 ms instead of 5.
+            lower_switch_interval()
+            self._owners = TokenizationOwners(
+                self._ipc_dir.path, rank, count, self._cache, self._tokenizer, authkey=self._ipc_dir.authkey
+            )
+        except Exception as e:
+            logger.warning("mptok: routing between API servers is off (%s); this API server uses its cache alone", e)
+            if self._ipc_dir is not None:
+                self._ipc_dir.close()
+                self._ipc_dir = None
+            return f"off: {e}"
+        return f"on: API server {rank} of {count}, ipc dir {self._ipc_dir.path}"
+
+    def _warm_backend(self) -> None:
+        # Building it copies the Rust tokenizer (1.5 s for 128k ids): at start, not on a request.
+        try:
+            backend_for(self._tokenizer).encode("warm up")
+        except SlowTokenizerError:
+            pass
+
+    def _log_start(self, routing: str, count: int) -> None:
+        try:
+            backend_for(self._tokenizer)
+            backend = "the tokenizer's Rust tokenizers backend"
+        except SlowTokenizerError as e:
+            backend = f"none ({e}): vLLM's own tokenization"
+        config = self._cache.config
+        logger.info(
+            "mptok is on (--tokenizer-mode mptok): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
+            "min_chars=%d; add_special_tokens %s; routing %s",
+            self.name,
+            backend,
+            config.max_bytes,
+            config.max_entries,
+            config.min_chars,
+            "framed by the cache" if self._frame is not None else "tokenized by vLLM",
+            routing,
+        )

