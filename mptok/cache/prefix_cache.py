@@ -28,7 +28,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
+from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
 from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt
@@ -177,7 +177,7 @@ class PrefixTokenCache:
         cache cannot serve."""
         check_key(key)
         try:
-            backend = backend_for(tokenizer)
+            backend = backend_for(tokenizer, self.config.tokenizer_backend)
         except SlowTokenizerError:
             return []
         with self._lock:
@@ -190,10 +190,14 @@ class PrefixTokenCache:
         ``CacheConfig.max_bytes``), never more than ``max_bytes``.
         ``allocation_failures`` counts ``MemoryError``s while caching: each
         emptied the cache, and the prompt was tokenized in full.
+        ``backend_*``: the process's tokenizer backends by engine and the
+        background checks of fast engines (``mptok.cache.backend.backend_stats``).
         """
+        backends = backend_stats()
         with self._lock:
             return dict(
                 self._counters.snapshot(),
+                **backends,
                 entries=len(self._entries),
                 cached_chars=self._cached_chars,
                 cached_bytes=self._cached_bytes,
@@ -226,7 +230,7 @@ class PrefixTokenCache:
     def _entry_or_ids(self, tokenizer: Any, text: str, key: str | None) -> _Entry | list[int]:
         """The entry kept for ``text``, made here, or its ids if it is not kept."""
         try:
-            backend = backend_for(tokenizer)
+            backend = backend_for(tokenizer, self.config.tokenizer_backend)
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
@@ -377,7 +381,7 @@ class PrefixTokenCache:
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
         try:
-            return backend.encode(text).ids
+            return backend.encode_ids(text)
         except TokenizerRefused:
             return _call_tokenizer(tokenizer, text)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.cache.config import parse_bytes
+from mptok.cache.fast_backends import CHOICES
 from mptok.routing.owners import PATIENCE_FACTOR, PATIENCE_FLOOR_S
 
 
@@ -66,6 +67,12 @@ def _bytes(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
     return value
+
+
+def _tokenizer_backend(text: str) -> str:
+    if text not in CHOICES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(CHOICES)}, not {text!r}")
+    return text
 
 
 def _non_negative_int(text: str) -> int:
@@ -169,6 +176,14 @@ class ServeOptions:
         "memory each frontend's prefix cache may hold for its conversations (text, ids, offsets, "
         "versions, keys), e.g. 512M or 2G; default: MPTOK_CACHE_MAX_BYTES, else 512MiB",
         use=Use.CACHE, argument="max_bytes", default=None,
+    )
+    # None: CacheConfig's (MPTOK_CACHE_TOKENIZER_BACKEND, else "auto").
+    tokenizer_backend: str | None = option(
+        "--tokenizer-backend", _tokenizer_backend, "NAME",
+        "what tokenizes prompts in full: auto (the cheapest of fastokens, gigatoken and tokenizers that gives "
+        "identical ids on a start-up check), tokenizers, fastokens or gigatoken; default: "
+        "MPTOK_CACHE_TOKENIZER_BACKEND, else auto",
+        use=Use.CACHE, default=None,
     )
     threads: int = option("--threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)", use=Use.SERVICE, default=4)
     affinity_chars: int = option(
