@@ -107,7 +107,7 @@ def test_sampled_checks_are_counted_and_agree():
     tokenizer = load_family("deepseek")
     backend = backend_for(tokenizer, "auto")
     before = backend_stats()
-    cache = PrefixTokenCache(CacheConfig(min_chars=0))
+    cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="auto"))
     start, end = CHAT_MARKERS["deepseek"]
     for prompt in chat_turns(random.Random(7), start, end, turns=12):
         assert cache.encode(tokenizer, prompt, key="chat") == reference_ids(tokenizer, prompt)
@@ -149,13 +149,16 @@ def test_literal_special_tokens_with_split_special_tokens_stay_exact(family):
     rust = load_family(family)
     hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(rust.to_str()), split_special_tokens=True)
     start, end = CHAT_MARKERS[family]
-    cache = PrefixTokenCache(CacheConfig(min_chars=0))
+    cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="auto"))
     for prompt in chat_turns(random.Random(8), start, end, turns=10):
         assert cache.encode(hf, prompt, key="chat") == hf(prompt, add_special_tokens=False)["input_ids"]
 
 
-def test_config_names_the_backend():
+def test_config_names_the_backend(monkeypatch):
+    monkeypatch.delenv("MPTOK_CACHE_TOKENIZER_BACKEND", raising=False)
     assert CacheConfig().tokenizer_backend == "auto"
+    monkeypatch.setenv("MPTOK_CACHE_TOKENIZER_BACKEND", "fastokens")
+    assert CacheConfig().tokenizer_backend == "fastokens"
     config = CacheConfig.from_env({"MPTOK_CACHE_TOKENIZER_BACKEND": "gigatoken"})
     assert config.tokenizer_backend == "gigatoken"
     with pytest.raises(ValueError, match="tokenizer_backend"):

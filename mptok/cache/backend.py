@@ -158,13 +158,16 @@ _backends_lock = threading.Lock()
 
 # One background re-check of a fast engine's results per this many results.
 DEFAULT_CHECK_EVERY = 256
-CHOICE_VARIABLE = "MPTOK_CACHE_TOKENIZER_BACKEND"
 
 
 def default_choice() -> str:
     """``MPTOK_CACHE_TOKENIZER_BACKEND`` if set to one of ``CHOICES``, else "auto"."""
-    choice = os.environ.get(CHOICE_VARIABLE, "").strip() or "auto"
-    return choice if choice in CHOICES else "auto"
+    from mptok.cache.config import CacheConfig
+
+    try:
+        return CacheConfig().tokenizer_backend
+    except ValueError:
+        return "auto"  # the cache says so when it is made with that value
 
 
 def backend_for(tokenizer: Any, choice: str = "auto") -> TokenizerBackend:

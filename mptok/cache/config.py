@@ -93,7 +93,8 @@ class CacheConfig:
     tokenizer_backend: what tokenizes prompts in full: "auto" (the cheapest
         of fastokens, gigatoken and `tokenizers` that gives identical ids on
         the start-up check), "tokenizers", "fastokens" or "gigatoken"
-        (``mptok.cache.fast_backends``).
+        (``mptok.cache.fast_backends``); default ``MPTOK_CACHE_TOKENIZER_BACKEND``,
+        else "auto".
     """
 
     max_entries: int = 1024
@@ -103,7 +104,10 @@ class CacheConfig:
     min_chars: int = 256
     seam_window_tokens: int = 4096
     max_seam_attempts: int = 4
-    tokenizer_backend: str = "auto"
+    # MPTOK_CACHE_TOKENIZER_BACKEND, else "auto" (load_tokenizer builds that one).
+    tokenizer_backend: str = dataclasses.field(
+        default_factory=lambda: os.environ.get(ENV_PREFIX + "TOKENIZER_BACKEND", "").strip() or "auto"
+    )
 
     def __post_init__(self) -> None:
         lower_bounds = {
