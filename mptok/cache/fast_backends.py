@@ -62,6 +62,9 @@ CHECK_QUEUE = 4
 class EngineUnavailable(Exception):
     """The engine is not installed, or cannot load this tokenizer's layout."""
 
+    def __init__(self, message: str):
+        super().__init__(message.strip().splitlines()[0] if message.strip() else message)
+
 
 class IdsEngine(Protocol):
     """Full tokenization without added special tokens: ids only."""
@@ -194,14 +197,38 @@ class Cost:
     wall_seconds: float
 
 
-def cost_of(encode: Callable[[str], object], text: str, runs: int = 3) -> Cost:
-    cpu = wall = float("inf")
-    for _ in range(runs):
+def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[str]:
+    """``count`` different texts of ``chars`` characters (about 50k tokens,
+    where fastokens' threads start to cost CPU) to time engines on: real
+    prose and code (the standard library's own sources, which every Python
+    has), never seen by an engine before, since fastokens and gigatoken cache
+    the words they have tokenized. ``fallback`` (cut in pieces) where the
+    sources cannot be read."""
+    import argparse
+    import difflib
+    import inspect
+    import pathlib
+    import textwrap
+    import typing
+
+    modules = (argparse, difflib, inspect, pathlib, textwrap, typing)
+    try:
+        source = "".join(open(m.__file__, encoding="utf-8").read() for m in modules)
+    except (OSError, TypeError):
+        source = fallback
+    size = min(chars, len(source) // count)
+    return [source[i * size : (i + 1) * size] for i in range(count)]
+
+
+def cost_of(encode: Callable[[str], object], texts: Sequence[str]) -> Cost:
+    """The median CPU and wall time of ``encode`` over ``texts``."""
+    cpus, walls = [], []
+    for text in texts:
         wall_began, cpu_began = time.perf_counter(), time.process_time()
         encode(text)
-        cpu = min(cpu, time.process_time() - cpu_began)
-        wall = min(wall, time.perf_counter() - wall_began)
-    return Cost(cpu, wall)
+        cpus.append(time.process_time() - cpu_began)
+        walls.append(time.perf_counter() - wall_began)
+    return Cost(sorted(cpus)[len(cpus) // 2], sorted(walls)[len(walls) // 2])
 
 
 # -- the tripwire -----------------------------------------------------------------

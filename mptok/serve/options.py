@@ -69,12 +69,6 @@ def _bytes(text: str) -> int:
     return value
 
 
-def _tokenizer_backend(text: str) -> str:
-    if text not in CHOICES:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(CHOICES)}, not {text!r}")
-    return text
-
-
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -109,6 +103,7 @@ class Option:
     makes a flag without a value (the field's default is False). ``many``
     takes one or more words (a tuple). ``argument`` is the keyword the
     component of ``use`` takes it as (default: the field's name).
+    ``choices``, if any, are the only words accepted.
     """
 
     flag: str
@@ -118,6 +113,7 @@ class Option:
     use: Use
     argument: str | None = None
     many: bool = False
+    choices: tuple[str, ...] = ()
 
 
 def option(
@@ -131,9 +127,10 @@ def option(
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     argument: str | None = None,
     many: bool = False,
+    choices: tuple[str, ...] = (),
 ) -> Any:
     """A ``ServeOptions`` field that is a command-line option (see ``Option``)."""
-    declared = Option(flag, parse, metavar, help, use, argument, many)
+    declared = Option(flag, parse, metavar, help, use, argument, many, choices)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"option": declared})
 
 
@@ -179,11 +176,11 @@ class ServeOptions:
     )
     # None: CacheConfig's (MPTOK_CACHE_TOKENIZER_BACKEND, else "auto").
     tokenizer_backend: str | None = option(
-        "--tokenizer-backend", _tokenizer_backend, "NAME",
+        "--tokenizer-backend", str, "NAME",
         "what tokenizes prompts in full: auto (the cheapest of fastokens, gigatoken and tokenizers that gives "
         "identical ids on a start-up check), tokenizers, fastokens or gigatoken; default: "
         "MPTOK_CACHE_TOKENIZER_BACKEND, else auto",
-        use=Use.CACHE, default=None,
+        use=Use.CACHE, default=None, choices=CHOICES,
     )
     threads: int = option("--threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)", use=Use.SERVICE, default=4)
     affinity_chars: int = option(
@@ -319,6 +316,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=declared.parse,
             metavar=declared.metavar,
             nargs="+" if declared.many else None,
+            choices=declared.choices or None,
             default=default,
             help=declared.help,
         )
