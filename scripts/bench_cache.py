@@ -302,7 +302,9 @@ def main() -> int:
             "Full tokenization cells: CPU / wall ms, \"refused\" where the engine does not load the layout,",
             "\"differs\" where its ids differ from `tokenizers`' on these prompts. \"auto picks\": the engine",
             "the cache's start-up check and timing chose. Ratios are against the fastest exact full",
-            "tokenization in CPU time. A hit with a fast engine is a splice at the added token that opens",
+            "tokenization of the same prompt: a miss in wall time, a hit in CPU time. \"background checks\":",
+            "what the sampled re-checks add to each request of a fast engine, on average (a `tokenizers`",
+            "full tokenization per mptok.cache.backend.DEFAULT_CHECK_EVERY results). A hit with a fast engine is a splice at the added token that opens",
             "the last turn (docs/CACHE.md, \"Tokenizer backends\").",
             "",
         ]
