@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import threading
 
 import pytest
@@ -163,3 +164,16 @@ def test_config_names_the_backend(monkeypatch):
     assert config.tokenizer_backend == "gigatoken"
     with pytest.raises(ValueError, match="tokenizer_backend"):
         CacheConfig(tokenizer_backend="fast")
+
+
+def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "gigatoken", None)  # a real ImportError on import
+    monkeypatch.setattr(fast_backends, "_import_failures", {})
+    tokenizer = load_family("deepseek")
+    with caplog.at_level(logging.INFO, logger="mptok.cache.fast_backends"):
+        first = TokenizerBackend(tokenizer, "auto")
+        second = TokenizerBackend(tokenizer, "auto")
+    assert first.engine_name != "gigatoken" and second.engine_name != "gigatoken"
+    assert sum("gigatoken unavailable" in r.getMessage() for r in caplog.records) == 1
+    text = "plain text, twice over. " * 30
+    assert second.encode_ids(text) == reference_ids(tokenizer, text)

@@ -95,11 +95,12 @@ _CALIBRATION_CHARS = 20_000
 _LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
 
 
-def _build_backend(tokenizer: Any) -> TokenizerBackend | None:
+def _build_backend(tokenizer: Any, choice: str) -> TokenizerBackend | None:
     """Build (and run once) the tokenizer backend an owner answers its peers
-    with; None for a slow tokenizer, which the cache does not serve."""
+    with (the cache's ``choice`` of engine); None for a slow tokenizer, which
+    the cache does not serve."""
     try:
-        backend = backend_for(tokenizer)
+        backend = backend_for(tokenizer, choice)
     except SlowTokenizerError:
         return None
     backend.encode("warm up")
@@ -271,7 +272,7 @@ class TokenizationOwners:
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
-        backend = _build_backend(tokenizer)
+        backend = _build_backend(tokenizer, cache.config.tokenizer_backend)
         # Patience is for asking peers: a lone frontend never does.
         asks_peers = num_frontends > 1 and patience_factor > 0 and backend is not None
         self._patience_per_char_s = patience_factor * _seconds_per_char(backend) if asks_peers else None
