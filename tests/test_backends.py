@@ -14,6 +14,8 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
+from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
+
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.cache import fast_backends
 from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
@@ -177,3 +179,22 @@ def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypat
     assert sum("gigatoken unavailable" in r.getMessage() for r in caplog.records) == 1
     text = "plain text, twice over. " * 30
     assert second.encode_ids(text) == reference_ids(tokenizer, text)
+
+
+def test_serve_tokenizer_backend_reaches_every_frontend_and_its_metrics(tmp_path):
+    """`mptok serve --tokenizer-backend auto` (the test session pins
+    `tokenizers` in the environment): the frontends tokenize through a fast
+    engine, exactly, and say so on /metrics."""
+    tokenizer = load_family("deepseek")
+    start, end = CHAT_MARKERS["deepseek"]
+    with Server(tmp_path / "serve.log", "--frontends", "2", "--tokenizer-backend", "auto") as server:
+        for prompt in chat_turns(random.Random(9), start, end, turns=6):
+            body = {"prompt": prompt, "conversation_id": "fast", "add_special_tokens": False}
+            assert tokenize(server.port, body)["tokens"] == reference_ids(tokenizer, prompt)
+        wait_for_snapshots()
+        samples = scrape(server.port)
+    fast = sum(total(samples, f"mptok_tokenizer_backend_{engine}") for engine in ENGINES)
+    assert fast == 2  # one tokenizer per frontend, each on a fast engine
+    assert total(samples, "mptok_tokenizer_backend_tokenizers") == 0
+    assert total(samples, "mptok_tokenizer_backend_mismatches_total") == 0
+    assert total(samples, "mptok_cache_hits_total") > 0
