@@ -1,5 +1,8 @@
 # `make run` and `make test` are the two commands the README opens with; each
 # builds the virtual environment first, so a fresh clone needs nothing else.
+# Scripts run from the repository's root as modules (`python -m scripts.x`),
+# so they import mptok_harness and each other without editing sys.path; each
+# benchmark writes its report to docs/results/<script>.md.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,33 +32,34 @@ $(BIN)/.installed-bench: $(BIN)/.installed-test
 
 # The cache benchmark, with hit rates per tokenizer family.
 bench: $(BIN)/.installed-test
-	$(BIN)/python scripts/bench_cache.py --families
+	$(BIN)/python -m scripts.bench_cache --families
 
 # What the cache's memory costs (bytes per cached token, tracemalloc), a flood
 # against a small --budget, and the RSS of `mptok serve --cache-bytes`.
 bench-memory: $(BIN)/.installed
-	$(BIN)/python scripts/bench_memory.py $(ARGS)
+	$(BIN)/python -m scripts.bench_memory $(ARGS)
 
-# Issue 5's side-by-side replay (no cache, cache per instance, mptok, sticky
-# nginx): the table and plot in docs/RESULTS.md (`make replay ARGS="--help"`).
+# The side-by-side replay (no cache, cache per instance, mptok, sticky nginx):
+# docs/results/replay_bench.md and its plot (`make replay ARGS="--help"`).
 replay: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
-	$(BIN)/python scripts/replay_bench.py $(ARGS)
+	$(BIN)/python -m scripts.replay_bench $(ARGS)
 
-# Issue 16's replay under a memory budget (each frontend's --cache-bytes half
-# of one copy of 64 conversations growing to 38k tokens, turns interleaved):
-# the F = 4 and F = 8 tables and the hit rate against the budget
-# (docs/RESULTS.md, docs/capacity_hit_rate.png); about 20 minutes here once the
-# conversations are built (.cache/replay/; building them takes longer).
+# The replay under a memory budget (each frontend's --cache-bytes half of one
+# copy of 64 conversations growing to 38k tokens, turns interleaved): the
+# F = 4 and F = 8 tables and the hit rate against the budget
+# (docs/results/capacity_replay.md); about 20 minutes on 2 cores once the
+# conversations are built (kept in .cache/replay/; building them takes longer).
 replay-capacity: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
-	$(BIN)/python scripts/capacity_replay.py $(ARGS)
-	$(BIN)/python scripts/capacity_replay.py --frontends 8 --modes no-route,mptok,sticky $(ARGS)
-	$(BIN)/python scripts/capacity_replay.py --sweep 0.25,0.5,1,2 --modes no-route,mptok --conversations 32 --target-tokens 20000 $(ARGS)
+	$(BIN)/python -m scripts.capacity_replay $(ARGS)
+	$(BIN)/python -m scripts.capacity_replay --frontends 8 --modes no-route,mptok,sticky $(ARGS)
+	$(BIN)/python -m scripts.capacity_replay --sweep 0.25,0.5,1,2 --modes no-route,mptok --conversations 32 --target-tokens 20000 $(ARGS)
 
-# The fault drill against `mptok serve`: SIGKILL, SIGSTOP/SIGCONT under load.
+# The fault drill against `mptok serve`: SIGKILL, SIGSTOP/SIGCONT under load,
+# then overload and hostile clients (docs/results/fault_drill.md).
 drill: $(BIN)/.installed-test
-	$(BIN)/python scripts/fault_drill.py $(ARGS)
+	$(BIN)/python -m scripts.fault_drill $(ARGS)
 
 # Every test, the soak runs included (nginx is installed for the multi-host test).
 test: $(BIN)/.installed-test

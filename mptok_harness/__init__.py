@@ -1,15 +1,16 @@
-"""What mptok's tests and its scripts/ both need: a real ``mptok serve`` subprocess
-and plain HTTP to it (``serve``), a real nginx in front of it (``nginx``), the
-tokenizer families built offline (``families``, ``chat_tokenizers``) and the
-conversations they tokenize (``conversations``, ``prompts``).
+"""What mptok's tests and its scripts/ both need: the right answer and a bound
+on every wait (``checks``), a real ``mptok serve`` subprocess and plain HTTP to
+it (``serve``), HTTP written by hand for malformed requests (``raw_http``),
+real frontend processes driving ``TokenizationOwners`` directly
+(``frontends``), a real nginx in front (``nginx``), the tokenizer families
+built offline (``families``, ``chat_tokenizers``), the conversations they
+tokenize (``conversations``, ``prompts``) and fixed source texts (``texts``).
 
 Why a package of its own: tests and benchmarks must measure the same thing
-with the same helpers, and each side importing the other's files (through
-``sys.path`` edits) tied the two directories together. It sits at the top of
-the repository, beside ``mptok``, rather than inside it as ``mptok.testing``:
-the server never imports it, it needs the checkout (``scripts/supervise.py``,
-``deploy/``'s templates, the test extras for some families), and it is no
-part of mptok's library API, which may not change by accident; an editable
-install (``make``'s ``.venv``) makes it importable from tests and scripts
-alike, without path hacks.
+with the same helpers. It lives in the checkout beside ``mptok`` and is not
+installed with it (``pyproject.toml`` packages ``mptok`` only): it needs the
+checkout (``scripts/supervise.py``, ``deploy/``'s templates, the test extras
+for some families) and is no part of mptok's API. Tests import it through
+pytest's ``pythonpath = ["."]``; scripts run from the repository's root as
+modules (``python -m scripts.replay_bench``), which puts the root on the path.
 """

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mptok.serve.metrics import SNAPSHOT_INTERVAL_S
+from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S
+from mptok_harness.checks import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISE = str(REPO / "scripts" / "supervise.py")
-HANG_GUARD_S = 120.0
 
 
 def free_port() -> int:

@@ -28,11 +28,11 @@ that adds per request (a `tokenizers` full tokenization divided by it).
 Every id list is compared with `tokenizers`' full tokenization. The report
 gives medians and the ratios the cache is judged by: a miss against the
 fastest exact full tokenization (wall), a hit against its CPU time. It is
-written to docs/results/bench_cache.md with the date and the command.
+written to docs/results/bench_cache.md (``scripts.report``).
 
-    python scripts/bench_cache.py              # embedded tokenizer, a few minutes
-    python scripts/bench_cache.py --families   # also every test family
-    python scripts/bench_cache.py --hit-rates  # also hit rates per family and backend
+    .venv/bin/python -m scripts.bench_cache              # embedded tokenizer, a few minutes
+    .venv/bin/python -m scripts.bench_cache --families   # also every test family
+    .venv/bin/python -m scripts.bench_cache --hit-rates  # also hit rates per family and backend
 
 Hit rates (``--hit-rates``): 40-turn conversations per family and backend,
 of three kinds: adversarial seams (each turn appends 60 hard pieces:
@@ -44,7 +44,6 @@ runs, special tokens), chat-template transitions (the next turn replaces
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -57,9 +56,9 @@ from pathlib import Path
 import mptok
 from mptok.cache import fast_backends
 from mptok.cache.backend import DEFAULT_CHECK_EVERY, backend_for, rust_tokenizer_of
+from scripts.report import write_report
 
 TOKENS_PER_TURN = 300
-REPORT = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_cache.md"
 EMBEDDED = "embedded (deepseek)"
 
 
@@ -258,7 +257,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=6, help="measured turns per conversation")
     parser.add_argument("--families", action="store_true", help="also every test family")
     parser.add_argument("--hit-rates", action="store_true", help="also hit rates per family and backend (40-turn conversations)")
-    parser.add_argument("--no-report", action="store_true", help=f"print only; do not write {REPORT.name}")
+    parser.add_argument("--no-report", action="store_true", help="print only; do not write docs/results/bench_cache.md")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -268,8 +267,6 @@ def main() -> int:
         from mptok_harness.families import CHAT_MARKERS, FAMILIES, load_family
 
         tokenizers += [(family, load_family(family), CHAT_MARKERS[family]) for family in FAMILIES if family != "deepseek"]
-    began = datetime.datetime.now(datetime.timezone.utc)
-    load_before = os.getloadavg()[0]
     lines, failed = [HEADER], False
     print(HEADER, flush=True)
     for label, tokenizer, markers in tokenizers:
@@ -286,33 +283,29 @@ def main() -> int:
                 lines.append(f"| {family} | {engine} | {adversarial:.0%} | {chat:.0%} | {plain:.0%} | {wrong} |")
                 print(lines[-1], flush=True)
                 failed |= wrong > 0
-    load_after = os.getloadavg()[0]
-    command = "python scripts/bench_cache.py" + "".join(f" {a}" for a in sys.argv[1:])
-    report = "\n".join(
+    preamble = "\n".join(
         [
-            "# Cache benchmark: misses and hits against each backend's full tokenization",
-            "",
-            f"Run {began:%Y-%m-%d %H:%M} UTC with `{command}` (scripts/bench_cache.py's docstring says what it",
-            f"measures); {os.cpu_count()} CPUs, 1-minute load {load_before:.1f} before and {load_after:.1f} after",
-            "(the machine is shared: read the ratios, not the milliseconds).",
-            f"Python {sys.version.split()[0]}; medians of {args.turns} turns of ~{TOKENS_PER_TURN} tokens.",
-            "",
-            *lines,
-            "",
-            "Full tokenization cells: CPU / wall ms, \"refused\" where the engine does not load the layout,",
-            "\"differs\" where its ids differ from `tokenizers`' on these prompts. \"auto picks\": the engine",
-            "the cache's start-up check and timing chose. Ratios are against the fastest exact full",
-            "tokenization of the same prompt: a miss in wall time, a hit in CPU time. \"background checks\":",
-            "what the sampled re-checks add to each request of a fast engine, on average (a `tokenizers`",
-            "full tokenization per mptok.cache.backend.DEFAULT_CHECK_EVERY results). A hit with a fast engine is a splice at the added token that opens",
-            "the last turn (docs/CACHE.md, \"Tokenizer backends\").",
-            "",
+            f"Chat conversations growing by ~{TOKENS_PER_TURN} tokens a turn; medians of {args.turns} turns, every",
+            "timed call after unrelated work (the script's docstring says what it measures). Full",
+            "tokenization cells: CPU / wall ms, \"refused\" where the engine does not load the layout,",
+            "\"differs\" where its ids differ from `tokenizers`' on these prompts. \"auto picks\": the engine the",
+            "cache's start-up check and timing chose. Ratios are against the fastest exact full tokenization",
+            "of the same prompt: a miss in wall time, a hit in CPU time. \"background checks\": what the sampled",
+            "re-checks add to each request of a fast engine, on average (a `tokenizers` full tokenization per",
+            "`mptok.cache.backend.DEFAULT_CHECK_EVERY` results). A hit with a fast engine is a splice at the",
+            "added token that opens the last turn (docs/CACHE.md, \"Fast engines\"). The machine is shared:",
+            "read the ratios, not the milliseconds.",
         ]
     )
     if not args.no_report:
-        REPORT.parent.mkdir(parents=True, exist_ok=True)
-        REPORT.write_text(report)
-        print(f"\nwritten to {REPORT}")
+        path = write_report(
+            "bench_cache",
+            "Cache benchmark: misses and hits against each backend's full tokenization",
+            "\n".join(lines),
+            preamble=preamble,
+            packages=("mptok", "tokenizers", "transformers", "fastokens", "gigatoken"),
+        )
+        print(f"\nwritten to {path}")
     return 1 if failed else 0
 
 

@@ -41,8 +41,9 @@ import mptok
 from mptok.routing.liveness import OwnerLiveness
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners, lower_switch_interval
-from mptok.transport import EncodeProxy, answer_in_full, serve_encode
-from mptok.transport.wire import pack_int32
+from mptok.core.protocol import PeerReply
+from mptok.transport import EncodeProxy, serve_encode
+from mptok.transport.wire import int32_bytes
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
@@ -79,7 +80,7 @@ def _answer_raw(conn: socket.socket, ids: list[int]) -> None:
             text.decode(errors="surrogatepass")
             # The same list-to-int32 conversion as the owner's, so that the
             # row compares the transports.
-            reply = pack_int32(ids)
+            reply = int32_bytes(ids)
             conn.sendall(_LENGTH.pack(len(ids)) + reply)
 
 
@@ -100,7 +101,7 @@ def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None
     cache = mptok.PrefixTokenCache()
     owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
     cache.encode(tokenizer, "warm up")
-    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), answer_in_full(lambda text, key: fixed_ids), authkey)
+    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), lambda text, key, since, shared: PeerReply(0, 0, fixed_ids), authkey)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.bind(os.path.join(ipc_dir, "raw.sock"))
     raw.listen(socket.SOMAXCONN)
@@ -194,7 +195,7 @@ class RawClient:
 def round_trip_run(proxy: EncodeProxy, raw: RawClient, text: str, calls: int) -> dict[str, float]:
     manager_times, raw_times = [], []
     for _ in range(calls):  # interleaved, so both see the same noise
-        manager_times.append(timed(lambda: proxy.encode(text)))
+        manager_times.append(timed(lambda: proxy.encode_since(text).ids.tolist()))
         raw_times.append(timed(lambda: raw.encode(text)))
     return {"manager": statistics.median(manager_times), "raw": statistics.median(raw_times)}
 
@@ -289,7 +290,7 @@ def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
     proxy = EncodeProxy(os.path.join(ipc_dir, "roundtrip.sock"), AUTHKEY, timeout_s=10)
     raw = RawClient(os.path.join(ipc_dir, "raw.sock"))
     for _ in range(20):  # connections made, caches warm
-        proxy.encode(text)
+        proxy.encode_since(text).ids.tolist()
         raw.encode(text)
     runs = [round_trip_run(proxy, raw, text, 100) for _ in range(args.runs)]
     manager = statistics.median(r["manager"] for r in runs)

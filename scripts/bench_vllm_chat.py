@@ -12,8 +12,11 @@ cached result is checked against the full one. The tokenizer is the test
 suite's ``chatml_tools`` directory (the ``qwen`` family with a ChatML
 template that uses tools).
 
-    .venv/bin/python scripts/bench_vllm_chat.py            # ~1 min
-    .venv/bin/python scripts/bench_vllm_chat.py --turns 40
+Run from the repository's root; writes docs/results/bench_vllm_chat.md
+unless --no-write:
+
+    .venv/bin/python -m scripts.bench_vllm_chat            # ~1 min
+    .venv/bin/python -m scripts.bench_vllm_chat --turns 40
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import mptok
 from mptok.api.chat_template import ChatTemplate, vllm_conversation, vllm_tools
+from scripts.report import REPO, write_report
 
 TOOLS = [
     {
@@ -89,6 +93,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=24, help="agent turns (two requests each on even turns)")
     parser.add_argument("--chats", type=int, default=3, help="chats, run one after another")
+    parser.add_argument("--no-write", action="store_true", help="print the table only, do not write docs/results/bench_vllm_chat.md")
     args = parser.parse_args()
 
     from mptok_harness.chat_tokenizers import write_chat_tokenizer
@@ -118,15 +123,23 @@ def main() -> int:
     stats = cache.stats()
     requests = len(tokens)
     median_ms = {name: statistics.median(values) * 1000 for name, values in (("render", render_s), ("cached", cached_s), ("full", full_s))}
-    print(f"{args.chats} chats, {requests} requests, {min(tokens):,} to {max(tokens):,} tokens (median {statistics.median(tokens):,.0f})")
-    print(f"hits {stats['hits']}, misses {stats['misses']}, resync failures {stats['resync_failures']}, wrong ids {wrong}")
-    print("| median ms per request | render | tokenize | render + tokenize |")
-    print("|---|---:|---:|---:|")
+    lines = [
+        f"{args.chats} chats, {requests} requests, {min(tokens):,} to {max(tokens):,} tokens (median {statistics.median(tokens):,.0f}); "
+        f"hits {stats['hits']}, misses {stats['misses']}, resync failures {stats['resync_failures']}, wrong ids {wrong}.",
+        "",
+        "| median ms per request | render | tokenize | render + tokenize |",
+        "|---|---:|---:|---:|",
+    ]
     for name in ("full", "cached"):
-        print(f"| {name} | {median_ms['render']:.2f} | {median_ms[name]:.2f} | {median_ms['render'] + median_ms[name]:.2f} |")
+        lines.append(f"| {name} | {median_ms['render']:.2f} | {median_ms[name]:.2f} | {median_ms['render'] + median_ms[name]:.2f} |")
     ratio = median_ms["full"] / median_ms["cached"]
     whole = (median_ms["render"] + median_ms["full"]) / (median_ms["render"] + median_ms["cached"])
-    print(f"tokenize: cached {ratio:.1f}x faster; with the template's rendering: {whole:.1f}x")
+    lines += ["", f"Tokenize: cached {ratio:.1f}x faster; with the template's rendering: {whole:.1f}x."]
+    markdown = "\n".join(lines)
+    print(markdown)
+    if not args.no_write:
+        path = write_report("bench_vllm_chat", "An agent's tool chat through vLLM's /tokenize path", markdown, preamble=__doc__.split("\n\n")[1])
+        print(f"report: {path.relative_to(REPO)}")
     return 1 if wrong else 0
 
 

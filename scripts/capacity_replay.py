@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The replay under a memory budget: where routing between frontends pays.
 
-Issue 16. `make replay` gives every frontend room for every conversation, so a
+`make replay` gives every frontend room for every conversation, so a
 cache per frontend without routing still finds an older version of almost
 every conversation. In production the edge is capacity: F caches that do not
 route keep each conversation F times, so under the same budget they hold 1/F
@@ -9,7 +9,7 @@ as many conversations; routed frontends keep each conversation once, at its
 owner. This script replays many conversations at once (the turns
 interleaved: turn 1 of every conversation, then turn 2, ..., each client
 thread sending one turn of the next conversation in the queue) against
-`mptok serve --cache-bytes B`, with the modes of scripts/replay_bench.py
+`mptok serve --cache-bytes B`, with the modes of scripts.replay_bench
 (whose conversations, servers and checks it uses: every answer is compared
 with the full tokenization computed before the replay).
 
@@ -26,17 +26,20 @@ Per mode: hit rate, server tokenize ms p50/p99, end-to-end ms p50/p99,
 requests/s, server CPU ms per turn (every server process, nginx included),
 and at the end of the run each frontend's cache bytes and held-reply bytes
 (`mptok_cache_bytes`, `mptok_held_reply_bytes` from its /metrics), their
-total across frontends against one copy. Then issue 16's targets against
-the measurements they name.
+total across frontends against one copy. Then the targets against the
+measurements they name.
+
+Run from the repository's root:
 
     make replay-capacity                                     # the F = 4 table, the F = 8 table, the sweep
-    .venv/bin/python scripts/capacity_replay.py --conversations 8 --target-tokens 6000 --no-write
-    .venv/bin/python scripts/capacity_replay.py --sweep 0.25,0.5,1 --modes no-route,mptok
+    .venv/bin/python -m scripts.capacity_replay --conversations 8 --target-tokens 6000 --no-write
+    .venv/bin/python -m scripts.capacity_replay --sweep 0.25,0.5,1 --modes no-route,mptok
 
 --sweep runs the modes at each budget and plots hit rate against the budget
-(docs/capacity_hit_rate.png). Unless --no-write, the Markdown goes into
-docs/RESULTS.md between this run's markers (one pair per F for the table, one
-for the sweep). Exit status 1 on any wrong id or failed request.
+(docs/results/capacity_hit_rate.png). Unless --no-write, the Markdown goes
+into docs/results/capacity_replay.md, in this run's section (one per F for
+the table, one for the sweep; the others are kept). Exit status 1 on any
+wrong id or failed request.
 """
 
 from __future__ import annotations
@@ -51,22 +54,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import replay_bench as rb  # noqa: E402
-from percentiles import percentile  # noqa: E402
-
-from mptok.api.chat_template import ChatTemplate  # noqa: E402
-from mptok.cache.config import HELD_SHARE, CacheConfig, parse_bytes  # noqa: E402
-from mptok.cache.prefix_cache import PrefixTokenCache  # noqa: E402
+from mptok.api.chat_template import ChatTemplate
+from mptok.cache.config import HELD_SHARE, CacheConfig, parse_bytes
+from mptok.cache.prefix_cache import PrefixTokenCache
+from scripts import replay_bench as rb
+from scripts.percentiles import percentile
+from scripts.report import RESULTS_DIR, write_report
 
 MODES = ("no-cache", "no-route", "mptok", "sticky")
-SWEEP_PLOT = rb.REPO / "docs" / "capacity_hit_rate.png"
+SWEEP_PLOT = RESULTS_DIR / "capacity_hit_rate.png"
+TITLE = "The replay under a memory budget"
+# The report's fixed part: what one copy is, what the budget is.
+ABOUT = """\
+Many conversations live at once, their turns interleaved (each client thread
+sends one turn of the next conversation in the queue, so turn 1 of every
+conversation comes before turn 2 of any), against `mptok serve --cache-bytes
+B`, with the modes of [the replay](replay_bench.md); every answer is checked
+against full tokenization computed before the replay.
+
+**One copy** is the unit of memory: the bytes one cache (`PrefixTokenCache`,
+default settings, no budget) holds after each conversation's last prompt was
+tokenized in it once under its conversation id (prompt text, ids, the
+offsets window, keys, bookkeeping; no earlier versions), measured by the
+script before the replay. Each frontend's budget is a fraction of it. The
+bytes of each frontend are read from its `/metrics` at the end of the run:
+`mptok_cache_bytes` (its cache) and `mptok_held_reply_bytes` (owners' replies
+it holds for the conversations it routed); "all frontends' bytes / one copy"
+is their sum over every frontend divided by one copy.
+"""
 MiB = 1024 * 1024
-
-
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- capacity_replay:{name}:begin -->", f"<!-- capacity_replay:{name}:end -->"
 
 
 def one_copy(tokenizer: Any, template: ChatTemplate, conversations: list[rb.Conversation]) -> int:
@@ -155,11 +171,13 @@ def table(results: list[rb.ModeResult], conversations: list[rb.Conversation], co
 
 
 def targets(by_mode: dict[str, rb.ModeResult], copy_bytes: int) -> str:
-    """Issue 16's targets, each against the measurement it names."""
+    """The capacity targets (routing keeps each conversation once, so it should
+    hit where caches per frontend miss, in about one copy), each against the
+    measurement it names."""
     if "mptok" not in by_mode:
         return ""
     mptok = by_mode["mptok"]
-    rows = ["| issue 16 target | measured | met |", "|---|---|---|"]
+    rows = ["| target | measured | met |", "|---|---|---|"]
     others = [by_mode[m] for m in ("no-route",) if m in by_mode]
     hit = f"mptok {100 * mptok.hit_rate:.1f}%" + "".join(f"; {o.mode} {100 * o.hit_rate:.1f}%" for o in others)
     below = all(o.hit_rate <= mptok.hit_rate - 0.2 for o in others)
@@ -217,6 +235,7 @@ def plot_sweep(points: list[tuple[Budget, list[rb.ModeResult]]], frontends: int,
     axis.legend()
     axis.set_title("hit rate against the memory budget")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return f"plot: {path.relative_to(rb.REPO)}"
@@ -231,8 +250,8 @@ def main() -> int:
     parser.add_argument("--budget", default="0.5", help="each frontend's --cache-bytes: a fraction of one copy (default 0.5) or a size (64M)")
     parser.add_argument("--held-bytes", default=None, help="MPTOK_CACHE_MAX_HELD_BYTES for every frontend (default: mptok's)")
     parser.add_argument("--sweep", default=None, help="comma-separated budgets (fractions of one copy): run the modes at each and plot hit rate against the budget")
-    parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-write", action="store_true", help="do not write docs/results/capacity_replay.md or the plot")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
     args = parser.parse_args()
     if args.held_bytes:
         try:
@@ -267,11 +286,11 @@ def main() -> int:
         f"{rb.workload(conversations, args)} Turns interleaved across all conversations (each client sends one turn of the next "
         f"conversation in the queue); one run per mode. One copy (each conversation's last prompt once in one unbounded cache, "
         f"measured): {copy_bytes / MiB:.1f} MiB, {copy_bytes / len(conversations) / MiB:.2f} MiB per conversation; {held}.{oversubscribed} "
-        f"Total run time {time.monotonic() - began:.0f} s.\n\n{rb.command_line('capacity_replay.py', parser, args)}\n"
+        f"Total run time {time.monotonic() - began:.0f} s.\n"
     )
     if args.sweep:
         markdown = header + "\n" + sweep_table(points) + "\n"
-        name = "sweep"
+        name = "Hit rate against the budget"
     else:
         budget, results = points[0]
         by_mode = {r.mode: r for r in results}
@@ -284,14 +303,21 @@ def main() -> int:
             )
         goals = targets(by_mode, copy_bytes)
         if goals:
-            aside = "" if args.frontends == 4 else f"\nIssue 16 sets its targets for F = 4; at F = {args.frontends}, for reference:\n"
+            aside = "" if args.frontends == 4 else f"\nThe targets are set for F = 4; at F = {args.frontends}, for reference:\n"
             markdown += aside + "\n" + goals + "\n"
-        name = f"F{args.frontends}"
+        name = f"F = {args.frontends}"
     print(markdown)
     if not args.no_write:
         if args.sweep:
-            print(plot_sweep(points, args.frontends, SWEEP_PLOT))
-        rb.write_results(markdown, *markers(name))
+            drawn = plot_sweep(points, args.frontends, SWEEP_PLOT)
+            print(drawn)
+            if drawn.startswith("plot:"):
+                markdown += f"\n![hit rate against each frontend's budget, for caches per frontend and mptok]({SWEEP_PLOT.name})\n"
+        path = write_report(
+            "capacity_replay", TITLE, markdown, command=rb.command_line("capacity_replay", parser, args),
+            extra={"nginx": rb.nginx_version()}, section=name, preamble=ABOUT,
+        )  # fmt: skip
+        print(f"report: {path.relative_to(rb.REPO)}")
     return rb.report_errors(all_results)
 
 

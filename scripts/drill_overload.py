@@ -1,9 +1,9 @@
-"""The overload and hostile-client tools of the fault drill (scripts/fault_drill.py).
+"""The overload and hostile-client tools of the fault drill (scripts.fault_drill).
 
-Issue 11 asks what load and bad actors do to `mptok serve`: a burst of long
+What do load and bad actors do to `mptok serve`? A burst of long
 prompts far beyond what the frontends can tokenize in time, and floods of
 cheap bad requests next to good clients. This module makes that traffic and
-measures it; fault_drill.py runs it against a server and writes the report.
+measures it; scripts.fault_drill runs it against a server and writes the report.
 
 - ``run_burst``: N threads, each with its own long prompt (no cache hits),
   released at once, a new connection each; meanwhile ``HealthProbe`` times

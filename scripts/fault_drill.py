@@ -2,8 +2,8 @@
 """Fault drill: kill and stop `mptok serve` frontends under load, and check every id.
 
 Why it exists: the tests (tests/test_faults.py, tests/test_serve.py) check
-each fault alone, through counters. Issue 5 asks what an operator sees when
-faults hit a loaded server: with F = 4 frontends, no wrong ids, no failed
+each fault alone, through counters. An operator wants to know what faults
+do to a loaded server: with F = 4 frontends, no wrong ids, no failed
 requests except those the killed frontend itself had accepted, and no
 request slower than the route timeout + 100 ms. This script measures that.
 
@@ -18,24 +18,25 @@ SIGSTOPs another for --stop-seconds and SIGCONTs it. Every answer is
 compared with the drill's own full tokenization, computed before the load
 (`tokenizer(text, add_special_tokens=...)["input_ids"]`; a prompt's
 add_special_tokens defaults to true, docs/SERVE.md). It prints a Markdown
-report and exits 1 on any wrong id or any failure the kill does not
-explain, 2 if the drill itself could not run.
+report, writes it to docs/results/fault_drill.md (unless --no-write), and
+exits 1 on any wrong id or any failure the kill does not explain, 2 if the
+drill itself could not run. Run from the repository's root:
 
-    .venv/bin/python scripts/fault_drill.py            # F=4, 8 clients, 40 s
-    .venv/bin/python scripts/fault_drill.py --help
+    make drill                                         # F=4, 8 clients, 40 s, then the other phases
+    .venv/bin/python -m scripts.fault_drill --help
 
 A failure is put down to the kill (kind a) when the connection was lost
 (reset, closed without an answer, refused, cut short), the request started
 before the killed process had gone and ended after the kill; all other
 failures are kind b.
 
-Then (issue 11), against `mptok serve --frontends 2`: an overload phase, a
+Then, against `mptok serve --frontends 2`: an overload phase, a
 burst of --burst requests of --burst-chars characters each (distinct texts,
 so no cache hits), all released at once, while GET /health is timed every
 50 ms; and a hostile phase: --good-clients run checked conversations for
 --flood-seconds alone, then as long again while --attackers threads flood
 the server with malformed bodies, huge ids, cut-off bodies and slowloris
-headers (scripts/drill_overload.py). It reports the burst's answers and
+headers (scripts.drill_overload). It reports the burst's answers and
 longest wait, /health's worst time, the good clients' latency without and
 during the flood, every 5xx other than 503, restarts and the frontends' RSS
 growth. It also exits 1 on any wrong id, any burst request not answered 200
@@ -66,21 +67,21 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-from bench_cache import conversation, corpus  # noqa: E402
-from drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
-from percentiles import percentile  # noqa: E402
 
 import mptok  # noqa: E402
 from mptok.routing.liveness import FALLBACK_REASONS  # noqa: E402
 from mptok.serve.supervisor import ServeOptions  # noqa: E402
 from mptok_harness.serve import Server, request, scrape, total  # noqa: E402
+from mptok_harness.texts import stdlib_sources as corpus  # noqa: E402
+from scripts.bench_cache import conversation  # noqa: E402
+from scripts.drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
+from scripts.percentiles import percentile  # noqa: E402
+from scripts.report import REPO, write_report  # noqa: E402
 
 MIN_TOKENS, MAX_TOKENS = 2_000, 8_000
 TURNS = 21  # bench_cache grows a conversation by about 300 tokens a turn
-TARGET_MARGIN_S = 0.1  # issue 5: no request slower than the route timeout + 100 ms
+TARGET_MARGIN_S = 0.1  # the target: no request slower than the route timeout + 100 ms
 KILL_AT, STOP_AT = 0.25, 0.6  # fractions of --duration
 GONE_TIMEOUT_S = 5.0  # the supervisor sees a SIGKILLed frontend exit within this
 RESTART_GRACE_S = 60.0  # how long after the load a restart is still waited for
@@ -516,7 +517,7 @@ def report(drill: Drill) -> tuple[str, bool]:
         ),
         "",
         table(
-            ["issue 5 target (F = 4)", "measured", "met"],
+            ["target (F = 4)", "measured", "met"],
             [
                 ["0 wrong ids", wrong, "yes" if wrong == 0 else "**no**"],
                 ["0 failures but those the killed frontend had accepted", len(kind_b), "yes" if not kind_b else "**no**"],
@@ -543,12 +544,12 @@ def report(drill: Drill) -> tuple[str, bool]:
     return "\n".join(out), passed
 
 
-# -- overload and hostile clients (issue 11) -----------------------------------------
+# -- overload and hostile clients -------------------------------------------------------
 
-BURST_TARGET_S = 5.0  # issue 11: every burst request answered (200 or 503) within this
+BURST_TARGET_S = 5.0  # the target: every burst request answered (200 or 503) within this
 BURST_MIN_SERVED = 8
 HEALTH_TARGET_S = 1.0
-ABUSE_FRONTENDS = 2  # the issue's targets are for `mptok serve --frontends 2`
+ABUSE_FRONTENDS = 2  # the overload targets are set for `mptok serve --frontends 2`
 
 
 @dataclass
@@ -744,7 +745,7 @@ def abuse_report(abuse: Abuse, args: argparse.Namespace) -> tuple[str, bool]:
         ["0 answers 5xx other than 503 (the server's /metrics)", int(metric_5xx), "yes" if metric_5xx == 0 else "**no**"],
         ["0 restarts", restarts, "yes" if restarts == 0 else "**no**"],
     ]
-    out += [table(["issue 11 target", "measured", "met"], targets)]
+    out += [table(["target", "measured", "met"], targets)]
     return "\n".join(out), passed
 
 
@@ -768,6 +769,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--good-clients", type=int, default=4, help="client threads of the hostile phase (default: %(default)s)")
     parser.add_argument("--attackers", type=int, default=8, help="attacker threads of the flood (default: %(default)s)")
     parser.add_argument("--flood-seconds", type=float, default=15.0, help="seconds without the flood, then with it (default: %(default)s)")
+    parser.add_argument("--no-write", action="store_true", help="print the report only, do not write docs/results/fault_drill.md")
     args = parser.parse_args(argv)
     args.phases = set(args.phases.split(","))
     if not args.phases or not args.phases <= {"kill", "overload", "hostile"}:
@@ -810,14 +812,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fault drill interrupted; the server was stopped", file=sys.stderr)
         return 130
-    passed = True
+    passed, parts = True, []
     if drill is not None:
         text, passed = report(drill)
-        print(text)
+        parts.append(text)
     if abuse is not None:
         text, abuse_passed = abuse_report(abuse, args)
-        print(("\n" if drill is not None else "") + text)
+        parts.append(text)
         passed = passed and abuse_passed
+    markdown = "\n\n".join(parts)
+    print(markdown)
+    if not args.no_write:
+        path = write_report("fault_drill", "The fault drill", markdown, preamble=__doc__.split("\n\n")[1])
+        print(f"report: {path.relative_to(REPO)}")
     return 0 if passed else 1
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Replay agentic conversations over HTTP against four ways of serving them.
 
-Issue 5: is mptok's routing between frontends worth it, compared with no
-cache, a cache per frontend without routing, and sticky routing by a real
-nginx? Each conversation is built from real text on this machine: a system
-prompt (the repo's docs), a task, then, turn after turn, answers (prose from
-/usr/share and the docs) and tool outputs (standard-library sources, the
-dpkg/apt logs), each about --delta-tokens long, until the rendered prompt
-reaches --target-tokens. Every turn is sent as {"messages": [...],
+Is mptok's routing between frontends worth it, compared with no cache, a
+cache per frontend without routing, and sticky routing by a real nginx?
+Each conversation is built from real text (``mptok_harness.texts``: fixed by
+the installed versions, never by an edit of this repository): a system
+prompt and answers from the READMEs of mptok's dependencies and the system's
+license texts, a task, tool outputs from the standard library's sources and
+the dependencies' file lists, each about --delta-tokens long, until the
+rendered prompt reaches --target-tokens. Every turn is sent as {"messages": [...],
 "add_generation_prompt": true} through the built-in DeepSeek V3 chat template,
 so a prompt ends in the generation prompt "<｜Assistant｜>"; when a tool
 output follows a tool output (about a third of the turns), the next turn's
@@ -19,8 +20,7 @@ stream), and EVERY answer is compared with them. They are kept in
 .cache/replay/ under a digest of everything they depend on (the options
 that shape the conversations, the source texts, the tokenizer, the chat
 template, the code that builds them), so a run with the same inputs reads
-them back; --no-build-cache computes them again. The source texts include
-the repo's docs: editing them makes other conversations.
+them back; --no-build-cache computes them again.
 
 Modes (F = --frontends):
 
@@ -52,17 +52,19 @@ with another mode, every other round backwards) and their samples pooled: on thi
 p50 moves by 10-20% from run to run, and where nginx's consistent-hash ring
 puts 8 conversations changes with the instances' ports. Under the table:
 mptok's turns split by whether their connection reached the conversation's
-owner, and issue 5's targets against the measurements they name.
+owner, and the replay's targets against the measurements they name.
 
-    make replay                                              # about 6 minutes here
-    .venv/bin/python scripts/replay_bench.py --modes mptok,sticky --repeat 1 --no-write
-    .venv/bin/python scripts/replay_bench.py --conversations 16 --clients 8 --target-tokens 60000
+Run from the repository's root:
 
-Writes the Markdown table to stdout and (unless --no-write) into
-docs/RESULTS.md between the replay markers, and a PNG (docs/replay_bench.png:
-server tokenize ms and end-to-end ms against prompt tokens, a line per mode;
-matplotlib comes with `make replay`). Exit status 1 on any wrong id or failed
-request.
+    make replay                                              # about 7 minutes on 2 cores
+    .venv/bin/python -m scripts.replay_bench --modes mptok,sticky --repeat 1 --no-write
+    .venv/bin/python -m scripts.replay_bench --conversations 16 --clients 8 --target-tokens 60000
+
+Writes the Markdown to stdout and (unless --no-write) the report
+docs/results/replay_bench.md and a PNG beside it (server tokenize ms and
+end-to-end ms against prompt tokens, a line per mode; matplotlib comes with
+`make replay`). A progress bar goes to stderr when it is a terminal. Exit
+status 1 on any wrong id or failed request.
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ import argparse
 import array
 import collections
 import contextlib
-import datetime
 import hashlib
 import inspect
 import multiprocessing
@@ -91,25 +92,51 @@ from typing import Any
 import orjson
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from bench_cache import corpus  # noqa: E402
-from percentiles import percentile  # noqa: E402
 
 import mptok  # noqa: E402
 from mptok.api.affinity import chat_identity  # noqa: E402
 from mptok.api.chat_template import ChatTemplate  # noqa: E402
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx  # noqa: E402
 from mptok_harness.serve import Server, free_port, request, scrape, total, wait_for_snapshots  # noqa: E402
+from mptok_harness.texts import license_texts, package_descriptions, package_file_lists, stdlib_sources  # noqa: E402
+from scripts.percentiles import percentile  # noqa: E402
+from scripts.report import REPO, RESULTS_DIR, write_report  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
-RESULTS = REPO / "docs" / "RESULTS.md"
-PLOT = REPO / "docs" / "replay_bench.png"
+PLOT = RESULTS_DIR / "replay_bench.png"
 BUILD_CACHE = REPO / ".cache" / "replay"
 MODES = ("no-cache", "no-route", "mptok", "keyless", "sticky")
-BEGIN, END = "<!-- replay_bench:begin -->", "<!-- replay_bench:end -->"
+TITLE = "The replay: the same conversations served five ways"
+# The report's fixed part: what the modes and the columns are.
+ABOUT = """\
+Multi-turn agentic conversations (a system prompt, a task, then answers and
+tool outputs of about 300 tokens each, up to about 38k tokens) sent as
+`{"messages": [...], "add_generation_prompt": true}` through the built-in
+DeepSeek V3 template, a new connection per turn. When a tool output follows
+a tool output, the next turn replaces the previous generation prompt
+`<｜Assistant｜>` with `<｜User｜>...` (a rewrite, not an extension). Every
+answer is compared with full tokenization computed before any server starts.
+
+| mode | what runs |
+|---|---|
+| no-cache | `mptok serve --frontends F` with `MPTOK_CACHE_MIN_CHARS=10^12`: every prompt counts as too short and is tokenized in full |
+| no-route | F separate `mptok serve --frontends 1` behind nginx round robin: a cache per frontend that sees only the turns that land on it |
+| mptok | `mptok serve --frontends F`: SO_REUSEPORT spreads the connections, mptok routes each conversation to its owner |
+| keyless | the same server, the conversations sent without `X-Session-Id`: routed by the identity mptok derives from the messages |
+| sticky | the same F instances behind nginx with `hash $http_x_session_id consistent;` (`deploy/nginx-sticky.conf`) |
+
+*Server tokenize ms*: each answer's `Server-Timing: tokenize;dur=...`, from
+the parsed request to the ids, routing included, HTTP, JSON and the chat
+template excluded. *End-to-end*: the client's clock, connect to last byte.
+*requests/s*: turns / wall time of the mode. *Server CPU ms per turn*: user
++ system CPU of every server process (supervisors, frontends, nginx), from
+psutil. *Hit rate*: hits / (hits + misses) from `/metrics`. *Turns per
+instance*: the turns each `mptok serve` tokenized, run by run. The client
+threads share the machine's cores with the servers, so the latencies include
+queueing.
+"""
 NO_CACHE_ENV = {"MPTOK_CACHE_MIN_CHARS": str(10**12)}
 # Prompts a frontend's cache handled: its share of the conversations' work.
 CACHE_WORK = ("mptok_cache_hits_total", "mptok_cache_misses_total", "mptok_cache_uncached_total")
@@ -147,18 +174,10 @@ class Conversation:
         return previous[: turn.reused] + turn.tail
 
 
-def _read(paths: list[Path]) -> str:
-    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths if p.is_file())
-
-
 def sources() -> dict[str, str]:
-    """Real text on this machine: prose, logs, code."""
-    docs = [p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "RESULTS.md"] + [REPO / "README.md"]  # not our own output
-    prose = _read(docs + sorted(Path("/usr/share/common-licenses").glob("*"))[:6])
-    logs = _read([Path("/var/log/dpkg.log"), Path("/var/log/apt/term.log"), Path("/var/log/apt/history.log"), Path("/var/log/alternatives.log")])
-    if len(logs) < 50_000:  # a machine without these logs: pip's own logs are not guaranteed either; use prose
-        logs += prose
-    return {"system": _read(docs), "prose": prose, "logs": logs, "code": corpus()}
+    """Real text, the same until an installed version changes: prose, listings, code."""
+    readmes = package_descriptions()
+    return {"system": readmes, "prose": readmes + "\n" + license_texts(), "logs": package_file_lists(), "code": stdlib_sources()}
 
 
 @dataclass(frozen=True)
@@ -292,7 +311,7 @@ def build_digest(tokenizer: Any, template: ChatTemplate, params: BuildParams, te
         digest.update(name.encode() + b"\0" + text[name].encode("utf-8", "surrogatepass") + b"\0")
     digest.update(tokenizer.backend_tokenizer.to_str().encode())
     digest.update(repr((template.source, template.origin)).encode())
-    digest.update((REPO / "mptok" / "chat_template.py").read_bytes())
+    digest.update(inspect.getsource(sys.modules[ChatTemplate.__module__]).encode())
     for how in (BuildParams, _Builder, Turn, Conversation, shared_ids):  # how they are built
         digest.update(inspect.getsource(how).encode())
     return digest.hexdigest()[:24]
@@ -302,10 +321,12 @@ def build_digest(tokenizer: Any, template: ChatTemplate, params: BuildParams, te
 
 
 class Progress:
-    """One line on stderr: label [#####.....] n/total."""
+    """One line on stderr, redrawn: label [#####.....] n/total. Only when
+    ``enabled`` and stderr is a terminal: in a log file each redraw would be
+    a line of its own."""
 
     def __init__(self, enabled: bool):
-        self.enabled = enabled
+        self.enabled = enabled and sys.stderr.isatty()
         self._lock = threading.Lock()
 
     def update(self, label: str, n: int, of: int) -> None:
@@ -640,11 +661,12 @@ def owner_split(r: ModeResult) -> str:
 
 
 def targets(by_mode: dict[str, list[ModeResult]]) -> str:
-    """Issue 5's targets for mptok, each against the measurement it names."""
+    """The replay's targets for mptok (what would make routing clearly worth
+    it), each against the measurement it names."""
     if "mptok" not in by_mode:
         return ""
     mptok = pooled(by_mode["mptok"])
-    rows = ["| issue 5 target | measured | met |", "|---|---|---|"]
+    rows = ["| target | measured | met |", "|---|---|---|"]
     rows.append(f"| mptok hit rate at least 97% | {100 * mptok.hit_rate:.1f}% | {'yes' if mptok.hit_rate >= 0.97 else 'no'} |")
     if "no-cache" in by_mode:
         full, cached = percentile(pooled(by_mode["no-cache"]).tokenize_ms, 0.5), percentile(mptok.tokenize_ms, 0.5)
@@ -669,8 +691,9 @@ def targets(by_mode: dict[str, list[ModeResult]]) -> str:
 
 
 def crossing_targets(by_mode: dict[str, list[ModeResult]], clients: int) -> str:
-    """Issue 12's targets: what a turn that lands on a non-owner costs, and
-    what routing buys against a cache per frontend and against sticky nginx."""
+    """The routed turns' targets: what a turn that lands on a non-owner
+    costs, and what routing buys against a cache per frontend and against
+    sticky nginx."""
     routed_mode = next((mode for mode in ("mptok", "keyless") if mode in by_mode), None)
     if routed_mode is None:
         return ""
@@ -679,7 +702,7 @@ def crossing_targets(by_mode: dict[str, list[ModeResult]], clients: int) -> str:
     routed = percentile([mptok.tokenize_ms[i] for i in landed(mptok, at_owner=False)], 0.5)
     limit = 1.0 if clients > 1 else 0.3
     rows = [
-        f"| issue 12 target ({routed_mode}) | measured | met |",
+        f"| target for routed turns ({routed_mode}) | measured | met |",
         "|---|---|---|",
         f"| routed turns' tokenize p50 at most {limit} ms above owner-reached ({clients} client{'s' if clients > 1 else ''}) "
         f"| {routed:.2f} - {owner:.2f} = {routed - owner:.2f} ms | {'yes' if routed - owner <= limit else 'no'} |",
@@ -736,6 +759,7 @@ def plot(results: list[ModeResult], path: Path) -> str:
     axes[0].set_title("tokenize time against prompt size")
     axes[1].set_title("client-side latency against prompt size")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return f"plot: {path.relative_to(REPO)}"
@@ -765,22 +789,23 @@ def load_conversations(args: argparse.Namespace, progress: Progress) -> tuple[An
     return tokenizer, template, conversations
 
 
-def command_line(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
-    """The command that reproduces this run (options left at their defaults omitted)."""
-    return f"    .venv/bin/python scripts/{script}" + "".join(
+def command_line(module: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The command that reproduces this run, from the repository's root
+    (options left at their defaults omitted)."""
+    return f".venv/bin/python -m scripts.{module}" + "".join(
         f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
         if k not in ("no_write", "quiet", "jobs", "no_build_cache") and v != parser.get_default(k)
     )
 
 
 def workload(conversations: list[Conversation], args: argparse.Namespace) -> str:
-    """The machine and the conversations, in a sentence or two."""
+    """The conversations and the load, in a sentence or two (the report's
+    header names the machine)."""
     turns = sum(len(c.turns) for c in conversations)
     rewrites = sum(t.rewrite for c in conversations for t in c.turns)
     sizes = [c.turns[-1].tokens for c in conversations]
     return (
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-        f"nginx {nginx_version()}. F = {args.frontends}, {len(conversations)} conversations x {turns // len(conversations)} turns on average "
+        f"F = {args.frontends}, {len(conversations)} conversations x {turns // len(conversations)} turns on average "
         f"({turns} turns per mode and run, {rewrites} of them rewriting the previous generation prompt), growing by about "
         f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens; {args.clients} client threads, a new connection per turn; "
         f"expected ids computed locally before the replay."
@@ -802,8 +827,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
-    parser.add_argument("--no-write", action="store_true", help="do not write docs/RESULTS.md or the plot")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-write", action="store_true", help="do not write docs/results/replay_bench.md or the plot")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
     args = parser.parse_args()
     modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if args.repeat < 1:
@@ -828,13 +853,12 @@ def main() -> int:
                 work = Path(workdir) / f"run-{run}"
                 by_mode[mode].append(run_mode(mode, conversations, args.frontends, args.clients, work, progress))
     results = [pooled(by_mode[mode]) for mode in modes]
-    header = (
+    markdown = (
         f"{workload(conversations, args)} "
         f"{f'{args.repeat} runs of every mode, interleaved, samples pooled. ' if args.repeat > 1 else ''}"
         f"Total run time {time.monotonic() - began:.0f} s.\n\n"
-        f"{command_line('replay_bench.py', parser, args)}\n"
     )
-    markdown = header + "\n" + table(results, conversations) + "\n"
+    markdown += table(results, conversations) + "\n"
     for routed in ("mptok", "keyless"):
         if routed in by_mode:
             markdown += "\n" + owner_split(results[modes.index(routed)]) + "\n"
@@ -846,8 +870,15 @@ def main() -> int:
         markdown += "\n" + crossing + "\n"
     print(markdown)
     if not args.no_write:
-        print(plot(results, PLOT))
-        write_results(markdown)
+        drawn = plot(results, PLOT)
+        print(drawn)
+        if drawn.startswith("plot:"):
+            markdown += f"\n![server tokenize ms and end-to-end ms against prompt tokens, a line per mode]({PLOT.name})\n"
+        path = write_report(
+            "replay_bench", TITLE, markdown, preamble=ABOUT,
+            command=command_line("replay_bench", parser, args), extra={"nginx": nginx_version()},
+        )  # fmt: skip
+        print(f"report: {path.relative_to(REPO)}")
     return report_errors(results)
 
 
@@ -859,22 +890,9 @@ def nginx_version() -> str:
     return out.strip().split("/")[-1]
 
 
-def write_results(markdown: str, begin: str = BEGIN, end: str = END) -> None:
-    """Put ``markdown`` between the markers ``begin`` and ``end`` of
-    docs/RESULTS.md (the rest is prose kept by hand); markers not there yet
-    are added at the end."""
-    block = f"{begin}\n{markdown}{end}"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Results\n"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + f"\n\n{block}\n"
-    RESULTS.write_text(text)
-
-
 if __name__ == "__main__":
-    # Run as the module scripts/capacity_replay.py imports, so that the
+    # Run as the module scripts.capacity_replay imports, so that the
     # conversations pickled in .cache/replay/ name their classes the same way.
-    import replay_bench
+    from scripts import replay_bench
 
     sys.exit(replay_bench.main())

@@ -1,14 +1,13 @@
 import os
-import sys
 
 import pytest
 
-# Test helpers (families, conversations) import as top-level modules.
-sys.path.insert(0, os.path.dirname(__file__))
+# The tests compare against full tokenization in the same process; the Rust
+# tokenizer's own thread pool would only compete with the servers under test.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The cache's mechanism tests count hits on plain text, which only the
 # `tokenizers` backend splices (a fast engine splices at added tokens alone:
-# docs/CACHE.md, "Tokenizer backends"), so they run on the reference backend;
+# docs/CACHE.md, "Fast engines"), so they run on the reference backend;
 # test_backends.py and test_exactness.py choose their backends themselves.
 # `MPTOK_CACHE_TOKENIZER_BACKEND=auto` runs everything on the automatic choice.
 os.environ.setdefault("MPTOK_CACHE_TOKENIZER_BACKEND", "tokenizers")

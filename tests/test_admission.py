@@ -15,17 +15,17 @@ import threading
 import time
 
 import pytest
-from helpers_raw_http import RawClient, post_head, statuses
-from helpers_serve import Server, request, scrape, total, wait_for_snapshots
 
+from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.conversations import plain_delta
+from mptok_harness.raw_http import RawClient, post_head, statuses
+from mptok_harness.serve import Server, request, scrape, total, wait_for_snapshots
 
 MAX_IN_FLIGHT = 2
 QUEUE_TIMEOUT_S = 0.5
 # Long enough (about a second or more here) that requests sent meanwhile
 # find the only thread busy; each test uses its own text, so never a cache hit.
 LONG_PROMPT_CHARS = 1_500_000
-HANG_GUARD_S = 60.0
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
 from mptok.api.affinity import IdentityKind, chat_identity, identify, prompt_identity
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE
 from mptok.routing.answer import answer_peer
 from mptok_harness.conversations import plain_delta
+from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 FRONTENDS = 4
 FLEET = 16

@@ -14,14 +14,13 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
-
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.cache import fast_backends
 from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
 from mptok.cache.fast_backends import ENGINES, SampledVerifier, load_engine, self_check_texts
 from mptok_harness.conversations import adversarial_delta, chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family
+from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 
 def reference_ids(tokenizer, text: str) -> list[int]:

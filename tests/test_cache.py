@@ -20,12 +20,9 @@ import mptok.core.protocol
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.core.ids import IdPieces
 from mptok.routing.answer import answer_peer
+from mptok_harness.checks import expected_ids as full_ids
 from mptok_harness.conversations import adversarial_delta, plain_delta
 from mptok_harness.families import CHAT_MARKERS, load_family
-
-
-def full_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def prompt(rng: random.Random, words: int) -> str:

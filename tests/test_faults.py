@@ -1,6 +1,6 @@
 """Owners that die, stop, hang, restart, close, or meet hostile clients; and liveness.
 
-Every test runs real frontend processes (see helpers_procs) with the real
+Every test runs real frontend processes (see mptok_harness.frontends) with the real
 cache and tokenizer and checks exact ids. What a fault cost is asserted
 through the fallback counters, never through wall-clock time.
 """
@@ -21,11 +21,12 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from helpers_procs import HANG_GUARD_S, Frontend, FrontendPool, key_owned_by, wait_until
-from helpers_procs import expected_ids as expected
 
 from mptok.routing.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
 from mptok.transport import socket_path
+from mptok_harness.checks import HANG_GUARD_S, wait_until
+from mptok_harness.checks import expected_ids as expected
+from mptok_harness.frontends import Frontend, FrontendPool, key_owned_by
 from mptok_harness.prompts import conversation
 
 
@@ -408,7 +409,7 @@ def test_a_cold_owner_is_ready_when_peers_can_see_it(pool, tokenizer):
 def test_both_calls_of_a_routed_prompt_share_one_deadline(pool, tokenizer):
     # The owner forgot the version the asker holds, so the prompt takes two
     # calls, each 0.7 s: each within the asker's 1 s, together not.
-    from helpers_procs import SLOW_MARKER
+    from mptok_harness.frontends import SLOW_MARKER
 
     pool.start_scripted_owner(0, delay_s=0.7)
     (asker,) = pool.start([1], 2, timeout_s=1.0)

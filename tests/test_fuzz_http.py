@@ -15,12 +15,12 @@ import json
 import socket
 
 import pytest
-from helpers_raw_http import RawClient, statuses
-from helpers_serve import Server, request, scrape, total, wait_for_snapshots
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mptok
+from mptok_harness.raw_http import RawClient, statuses
+from mptok_harness.serve import Server, request, scrape, total, wait_for_snapshots
 
 EXAMPLES = 1000
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers_raw_http import RawClient, error_of, post_head, statuses
-from helpers_serve import Server, request, scrape, total, wait_for_snapshots
+from mptok_harness.raw_http import RawClient, error_of, post_head, statuses
+from mptok_harness.serve import Server, request, scrape, total, wait_for_snapshots
 
 READ_TIMEOUT_S = 2
 MAX_CONNECTIONS = 8

@@ -11,7 +11,6 @@ import warnings
 from array import array
 
 import pytest
-from helpers_serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 import mptok
 import mptok.cache.prefix_cache
@@ -21,14 +20,12 @@ from mptok.cache.config import HELD_SHARE, MAX_KEY_BYTES
 from mptok.core.ids import intern_ids
 from mptok.routing.answer import answer_peer
 from mptok.routing.held import Held, HeldReplies
+from mptok_harness.checks import expected_ids as full_ids
 from mptok_harness.conversations import plain_delta
 from mptok_harness.prompts import conversation
+from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 MiB = 1024 * 1024
-
-
-def full_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_eviction_keeps_the_bytes_within_the_budget_and_ids_exact(tokenizer):

@@ -10,14 +10,9 @@ import math
 from pathlib import Path
 
 from mptok.core.counting import Histogram
-from mptok.serve.metrics import (
-    FRONTEND_METRICS,
-    SUPERVISOR_METRICS,
-    SUPERVISOR_SNAPSHOT,
-    audit,
-    example_frontend_snapshot,
-    render_prometheus,
-)
+from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, audit, render_prometheus
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT
+from mptok_harness.metrics import example_frontend_snapshot
 
 
 def test_a_declared_snapshot_renders_whole():

@@ -18,11 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
-from helpers_serve import Server, free_port, request, scrape, total, wait_for_snapshots
 
 import mptok
 from mptok.api.chat_template import ChatTemplate
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx
+from mptok_harness.serve import Server, free_port, request, scrape, total, wait_for_snapshots
 
 REPO = Path(__file__).resolve().parents[1]
 

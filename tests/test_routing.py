@@ -12,14 +12,14 @@ from collections import Counter
 from multiprocessing import connection, managers
 
 import pytest
-from helpers_procs import AUTHKEY, FrontendPool, key_owned_by
-from helpers_procs import expected_ids as expected
 
 import mptok
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
+from mptok_harness.checks import expected_ids as expected
+from mptok_harness.frontends import AUTHKEY, FrontendPool, key_owned_by
 from mptok_harness.prompts import conversation
 
 N = 3
@@ -59,7 +59,7 @@ def test_owner_order_is_pinned_across_runs():
 
 def test_owner_order_is_the_same_in_another_process_with_another_hash_seed():
     keys = [f"key-{i}" for i in range(50)]
-    code = "import sys; from mptok.routing import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
+    code = "import sys; from mptok.routing.order import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(
         [sys.executable, "-c", code, *keys], env=env, capture_output=True, text=True, check=True, timeout=60
@@ -148,7 +148,7 @@ def test_wrong_authkey_is_refused_without_disturbing_service(cluster, tokenizer)
     before = frontends[2].stats()["routing"]
     intruder = EncodeProxy(address, b"not-the-key", timeout_s=5)
     with pytest.raises(OwnerUnreachable, match="authkey"):
-        intruder.encode("x" * 300)
+        intruder.encode_since("x" * 300)
     key = key_owned_by(2, N, "after-intruder")
     text = conversation(77, 1)[0]
     assert frontends[0].encode(key, text) == expected(tokenizer, text)

@@ -23,17 +23,6 @@ import time
 
 import psutil
 import pytest
-from helpers_serve import (
-    HANG_GUARD_S,
-    SUPERVISE,
-    Server,
-    free_port,
-    request,
-    scrape,
-    tokenize,
-    total,
-    wait_for_snapshots,
-)
 
 import mptok
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
@@ -43,12 +32,16 @@ from mptok.routing.owners import TokenizationOwners
 from mptok.serve import frontend, supervisor
 from mptok.serve.cli import parse_serve_options
 from mptok.serve.frontend import FrontendSettings, tcp_socket
-from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, SUPERVISOR_SNAPSHOT, SnapshotDir, audit
+from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, audit
 from mptok.serve.options import Option, ServeOptions, Use, declared_options
 from mptok.serve.service import SpecialTokenFrame, TokenizeService
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok_harness.checks import HANG_GUARD_S
+from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import _tokenizer_file, load_family_hf
 from mptok_harness.prompts import conversation
+from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
 
 FRONTENDS = 4
 MAX_PROMPT_CHARS = 1_500_000
@@ -61,10 +54,6 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with Server(log, "--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS)) as s:
         yield s
-
-
-def expected(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -9,6 +9,7 @@ test_faults. Where the thing under test is the transport itself, the served
 from __future__ import annotations
 
 import ast
+import contextlib
 import dis
 import functools
 import inspect
@@ -19,12 +20,14 @@ import struct
 import sys
 import threading
 import time
+from array import array
 from multiprocessing import connection, managers
 
 import pytest
-from helpers_procs import wait_until
 
 import mptok
+from mptok.core.private_files import secure_ipc_dir
+from mptok.core.protocol import PeerReply
 from mptok.transport import (
     EncodeProxy,
     OwnerAlreadyServing,
@@ -33,19 +36,33 @@ from mptok.transport import (
     OwnerUnreachable,
     ServerLimits,
     TokenizeManager,
-    answer_in_full,
     mp_private,
-    secure_ipc_dir,
     serve_encode,
     socket_path,
 )
+from mptok_harness.checks import HANG_GUARD_S, wait_until
 
 KEY = b"transport-test-key"
-HANG_GUARD_S = 60.0
 
 
 def echo(text: str, key: str | None) -> list[int]:
     return [ord(c) for c in text] + ([] if key is None else [-1] + [ord(c) for c in key])
+
+
+def answer_in_full(encode):
+    """The owner's answer for an ``encode(text, key) -> ids`` that keeps no versions."""
+
+    def answer(text: str, key: str | None, since: int | None, shared_chars: int) -> PeerReply | None:
+        return None if since is not None else PeerReply(0, 0, encode(text, key))
+
+    return answer
+
+
+def ids_from(proxy: EncodeProxy, text: str, key: str | None = None) -> list[int]:
+    """The owner's ids for the whole ``text``, as a list."""
+    reply = proxy.encode_since(text, key)
+    assert reply is not None
+    return reply.ids.tolist()
 
 
 @pytest.fixture
@@ -77,8 +94,28 @@ def test_text_and_key_with_lone_surrogates_cross_intact(serve):
     _, address = serve(echo)
     proxy = EncodeProxy(address, KEY)
     text = "a\ud800b\udfff 🙂 \x00 é\r\n" * 5000
-    assert proxy.encode(text, "k\udc80") == echo(text, "k\udc80")
-    assert proxy.encode("", None) == []
+    assert ids_from(proxy, text, "k\udc80") == echo(text, "k\udc80")
+    assert ids_from(proxy, "", None) == []
+
+
+def test_ids_cross_as_int32_from_a_list_or_any_int32_buffer_and_arrive_as_an_array(serve):
+    numpy = pytest.importorskip("numpy")
+    want = [0, 1, -1, 2**31 - 1, -(2**31), 128_000] * 1000
+    forms = {
+        "list": list,
+        "array": lambda ids: array("i", ids),
+        "numpy": lambda ids: numpy.array(ids, dtype=numpy.int32),
+        "numpy view": lambda ids: numpy.repeat(numpy.array(ids, dtype=numpy.int32), 2)[::2],  # strided
+        "int64": lambda ids: numpy.array(ids, dtype=numpy.int64),
+    }
+    _, address = serve(lambda text, key: forms[text](want))
+    proxy = EncodeProxy(address, KEY)
+    for form in ("list", "array", "numpy", "numpy view"):
+        reply = proxy.encode_since(form)
+        assert isinstance(reply.ids, array) and reply.ids.typecode == "i", form
+        assert reply.ids.tolist() == want, form
+    with pytest.raises(OwnerError, match="int32"):
+        proxy.encode_since("int64")
 
 
 def test_the_handshake_is_this_pythons_own(serve, monkeypatch):
@@ -98,7 +135,7 @@ def test_the_handshake_is_this_pythons_own(serve, monkeypatch):
 
     monkeypatch.setattr(connection, "deliver_challenge", spy)
     _, address = serve(echo)
-    assert EncodeProxy(address, KEY).encode("hi") == echo("hi", None)
+    assert ids_from(EncodeProxy(address, KEY), "hi") == echo("hi", None)
     sent = [c for c in challenges if c.startswith(b"#CHALLENGE#")]
     assert len(sent) == 2  # the owner's, and the peer's to the owner
     assert all(c.startswith(b"#CHALLENGE#{sha256}") == (sys.version_info >= (3, 12)) for c in sent)
@@ -110,11 +147,11 @@ def test_a_real_cache_answers_exactly_and_reports_what_it_cannot_tokenize(serve)
     manager, address = serve(functools.partial(cache.encode, tokenizer))
     proxy = EncodeProxy(address, KEY, timeout_s=30)
     text = "Routed prompts come back exact, emoji 🙂 and all. " * 3000
-    assert proxy.encode(text, "conversation") == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids_from(proxy, text, "conversation") == tokenizer(text, add_special_tokens=False)["input_ids"]
     with pytest.raises(OwnerError, match="could not tokenize"):
-        proxy.encode("lone \ud800 surrogate " * 20, "other")
+        ids_from(proxy, "lone \ud800 surrogate " * 20, "other")
     # The failure was the tokenizer's, on a healthy connection.
-    assert proxy.encode(text + " more", "conversation")[-1] == tokenizer(" more")["input_ids"][-1]
+    assert ids_from(proxy, text + " more", "conversation")[-1] == tokenizer(" more")["input_ids"][-1]
     stats = manager.stats()
     assert (stats["served"], stats["serve_errors"], stats["accepted"]) == (2, 1, 1)
     assert cache.stats()["hits"] == 1
@@ -131,43 +168,43 @@ def test_a_timed_out_call_drops_its_connection_so_its_late_reply_is_never_read(s
     manager, address = serve(slow_echo)
     proxy = EncodeProxy(address, KEY, timeout_s=0.3)
     with pytest.raises(OwnerTimeout):
-        proxy.encode("slow")
+        ids_from(proxy, "slow")
     release.set()
-    assert proxy.encode("fast") == echo("fast", None)
+    assert ids_from(proxy, "fast") == echo("fast", None)
     assert manager.stats()["accepted"] == 2
 
 
 def test_reconnects_transparently_after_the_owner_restarts_on_the_same_path(serve):
     first, address = serve(echo)
     proxy = EncodeProxy(address, KEY)
-    assert proxy.encode("before") == echo("before", None)
+    assert ids_from(proxy, "before") == echo("before", None)
     assert first.shutdown()
     second, _ = serve(lambda text, key: [42])
     # The thread's connection to the first owner is dead; the call replaces it.
-    assert proxy.encode("after") == [42]
+    assert ids_from(proxy, "after") == [42]
     assert second.stats()["accepted"] == 1
 
 
 def test_idle_connections_are_closed_and_peers_reconnect(serve):
     manager, address = serve(echo, idle_timeout_s=0.2)
     proxy = EncodeProxy(address, KEY)
-    assert proxy.encode("one") == echo("one", None)
+    assert ids_from(proxy, "one") == echo("one", None)
     wait_until(lambda: manager.stats()["active_connections"] == 0, "the idle connection to close")
-    assert proxy.encode("two") == echo("two", None)
+    assert ids_from(proxy, "two") == echo("two", None)
     assert manager.stats()["accepted"] == 2
 
 
 def test_connections_beyond_the_cap_are_refused_at_once(serve):
     manager, address = serve(echo, max_connections=2)
     proxies = [EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S) for _ in range(3)]
-    assert proxies[0].encode("a") == echo("a", None)
-    assert proxies[1].encode("b") == echo("b", None)
+    assert ids_from(proxies[0], "a") == echo("a", None)
+    assert ids_from(proxies[1], "b") == echo("b", None)
     with pytest.raises(OwnerUnreachable):
-        proxies[2].encode("c")
+        ids_from(proxies[2], "c")
     assert manager.stats()["refused"] == 1
     proxies[0].close()
     wait_until(lambda: manager.stats()["active_connections"] == 1, "a slot to free")
-    assert proxies[2].encode("c") == echo("c", None)
+    assert ids_from(proxies[2], "c") == echo("c", None)
 
 
 def test_64_threads_connecting_at_once_all_get_through(serve):
@@ -179,7 +216,7 @@ def test_64_threads_connecting_at_once_all_get_through(serve):
     def call(i: int) -> None:
         barrier.wait(HANG_GUARD_S)
         try:
-            results[i] = proxy.encode(f"thread {i}")
+            results[i] = ids_from(proxy, f"thread {i}")
         except Exception as e:
             results[i] = e
 
@@ -203,13 +240,13 @@ def test_shutdown_wakes_idle_and_busy_peers_joins_every_thread_and_removes_the_s
 
     manager, address = serve(busy_echo)
     idle = EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S)
-    assert idle.encode("idle") == echo("idle", None)
+    assert ids_from(idle, "idle") == echo("idle", None)
     busy = EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S)
     outcome: list[BaseException] = []
 
     def call_busy() -> None:
         try:
-            busy.encode("busy")
+            ids_from(busy, "busy")
         except BaseException as e:
             outcome.append(e)
 
@@ -223,17 +260,17 @@ def test_shutdown_wakes_idle_and_busy_peers_joins_every_thread_and_removes_the_s
     assert mptok_threads() == []
     assert not os.path.exists(address)
     with pytest.raises(OwnerUnreachable):
-        idle.encode("after")
+        ids_from(idle, "after")
     assert manager.shutdown() is True  # idempotent
 
 
 def test_proxy_close_fails_later_calls_at_once_and_frees_the_owners_threads(serve):
     manager, address = serve(echo)
     proxy = EncodeProxy(address, KEY)
-    assert proxy.encode("x") == echo("x", None)
+    assert ids_from(proxy, "x") == echo("x", None)
     proxy.close()
     with pytest.raises(OwnerUnreachable, match="closed"):
-        proxy.encode("y")
+        ids_from(proxy, "y")
     wait_until(lambda: manager.stats()["active_connections"] == 0, "the owner to see the close")
 
 
@@ -247,7 +284,38 @@ def listening(address: str) -> socket.socket:
 def test_every_step_of_a_call_is_bounded_against_a_server_that_never_answers(ipc_dir):
     # Never accepts: the connect succeeds, the handshake never comes.
     with listening(socket_path(ipc_dir, 7)) as mute, pytest.raises(OwnerTimeout):
-        EncodeProxy(mute.getsockname(), KEY, timeout_s=0.2).encode("anyone there?")
+        ids_from(EncodeProxy(mute.getsockname(), KEY, timeout_s=0.2), "anyone there?")
+
+
+def test_a_reply_trickled_a_byte_at_a_time_cannot_hold_a_call_past_its_deadline(ipc_dir):
+    # An owner that authenticates, then sends its reply one byte at a time:
+    # every read gets something, yet the call ends at its deadline.
+    with listening(socket_path(ipc_dir, 9)) as slow:
+        stop = threading.Event()
+
+        def trickle_the_reply() -> None:
+            sock, _ = slow.accept()
+            with sock, connection.Connection(os.dup(sock.fileno())) as conn:
+                connection.deliver_challenge(conn, KEY)
+                connection.answer_challenge(conn, KEY)
+                conn.recv()
+                conn.send(("#RETURN", None))
+                conn.recv()
+                reply = frame(("#RETURN", (0, 0, bytes(4000))))
+                for i in range(len(reply)):
+                    if stop.wait(0.02):
+                        return
+                    with contextlib.suppress(OSError):
+                        sock.sendall(reply[i : i + 1])
+
+        owner = threading.Thread(target=trickle_the_reply)
+        owner.start()
+        try:
+            with pytest.raises(OwnerTimeout):
+                EncodeProxy(slow.getsockname(), KEY, timeout_s=0.5).encode_since("hello?")
+        finally:
+            stop.set()
+            owner.join(HANG_GUARD_S)
 
 
 def test_a_server_that_is_not_an_owner_fails_the_handshake(ipc_dir):
@@ -261,7 +329,7 @@ def test_a_server_that_is_not_an_owner_fails_the_handshake(ipc_dir):
         server = threading.Thread(target=answer_with_nonsense)
         server.start()
         with pytest.raises(OwnerUnreachable, match="connection with"):
-            EncodeProxy(bogus.getsockname(), KEY, timeout_s=HANG_GUARD_S).encode("hello?")
+            ids_from(EncodeProxy(bogus.getsockname(), KEY, timeout_s=HANG_GUARD_S), "hello?")
         server.join(HANG_GUARD_S)
 
 
@@ -269,7 +337,7 @@ def test_a_live_path_is_refused_and_a_stale_socket_file_is_replaced(serve, ipc_d
     _, address = serve(echo)
     with pytest.raises(OwnerAlreadyServing, match=f"pid {os.getpid()}"):
         serve_encode(address, answer_in_full(echo), KEY)
-    assert EncodeProxy(address, KEY).encode("still here") == echo("still here", None)
+    assert ids_from(EncodeProxy(address, KEY), "still here") == echo("still here", None)
     # A socket file whose owner went away without removing it.
     stale = socket_path(ipc_dir, 3)
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,15 +345,15 @@ def test_a_live_path_is_refused_and_a_stale_socket_file_is_replaced(serve, ipc_d
     dead.close()
     _, address3 = serve(echo, frontend_id=3)
     assert address3 == stale
-    assert EncodeProxy(stale, KEY).encode("new") == echo("new", None)
+    assert ids_from(EncodeProxy(stale, KEY), "new") == echo("new", None)
     assert stat.S_IMODE(os.stat(stale).st_mode) == 0o600
 
 
 def test_each_owner_in_a_process_has_its_own_registry_and_answers_for_itself(serve):
     first, a = serve(echo, frontend_id=0)
     second, b = serve(lambda text, key: [len(text)], frontend_id=1)
-    assert EncodeProxy(a, KEY).encode("abc") == echo("abc", None)
-    assert EncodeProxy(b, KEY).encode("abc") == [3]
+    assert ids_from(EncodeProxy(a, KEY), "abc") == echo("abc", None)
+    assert ids_from(EncodeProxy(b, KEY), "abc") == [3]
     assert type(first) is not type(second)
     assert type(first)._registry is not type(second)._registry
     assert TokenizeManager._registry == {}
@@ -399,7 +467,7 @@ def test_a_negative_frame_length_ends_the_connection_and_runs_nothing(serve):
             sock.sendall(struct.pack("!i", length) + frame(request) + frame(request))
             assert read_until_eof(sock) == b""
     assert manager.stats()["served"] == 0
-    assert EncodeProxy(address, KEY).encode("still serving") == echo("still serving", None)
+    assert ids_from(EncodeProxy(address, KEY), "still serving") == echo("still serving", None)
 
 
 def test_a_header_that_never_ends_times_out_with_the_message_timeout(serve):
@@ -435,7 +503,7 @@ def test_a_message_longer_than_a_first_read_arrives_whole(serve):
 
     _, address = serve(lambda text, key: [len(text)])
     text = "w" * (3 * _FIRST_READ_BYTES)
-    assert EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S).encode(text) == [len(text)]
+    assert ids_from(EncodeProxy(address, KEY, timeout_s=HANG_GUARD_S), text) == [len(text)]
 
 
 # -- the ipc dir: no symbolic links, nothing left behind ----------------------
@@ -464,7 +532,7 @@ def test_shutdown_leaves_neither_socket_nor_lock_file(serve, ipc_dir):
     assert os.listdir(ipc_dir) == []
     # and the path can be served again at once
     again, _ = serve(echo)
-    assert EncodeProxy(address, KEY).encode("again") == echo("again", None)
+    assert ids_from(EncodeProxy(address, KEY), "again") == echo("again", None)
 
 
 def test_owners_racing_for_one_path_never_serve_it_at_once(ipc_dir):

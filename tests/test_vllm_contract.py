@@ -35,13 +35,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers_serve import REPO, Server, request, scrape, total, wait_for_snapshots
 
 import mptok
 from mptok.api.chat_template import ChatTemplate
 from mptok.api.vllm_contract import tokenizer_info_payload
 from mptok_harness.chat_tokenizers import write_chat_tokenizer
 from mptok_harness.conversations import plain_delta
+from mptok_harness.serve import REPO, Server, request, scrape, total, wait_for_snapshots
 
 SERVED_NAME = "mptok-test"
 MAX_MODEL_LEN = 8192  # given to the bos_tools server; chatml_tools' own config says 32768

@@ -22,6 +22,14 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 
+# vLLM's answer (without --trust-request-chat-template, its default and
+# mptok's only mode) to a request that brings its own template, whether in
+# the body or in its chat_template_kwargs.
+UNTRUSTED_TEMPLATE_REFUSAL = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
 # DeepSeek V3's template without its tool-call branches: the begin-of-sentence
 # token, system prompts joined by blank lines, "<｜User｜>" before each user
 # message, "<｜Assistant｜>" ... "<｜end▁of▁sentence｜>" around each answer
@@ -138,10 +146,7 @@ class ChatTemplate:
         ``documents``, are dropped; the rest pass as template variables.
         """
         if requested.get("chat_template") is not None:
-            raise ChatTemplateError(
-                "Chat template is passed with request, but --trust-request-chat-template is not set. "
-                "Refused request with untrusted chat template."
-            )
+            raise ChatTemplateError(UNTRUSTED_TEMPLATE_REFUSAL)
         refused = sorted({"chat_template", "tokenize"} & requested.keys())
         if refused:
             raise ChatTemplateError(f"Found unexpected chat template kwargs from request: {', '.join(refused)}")

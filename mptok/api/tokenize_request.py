@@ -14,7 +14,11 @@ from typing import Any
 
 import orjson
 
+from mptok.api.chat_template import UNTRUSTED_TEMPLATE_REFUSAL
 from mptok.cache.config import check_key
+
+# What a refused client is told to wait before retrying (Retry-After, whole seconds).
+RETRY_AFTER_S = 1
 
 
 class RequestError(Exception):
@@ -166,12 +170,7 @@ def _vllm_fields(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
             '(add_generation_prompt defaults to true: send "add_generation_prompt": false)',
         )
     if data.get("chat_template") is not None:
-        # vLLM without --trust-request-chat-template, its default and mptok's only mode.
-        raise RequestError(
-            400,
-            "Chat template is passed with request, but --trust-request-chat-template is not set. "
-            "Refused request with untrusted chat template.",
-        )
+        raise RequestError(400, UNTRUSTED_TEMPLATE_REFUSAL)
     fields["continue_final_message"] = continue_final
     fields["tools"] = _check_tools(_optional(data, "tools", list, None))
     fields["chat_template_kwargs"] = _optional(data, "chat_template_kwargs", dict, None)

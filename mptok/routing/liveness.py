@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from mptok.core.private_files import open_private_file
+
 logger = logging.getLogger(__name__)
 
 RECORD_NAME = "owner-{}.json"
@@ -164,9 +166,10 @@ def unpublish(ipc_dir: str, frontend_id: int, record: OwnerRecord) -> None:
 
 
 def read_record(path: str) -> OwnerRecord | None:
-    """The record at ``path``, or None if there is none or it is not one."""
+    """The record at ``path``, or None if there is none or it is not one (a link, or
+    a file group or others may write, is not: ``open_private_file``)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_private_file(path, os.O_RDONLY), encoding="utf-8") as f:
             fields = json.load(f)
         return OwnerRecord(
             pid=int(fields["pid"]),

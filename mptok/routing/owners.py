@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for
 from mptok.cache.prefix_cache import TokenCache
 from mptok.core.counting import Counters, Histogram
+from mptok.core.private_files import secure_ipc_dir
 from mptok.core.protocol import PeerReply
 from mptok.routing.answer import PeerCache, answer_peer
 from mptok.routing.held import BadReply, HeldReplies
@@ -60,7 +61,6 @@ from mptok.transport import (
     ServerLimits,
     TransportError,
     left_or_zero,
-    secure_ipc_dir,
     serve_encode,
     socket_path,
 )

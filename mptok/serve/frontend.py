@@ -16,7 +16,7 @@ process's lifecycle.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
-(every frontend's counters, see ``mptok.serve.metrics``).
+(every frontend's counters, see ``mptok.serve.snapshots`` and ``mptok.serve.metrics``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payloa
 from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
 from mptok.serve.lifeline import stop_with_parent
 from mptok.serve.logfmt import configure_logging, log_event
-from mptok.serve.metrics import PeriodicTask, SnapshotDir, render_prometheus
+from mptok.serve.metrics import render_prometheus
 from mptok.serve.options import ServeOptions, Use
+from mptok.serve.periodic import PeriodicTask
 from mptok.serve.service import Answer, TokenizeService
+from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
 
 logger = logging.getLogger("mptok.frontend")
 
@@ -309,7 +311,7 @@ class Frontend:
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)
             self._started = time.time()
-            self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._publish)
+            self._housekeeping = PeriodicTask(f"mptok-metrics-{settings.frontend_id}", self._publish, SNAPSHOT_INTERVAL_S)
             self._housekeeping.start()
             self._stack.callback(self._housekeeping.stop)
             info = tokenizer_info_payload(tokenizer, template) if options.enable_tokenizer_info_endpoint else None

@@ -35,7 +35,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mptok.api.tokenize_request import error_body
+from mptok.api.tokenize_request import RETRY_AFTER_S, error_body
 
 logger = logging.getLogger("mptok.frontend")
 
@@ -97,7 +97,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            self._refuse(503, f"this frontend has {self.max_connections} open connections (--max-connections); retry", 1)
+            self._refuse(503, f"this frontend has {self.max_connections} open connections (--max-connections); retry", RETRY_AFTER_S)
         else:
             self._arm()
 

@@ -1,15 +1,10 @@
-"""Metrics of every frontend, served by whichever frontend a scrape lands on.
+"""Every /metrics series, declared once, and the Prometheus text of every process's snapshot.
 
-Behind one SO_REUSEPORT port a scrape of ``/metrics`` reaches one frontend
-picked by the kernel, yet the operator needs the whole server. So each
-process writes a JSON snapshot of its counters into the private ipc
-directory (atomically, every ``SNAPSHOT_INTERVAL_S`` and at exit), and the
-frontend that answers reads them all and renders the Prometheus text format
-with a ``frontend`` label on every series: when a frontend restarts, its
-counters restart from zero in its own series, which Prometheus reads as a
-counter reset, not as a drop of the whole server.
-
-The supervisor writes one snapshot too (``metrics-supervisor.json``):
+Each process writes its counters as a snapshot (``mptok.serve.snapshots``);
+whichever frontend a scrape reaches renders them all here, with a
+``frontend`` label on every series: when a frontend restarts, its counters
+restart from zero in its own series, which Prometheus reads as a counter
+reset, not as a drop of the whole server. The supervisor's snapshot gives
 whether each frontend is up, its restarts, whether it was given up.
 
 Every series is declared once, in ``FRONTEND_METRICS`` and
@@ -17,108 +12,22 @@ Every series is declared once, in ``FRONTEND_METRICS`` and
 are in a snapshot. ``audit`` lists what a snapshot lacks of that
 declaration and what it holds that nothing renders; the tests run it on a
 real server's snapshots, so a renamed counter fails there instead of
-showing zeros. Why snapshots and not ``prometheus_client``'s multiprocess
-mode: docs/SERVE.md ("Why snapshot files", measured by
-``scripts/bench_metrics.py``).
+showing zeros.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import tempfile
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from mptok.api.affinity import IdentityKind
-from mptok.core.counting import Histogram
 from mptok.routing.liveness import FALLBACK_REASONS
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_INTERVAL_S = 0.5
-SUPERVISOR_SNAPSHOT = "supervisor"
-_SNAPSHOT_PREFIX = "metrics-"
-_SNAPSHOT_SUFFIX = ".json"
-
-class SnapshotDir:
-    """The snapshots in one ipc directory: written atomically, read all at once."""
-
-    def __init__(self, ipc_dir: str):
-        self._dir = ipc_dir
-
-    def write(self, name: str | int, data: Mapping[str, Any]) -> None:
-        """Replace snapshot ``name`` atomically (readers see the old or the new one, whole)."""
-        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-metrics-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(orjson.dumps(data))
-            os.replace(tmp, os.path.join(self._dir, f"{_SNAPSHOT_PREFIX}{name}{_SNAPSHOT_SUFFIX}"))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
-    def read_all(self) -> dict[str, dict[str, Any]]:
-        """Every snapshot by name; one that vanishes or is unreadable is left out, with a warning."""
-        snapshots = {}
-        try:
-            names = os.listdir(self._dir)
-        except FileNotFoundError:
-            return {}
-        for filename in sorted(names):
-            if not (filename.startswith(_SNAPSHOT_PREFIX) and filename.endswith(_SNAPSHOT_SUFFIX)):
-                continue
-            name = filename[len(_SNAPSHOT_PREFIX) : -len(_SNAPSHOT_SUFFIX)]
-            try:
-                with open(os.path.join(self._dir, filename), "rb") as f:
-                    snapshots[name] = orjson.loads(f.read())
-            except FileNotFoundError:
-                continue
-            except (OSError, orjson.JSONDecodeError) as e:
-                logger.warning("unreadable metrics snapshot %s: %s", filename, e)
-        return snapshots
-
-
-class PeriodicTask:
-    """Run ``tick`` every ``interval_s`` on a daemon thread until ``stop()``.
-
-    ``stop()`` wakes the thread, runs ``tick`` one last time on the caller's
-    thread (so the final state is written), and waits at most ``join_s`` for
-    the thread. A ``tick`` that raises is logged and does not stop the loop.
-    """
-
-    def __init__(self, name: str, tick: Callable[[], None], interval_s: float = SNAPSHOT_INTERVAL_S):
-        self._tick = tick
-        self._interval_s = interval_s
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._tick_logged()
-        self._thread.start()
-
-    def stop(self, join_s: float = 5.0) -> None:
-        self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join(join_s)
-        self._tick_logged()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            self._tick_logged()
-
-    def _tick_logged(self) -> None:
-        try:
-            self._tick()
-        except Exception:
-            logger.warning("periodic task %s failed", self._thread.name, exc_info=True)
 
 
 # -- what each series is and where its values come from ----------------------
@@ -281,35 +190,11 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     Metric("mptok_frontend_start_time_seconds", "gauge", "Unix time the frontend process started serving.", Value(("started",), {"pid": ("pid",)})),
 )  # fmt: skip
 
-# Values in a frontend's snapshot that no series shows, and why.
-NOT_RENDERED: Mapping[SnapshotPath, str] = {}
-
 SUPERVISOR_METRICS: tuple[Metric, ...] = (
     Metric("mptok_frontend_up", "gauge", "1 while the supervisor has a ready process for this frontend id.", Table(("up",), ("frontend",), _frontend_id, int)),
     Metric("mptok_frontend_restarts_total", "counter", "Times the supervisor restarted this frontend id.", Table(("restarts",), ("frontend",), _frontend_id, int)),
     Metric("mptok_frontend_given_up", "gauge", "1 while the supervisor has given up restarting this frontend id (--max-restarts within --restart-window).", Table(("given_up",), ("frontend",), _frontend_id, int)),
 )  # fmt: skip
-
-
-def example_frontend_snapshot() -> dict[str, Any]:
-    """A frontend snapshot with a value at every path ``FRONTEND_METRICS`` and ``NOT_RENDERED``
-    name and nothing else: counts 7, one request, one observation per histogram (tests, benchmarks)."""
-    snapshot: dict[str, Any] = {}
-    for metric in FRONTEND_METRICS:
-        for path in [*metric.source.paths(), *NOT_RENDERED]:
-            *sections, key = path
-            place = snapshot
-            for section in sections:
-                place = place.setdefault(section, {})
-            if isinstance(metric.source, Table):
-                place[key] = {"/tokenize 200": 1}
-            elif metric.kind == "histogram" and path == metric.source.paths()[0]:
-                histogram = Histogram()
-                histogram.observe(0.002)
-                place[key] = histogram.snapshot()
-            else:
-                place.setdefault(key, 7)
-    return snapshot
 
 
 # -- the Prometheus text format -----------------------------------------------
@@ -341,14 +226,13 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
 
 def audit(snapshots: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """What keeps ``render_prometheus`` from showing these snapshots whole: every declared
-    value a snapshot lacks, and every value it holds that no metric renders (nor
-    ``NOT_RENDERED`` explains). Empty when all is well."""
+    value a snapshot lacks, and every value it holds that no metric renders. Empty when all is well."""
     problems = []
     for name, snap in sorted(snapshots.items()):
         if name.isdigit():
-            metrics, ignored = FRONTEND_METRICS, set(NOT_RENDERED)
+            metrics = FRONTEND_METRICS
         elif name == SUPERVISOR_SNAPSHOT:
-            metrics, ignored = SUPERVISOR_METRICS, set()
+            metrics = SUPERVISOR_METRICS
         else:
             problems.append(f"snapshot {name!r} is neither a frontend's nor the supervisor's")
             continue
@@ -357,7 +241,7 @@ def audit(snapshots: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 list(metric.source.samples(snap))
             except (KeyError, TypeError) as e:
                 problems.append(f"snapshot {name}: {metric.name} has no value ({type(e).__name__}: {e})")
-        rendered = {path for metric in metrics for path in metric.source.paths()} | ignored
+        rendered = {path for metric in metrics for path in metric.source.paths()}
         problems.extend(
             f"snapshot {name}: {'.'.join(path)} is not rendered"
             for path in _leaves(snap)

@@ -30,6 +30,7 @@ import orjson
 from mptok.api.affinity import IdentityKind, identify
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
 from mptok.api.tokenize_request import (
+    RETRY_AFTER_S,
     RequestError,
     TokenizeRequest,
     error_body,
@@ -51,8 +52,6 @@ _SENTINELS = ("Hello world", "x = 1;\n\n\t\u00e9\U0001f642 end")
 # larger than this many bytes per allowed prompt character are refused unread.
 _BODY_BYTES_PER_CHAR = 12
 _BODY_OVERHEAD_BYTES = 1 << 20
-# What a refused client is told to wait before retrying (Retry-After, whole seconds).
-RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)

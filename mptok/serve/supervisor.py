@@ -47,9 +47,9 @@ from typing import Any
 from mptok.api.chat_template import ChatTemplateError, check_template_source
 from mptok.serve.frontend import FrontendSettings, frontend_main, tcp_socket
 from mptok.serve.logfmt import log_event
-from mptok.serve.metrics import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok.serve.options import ServeOptions
 from mptok.serve.run_dir import RunDir, sweep_stale
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 
 __all__ = ["EXIT_ALL_GIVEN_UP", "EXIT_CANNOT_START", "EXIT_OK", "ServeOptions", "StartupError", "StopSignals", "Supervisor"]
 

@@ -18,13 +18,14 @@ end in its own module:
 
 * ``mptok.transport.mp_private``: the only module that touches
   ``multiprocessing``'s private surface (the ``Server`` subclass, the
-  ``Connection`` hooks, the registry, the handshake); its docstring lists
+  registry, the handshake); its docstring lists
   every private name it relies on and why, and a test checks them on each
   Python version.
 * ``mptok.transport.wire``: what both ends share. ``TimedConnection``
-  replaces ``Connection``, which reads and writes with no timeout.
+  speaks ``Connection``'s framing, which reads and writes with no
+  timeout, with a deadline per message and a cap on its size.
 * ``mptok.transport.listener``: the owner's socket file, accept loop,
-  connection cap and time limits (``ServerLimits``).
+  connection cap and time limits (``Listener``, ``ServerLimits``).
 * ``mptok.transport.owner``: ``TokenizeManager`` and ``serve_encode``, the
   manager served from threads of the frontend itself on that listener.
 * ``mptok.transport.proxy``: ``EncodeProxy``, which replaces ``BaseProxy``:
@@ -34,9 +35,10 @@ Everything a caller needs is importable from ``mptok.transport``.
 """
 
 from mptok.transport.listener import OwnerAlreadyServing, ServerLimits
-from mptok.transport.owner import PeerAnswer, TokenizeManager, answer_in_full, serve_encode
-from mptok.transport.proxy import EncodeProxy
+from mptok.transport.owner import PeerAnswer, TokenizeManager, serve_encode
+from mptok.transport.proxy import CALL_TIMEOUT_S, EncodeProxy
 from mptok.transport.wire import (
+    CLOSE_TIMEOUT_S,
     ENCODE_TYPEID,
     SOCKET_NAME,
     MessageTooLarge,
@@ -45,11 +47,12 @@ from mptok.transport.wire import (
     OwnerUnreachable,
     TransportError,
     left_or_zero,
-    secure_ipc_dir,
     socket_path,
 )
 
 __all__ = [
+    "CALL_TIMEOUT_S",
+    "CLOSE_TIMEOUT_S",
     "ENCODE_TYPEID",
     "SOCKET_NAME",
     "EncodeProxy",
@@ -62,9 +65,7 @@ __all__ = [
     "ServerLimits",
     "TokenizeManager",
     "TransportError",
-    "answer_in_full",
     "left_or_zero",
-    "secure_ipc_dir",
     "serve_encode",
     "socket_path",
 ]

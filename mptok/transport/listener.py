@@ -2,26 +2,21 @@
 
 An owner accepts its peers' connections on a Unix socket and serves each on
 a thread of the frontend. This module holds everything about that socket
-and those threads, and nothing about the manager protocol spoken on them:
+and those threads, and nothing about the manager protocol spoken on them.
+Its public surface is ``Listener`` (with ``ServerLimits``, what a peer may
+cost, and ``PeerConnection``, the owner's end of a connection that enforces
+it); ``mptok.transport.owner`` plugs the manager server into it.
 
-* ``_SocketFile``: the socket file (0600, SOMAXCONN backlog) and the
-  ``flock``-held lock file that keeps two live owners off one path.
-* ``_Acceptor``: the accept loop and the serving threads, at most
-  ``ServerLimits.max_connections`` of them, all joined at close. It
-  replaces ``Server.serve_forever`` and its accept loop, which reset
-  sys.stdout, call ``sys.exit()``, spin at 100% CPU once the listener is
-  shut down, and start one thread per connection without limit.
-* ``ServerLimits`` and ``_PeerConnection``: what a peer may cost, and the
-  owner's end of a connection that enforces it.
-
-``mptok.transport.owner`` plugs the manager server into it.
+``Listener`` replaces ``Server.serve_forever`` and its accept loop, which
+reset sys.stdout, call ``sys.exit()``, spin at 100% CPU once the listener
+is shut down, listen with a backlog of 16, and start one thread per
+connection without limit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import logging
 import os
 import socket
@@ -29,9 +24,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mptok.core.counting import Counters
-from mptok.transport.wire import MAX_UNIX_PATH_BYTES, TimedConnection, left_or_zero, open_private_file
+from mptok.core.private_files import open_private_file
+from mptok.transport.wire import (
+    CLOSE_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    MAX_UNIX_PATH_BYTES,
+    MessageTooLarge,
+    TimedConnection,
+    left_or_zero,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +66,8 @@ class ServerLimits:
     handshake_timeout_s: float = 5.0
     message_timeout_s: float = 30.0
     idle_timeout_s: float | None = 600.0
-    max_message_bytes: int = 1 << 28
-    close_timeout_s: float = 5.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    close_timeout_s: float = CLOSE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_message_bytes < 1024:
@@ -75,18 +79,18 @@ class ServerLimits:
             raise ValueError("ServerLimits.idle_timeout_s must be > 0 or None")
 
 
-class _PeerConnection(TimedConnection):
+class PeerConnection(TimedConnection):
     """The owner's end of a peer's connection.
 
     During the handshake one deadline bounds everything. Once serving, the
     wait for the first byte of the next request is bounded by the idle
     timeout, and reading the rest of a request (its length header included)
-    and writing a reply each get their own message timeout. A failure inside a request ends the connection with
-    ``EOFError`` (the stream cannot be resynchronised), which ends the
-    manager's serve loop.
+    and writing a reply each get their own message timeout. A failure inside
+    a request ends the connection with ``EOFError`` (the stream cannot be
+    resynchronised), which ends the manager's serve loop.
 
     ``close()`` only shuts the socket down: the manager's serve loop closes
-    connections itself, and the descriptor must stay open until the acceptor
+    connections itself, and the descriptor must stay open until the listener
     has forgotten the connection, or its ``shutdown()`` could hit a
     descriptor number that something else has reused. ``release()`` closes.
     """
@@ -106,9 +110,9 @@ class _PeerConnection(TimedConnection):
     def release(self) -> None:
         super().close()
 
-    def read_frame(self, maxsize: int | None) -> io.BytesIO | None:
+    def recv(self) -> Any:
         if not self._serving:
-            return super().read_frame(maxsize)
+            return super().recv()
         idle = self._limits.idle_timeout_s
         self.deadline = None if idle is None else time.monotonic() + idle
         try:
@@ -119,58 +123,57 @@ class _PeerConnection(TimedConnection):
         # timeout: a half-sent header does not hold the thread until idle.
         self.deadline = time.monotonic() + self._limits.message_timeout_s
         try:
-            size = self.read_length()
-        except OSError as e:  # a bad header, or one that never ended
-            raise EOFError(f"no request: {e!r}") from e
-        if maxsize is not None and size > maxsize:
-            return None
-        try:
-            return self.read_body(size)
-        except (OSError, EOFError) as e:
+            return super().recv()
+        except MessageTooLarge:
+            raise
+        except (OSError, EOFError) as e:  # a bad header, or one or a body that never ended
             self.shutdown()
-            raise EOFError(f"connection ended inside a request: {e!r}") from e
+            raise EOFError(f"no whole request: {e!r}") from e
 
-    def write_frame(self, buf: bytes) -> None:
+    def send(self, obj: Any) -> None:
         if self._serving:
             self.deadline = time.monotonic() + self._limits.message_timeout_s
-        super().write_frame(buf)
+        super().send(obj)
 
 
-class _Acceptor:
-    """Accepts connections on a listening socket and serves each on its own thread.
+class Listener:
+    """Listens at ``path`` and serves each connection with ``handle`` on a thread of its own.
 
-    At most ``limits.max_connections`` are served at once: one more is closed
-    at once (its peer sees EOF and tokenizes locally) instead of getting a
-    thread, or waiting in the backlog until its handshake times out.
+    Opening claims the path (``_SocketFile``: raises ``OwnerAlreadyServing``
+    while a live process serves it). At most ``limits.max_connections`` are
+    served at once: one more is closed at once (its peer sees EOF and
+    tokenizes locally) instead of getting a thread, or waiting in the
+    backlog until its handshake times out. ``close()`` ends it all.
     """
 
-    def __init__(
-        self,
-        listener: socket.socket,
-        handle: Callable[[_PeerConnection], None],
-        limits: ServerLimits,
-        name: str,
-    ):
-        self._listener = listener
+    def __init__(self, path: str, handle: Callable[[PeerConnection], None], limits: ServerLimits, name: str):
+        self._file = _SocketFile(path)
+        self._listener = self._file.sock
         self._handle = handle
         self._limits = limits
         self._name = name
         self._lock = threading.Lock()
-        self._conns: set[_PeerConnection] = set()
+        self._conns: set[PeerConnection] = set()
         self._threads: set[threading.Thread] = set()
         self._closing = threading.Event()
         self.counters = Counters(("accepted", "refused"))
         # Daemon threads: a frontend that exits without closing must not hang
         # in interpreter shutdown on a peer's idle connection.
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._file.close()
+            raise
 
-    def active_connections(self) -> int:
+    def stats(self) -> dict[str, int]:
+        """Connections accepted, refused (beyond the cap) and served now (``active_connections``)."""
         with self._lock:
-            return len(self._conns)
+            active = len(self._conns)
+        return {**self.counters.snapshot(), "active_connections": active}
 
     def close(self, timeout_s: float) -> bool:
-        """Stop accepting, end every connection and join every thread within ``timeout_s``.
+        """Stop accepting, end every connection, join every thread within ``timeout_s``, free the path.
 
         Returns whether every thread ended in time (threads still busy in a
         tokenization end when it does, without touching the connection).
@@ -189,6 +192,7 @@ class _Acceptor:
             threads = list(self._threads)
         for thread in threads:
             thread.join(left_or_zero(deadline))
+        self._file.close()
         alive = [t.name for t in [self._thread, *threads] if t.is_alive()]
         if alive:
             logger.warning("%s: threads still running after close: %s", self._name, alive)
@@ -231,7 +235,7 @@ class _Acceptor:
             self.counters.add("accepted")
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = _PeerConnection(sock, self._limits)
+        conn = PeerConnection(sock, self._limits)
         with self._lock:
             self._conns.add(conn)
             closing = self._closing.is_set()

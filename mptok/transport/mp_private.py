@@ -13,24 +13,12 @@ form that test checks.
 
 ``multiprocessing.connection``:
 
-* ``Connection._recv_bytes(maxsize)`` and ``_send_bytes(buf)``: the framed
-  read and write under ``recv``/``send``/``recv_bytes``/``send_bytes`` and
-  the authkey handshake. Overridden to call ``read_frame``/``write_frame``,
-  which read and write the socket with deadlines.
-* ``Connection._recv(size, read)`` and ``_send(buf, write)``: the raw
-  reads and writes under them, which go to the descriptor behind the
-  subclass's buffer. Overridden to call ``read_body``/``write_all``, so
-  that no stock code path reads around the buffer.
-* ``Connection._poll(timeout)``: under ``poll()``; overridden so that bytes
-  already buffered count.
-* ``Connection._close(_close)``: closes the descriptor; overridden to call
-  ``close_handle`` (the subclass owns a ``socket.socket``).
-* ``Connection._check_closed()`` and ``_check_readable()``: the checks that
-  ``recv`` makes, made by ``ensure_readable`` for a subclass's own ``recv``.
 * ``deliver_challenge(connection, authkey)`` and
   ``answer_challenge(connection, authkey)``: the mutual HMAC handshake
   (3.11's format, and 3.12+'s ``{sha256}`` negotiation), undocumented and
   outside ``__all__``: ``authenticate_client``/``authenticate_to_owner``.
+  They call only ``send_bytes`` and ``recv_bytes(maxlength)`` on the
+  connection, which ``mptok.transport.wire.TimedConnection`` provides.
 
 ``multiprocessing.process``:
 
@@ -69,7 +57,6 @@ form that test checks.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import threading
 from collections.abc import Callable
@@ -104,14 +91,6 @@ class PrivateName:
 
 
 PRIVATE_SURFACE: tuple[PrivateName, ...] = (
-    PrivateName(connection.Connection, "_recv_bytes", "override", ("self", "maxsize")),
-    PrivateName(connection.Connection, "_send_bytes", "override", ("self", "buf")),
-    PrivateName(connection.Connection, "_recv", "override", ("self", "size", "read")),
-    PrivateName(connection.Connection, "_send", "override", ("self", "buf", "write")),
-    PrivateName(connection.Connection, "_poll", "override", ("self", "timeout")),
-    PrivateName(connection.Connection, "_close", "override", ("self", "_close")),
-    PrivateName(connection.Connection, "_check_closed", "call", ("self",)),
-    PrivateName(connection.Connection, "_check_readable", "call", ("self",)),
     PrivateName(connection, "deliver_challenge", "call", ("connection", "authkey")),
     PrivateName(connection, "answer_challenge", "call", ("connection", "authkey")),
     PrivateName(process, "AuthenticationString", "attribute"),
@@ -132,83 +111,37 @@ PRIVATE_SURFACE: tuple[PrivateName, ...] = (
 )
 
 
-def authenticate_client(conn: connection.Connection, authkey: bytes) -> None:
+class Channel(Protocol):
+    """What the handshake and ``Server.serve_client`` call on a connection (``TimedConnection`` has it)."""
+
+    def send_bytes(self, buf: bytes) -> None: ...
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray: ...
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class ServedConnection(Channel, Protocol):
+    """An owner's end of a connection: a ``Channel`` told when the handshake is over."""
+
+    def start_serving(self) -> None:
+        """The handshake is over: requests follow."""
+
+
+def authenticate_client(conn: Channel, authkey: bytes) -> None:
     """The owner's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
     connection.deliver_challenge(conn, authkey)
     connection.answer_challenge(conn, authkey)
 
 
-def authenticate_to_owner(conn: connection.Connection, authkey: bytes) -> None:
+def authenticate_to_owner(conn: Channel, authkey: bytes) -> None:
     """The peer's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
     connection.answer_challenge(conn, authkey)
     connection.deliver_challenge(conn, authkey)
-
-
-class HookedConnection(connection.Connection):
-    """A ``multiprocessing`` ``Connection`` whose private I/O primitives call public hooks.
-
-    A subclass implements the hooks; ``Connection``'s public methods
-    (``send``, ``recv``, ``send_bytes``, ``recv_bytes``, ``poll``,
-    ``close``) and the authkey handshake then run on them.
-    """
-
-    def read_frame(self, maxsize: int | None) -> io.BytesIO | None:
-        """The next message's body; None (the body left unread) if longer than ``maxsize``."""
-        raise NotImplementedError
-
-    def write_frame(self, buf: bytes) -> None:
-        """Write ``buf`` as one message, its length header first."""
-        raise NotImplementedError
-
-    def read_body(self, size: int) -> io.BytesIO:
-        """The next ``size`` bytes of the stream."""
-        raise NotImplementedError
-
-    def write_all(self, buf: bytes) -> None:
-        """Write ``buf`` to the stream, whole."""
-        raise NotImplementedError
-
-    def has_buffered_bytes(self) -> bool:
-        """Whether bytes already read from the stream wait to be consumed."""
-        raise NotImplementedError
-
-    def close_handle(self) -> None:
-        """Release the descriptor (``close()`` has already forgotten it)."""
-        raise NotImplementedError
-
-    def ensure_readable(self) -> None:
-        """Raise ``OSError`` as ``recv()`` would on a closed or write-only connection."""
-        self._check_closed()
-        self._check_readable()
-
-    def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
-        return self.read_frame(maxsize)
-
-    def _send_bytes(self, buf: bytes) -> None:
-        self.write_frame(buf)
-
-    def _recv(self, size: int, read: object = None) -> io.BytesIO:
-        return self.read_body(size)
-
-    def _send(self, buf: bytes, write: object = None) -> None:
-        self.write_all(buf)
-
-    def _poll(self, timeout: float) -> bool:
-        return self.has_buffered_bytes() or super()._poll(timeout)
-
-    def _close(self, _close: object = None) -> None:
-        self.close_handle()
-
-
-class ServedConnection(Protocol):
-    """What ``OwnerServer`` needs of a connection (``TimedConnection`` and ``start_serving``)."""
-
-    def recv(self) -> Any: ...
-
-    def send(self, obj: Any) -> None: ...
-
-    def start_serving(self) -> None:
-        """The handshake is over: requests follow."""
 
 
 class OwnerServer(Server):

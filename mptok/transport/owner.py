@@ -9,7 +9,7 @@ on threads of the serving frontend. It joins two parts:
   peer within a bound, then dispatches only the exposed ``encode``
   (``Server.serve_client``; none of the ``#GETVALUE``, ``__repr__``
   fallbacks, no ``create``, ``shutdown`` or ``debug_info``);
-* the listener, from ``mptok.transport.listener``: the socket file, the
+* the ``Listener``, from ``mptok.transport.listener``: the socket file, the
   accept loop, the connection cap and the time limits.
 
 The object served is ``_EncodeService``: ``encode`` and nothing else.
@@ -24,27 +24,19 @@ from typing import Any
 
 from mptok.core.counting import Counters, Histogram
 from mptok.core.protocol import PeerReply
-from mptok.transport.listener import OwnerAlreadyServing, ServerLimits, _Acceptor, _SocketFile
+from mptok.transport.listener import Listener, OwnerAlreadyServing, ServerLimits
 from mptok.transport.mp_private import InProcessManager, OwnerServer
-from mptok.transport.wire import ENCODE_TYPEID, pack_int32
+from mptok.transport.wire import ENCODE_TYPEID, int32_bytes
 
-__all__ = ["OwnerAlreadyServing", "PeerAnswer", "ServerLimits", "TokenizeManager", "answer_in_full", "serve_encode"]
+__all__ = ["OwnerAlreadyServing", "PeerAnswer", "ServerLimits", "TokenizeManager", "serve_encode"]
 
 logger = logging.getLogger(__name__)
 
 
 # What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
 # as ``mptok.routing.answer.answer_peer`` with its cache and tokenizer bound.
+# Its reply's ids may be a list or any int32 buffer (numpy, ``array('i')``).
 PeerAnswer = Callable[[str, "str | None", "int | None", int], "PeerReply | None"]
-
-
-def answer_in_full(encode: Callable[[str, str | None], list[int]]) -> PeerAnswer:
-    """A ``PeerAnswer`` for an ``encode(text, key) -> ids`` that keeps no versions."""
-
-    def answer(text: str, key: str | None, since: int | None, shared_chars: int) -> PeerReply | None:
-        return None if since is not None else PeerReply(0, 0, encode(text, key))
-
-    return answer
 
 
 class _EncodeService:
@@ -64,7 +56,7 @@ class _EncodeService:
         self.counters = Counters(("served", "served_since", "serve_errors"))
         # The owner's own work per answered call, without the transport:
         # beside the peers' mptok_route_seconds, what a crossing costs.
-        self.timings = {"serve_seconds": Histogram()}
+        self.serve_seconds = Histogram()
 
     def encode(
         self, text: object, key: object = None, since: object = None, shared_chars: object = 0
@@ -80,12 +72,12 @@ class _EncodeService:
         started = time.perf_counter()
         try:
             reply = self._answer(text, key, since, shared_chars)
-            packed = None if reply is None else (reply.version, reply.reused, pack_int32(reply.ids))
+            packed = None if reply is None else (reply.version, reply.reused, int32_bytes(reply.ids))
         except Exception as e:
             self.counters.add("serve_errors")
             logger.debug("could not tokenize a prompt for a peer: %r", e)
             return f"{type(e).__name__}: {e}"
-        self.timings["serve_seconds"].observe(time.perf_counter() - started)
+        self.serve_seconds.observe(time.perf_counter() - started)
         self.counters.add("served")
         if since is not None and packed is not None:
             self.counters.add("served_since")
@@ -111,44 +103,33 @@ class TokenizeManager(InProcessManager):
         super().__init__(address, authkey)
         self._limits = limits if limits is not None else ServerLimits()
         self._name = name
-        self._socket: _SocketFile | None = None
-        self._acceptor: _Acceptor | None = None
+        self._listener: Listener | None = None
 
     def _start_listening(self, server: OwnerServer) -> None:
-        self._socket = _SocketFile(self.address)
-        self._acceptor = _Acceptor(self._socket.sock, server.serve_peer, self._limits, self._name)
+        self._listener = Listener(self.address, server.serve_peer, self._limits, self._name)
 
     def _stop_listening(self, timeout_s: float | None) -> bool:
         """Returns whether every thread ended in time (default budget: ``limits.close_timeout_s``)."""
-        assert self._acceptor is not None and self._socket is not None
-        joined = self._acceptor.close(self._limits.close_timeout_s if timeout_s is None else timeout_s)
-        self._socket.close()
-        return joined
+        assert self._listener is not None
+        return self._listener.close(self._limits.close_timeout_s if timeout_s is None else timeout_s)
 
     def stats(self) -> dict[str, int]:
-        """Counters of the server and of the objects it serves that have them."""
-        stats: dict[str, int] = {}
+        """Counters of the server, its listener and the ``encode`` service."""
         server = self.server()
-        if server is None or self._acceptor is None:
-            return stats
-        stats.update(server.counters.snapshot())
-        stats.update(self._acceptor.counters.snapshot())
-        stats["active_connections"] = self._acceptor.active_connections()
-        for served in server.served_objects():
-            if isinstance(served, _EncodeService):
-                stats.update(served.counters.snapshot())
-        return stats
+        if server is None or self._listener is None:
+            return {}
+        return {**server.counters.snapshot(), **self._listener.stats(), **self._service(server).counters.snapshot()}
 
     def timings(self) -> dict[str, dict[str, Any]]:
-        """Histogram snapshots (``Histogram.snapshot()``) of the objects served that keep them."""
-        timings: dict[str, dict[str, Any]] = {}
+        """``serve_seconds``: the ``Histogram.snapshot()`` of the owner's own work per answered call."""
         server = self.server()
-        if server is None:
-            return timings
-        for served in server.served_objects():
-            if isinstance(served, _EncodeService):
-                timings.update((name, histogram.snapshot()) for name, histogram in served.timings.items())
-        return timings
+        return {} if server is None else {"serve_seconds": self._service(server).serve_seconds.snapshot()}
+
+    @staticmethod
+    def _service(server: OwnerServer) -> _EncodeService:
+        (service,) = server.served_objects()
+        assert isinstance(service, _EncodeService)
+        return service
 
 
 def serve_encode(

@@ -18,12 +18,15 @@ import weakref
 from array import array
 from collections.abc import Callable, Hashable
 from multiprocessing import AuthenticationError
+from typing import Any
 
 from mptok.core.ids import INT32
 from mptok.core.protocol import PeerReply
 from mptok.transport.mp_private import ACCEPT_CONNECTION, authenticate_to_owner
 from mptok.transport.wire import (
+    CLOSE_TIMEOUT_S,
     ENCODE_TYPEID,
+    MAX_MESSAGE_BYTES,
     MessageTooLarge,
     OwnerError,
     OwnerTimeout,
@@ -34,17 +37,13 @@ from mptok.transport.wire import (
     time_left,
 )
 
+# How long a call to an owner may take, unless its caller says otherwise: the
+# default of mptok serve's --route-timeout.
+CALL_TIMEOUT_S = 5.0
+
 
 class _StaleConnection(OwnerUnreachable):
     """A reused connection turned out dead: the owner restarted or closed it idle."""
-
-
-class _AbandonedCall(Exception):
-    """The caller's ``while_waiting`` raised ``reason``: the call was given up."""
-
-    def __init__(self, reason: BaseException):
-        super().__init__(reason)
-        self.reason = reason
 
 
 class _Once:
@@ -98,11 +97,15 @@ class EncodeProxy:
     same deadline. ``incarnation``, any hashable naming the owner process the
     caller expects, drops connections made to an owner since replaced.
 
-    ``encode`` raises ``OwnerTimeout``, ``OwnerUnreachable`` or ``OwnerError``
-    and nothing else, whatever the owner does.
+    ``encode_since`` raises ``OwnerTimeout``, ``OwnerUnreachable`` or
+    ``OwnerError`` (or what its ``while_waiting`` raised) and nothing else,
+    whatever the owner does. The ids of its reply are an ``array('i')``
+    built from the bytes received.
     """
 
-    def __init__(self, address: str, authkey: bytes, timeout_s: float = 5.0, *, max_reply_bytes: int = 1 << 28):
+    def __init__(
+        self, address: str, authkey: bytes, timeout_s: float = CALL_TIMEOUT_S, *, max_reply_bytes: int = MAX_MESSAGE_BYTES
+    ):
         if not isinstance(authkey, bytes) or not authkey:
             raise ValueError("authkey must be non-empty bytes")
         if not timeout_s > 0:
@@ -116,13 +119,6 @@ class EncodeProxy:
         # Weak: a thread's link goes (and its socket closes) with the thread.
         self._links: weakref.WeakSet[_Link] = weakref.WeakSet()
         self._closed = False
-
-    def encode(self, text: str, key: str | None = None, *, incarnation: Hashable = None) -> list[int]:
-        """The owner's ids for ``text`` (its cache extends conversation ``key``)."""
-        reply = self.encode_since(text, key, incarnation=incarnation)
-        if reply is None:
-            raise OwnerError(f"{self.address} asked for a version it was not given")
-        return list(reply.ids)
 
     def encode_since(
         self,
@@ -178,7 +174,7 @@ class EncodeProxy:
             link.abort()
         return links
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Close every thread's connection; calls in flight and later calls fail at once.
 
         Waits at most ``timeout_s`` in all for the calls in flight to let go
@@ -209,28 +205,26 @@ class EncodeProxy:
             conn = link.conn
             if conn is None:
                 raise _StaleConnection(f"connection to {self.address} was closed")
+            conn.deadline = deadline
+            self._step(link, conn.send, (ENCODE_TYPEID, "encode", args, {}))
             try:
-                conn.deadline = deadline
-                conn.send((ENCODE_TYPEID, "encode", args, {}))
-                self._wait_with(link, while_waiting)
-                kind, result = conn.recv()
-            except _AbandonedCall as e:
-                raise e.reason from None
-            except (pickle.UnpicklingError, ValueError, TypeError) as e:
-                # A whole message that is not a reply: the stream is intact.
-                raise OwnerError(f"{self.address} sent no reply: {e!r}") from e
-            except Exception as e:
-                link.close()
-                raise self._failure(e, "call", stale=_StaleConnection) from e
-        return _reply_from(self.address, kind, result)
+                while_waiting()
+            except BaseException:
+                link.close()  # the reply, if it comes, is never read
+                raise
+            reply = self._step(link, conn.recv)
+        return _reply_from(self.address, reply)
 
-    @staticmethod
-    def _wait_with(link: _Link, while_waiting: _Once) -> None:
+    def _step(self, link: _Link, step: Callable[..., Any], *args: Any) -> Any:
+        """``step(*args)`` on ``link``'s connection; a failure drops the connection unless the stream is intact."""
         try:
-            while_waiting()
-        except BaseException as e:
-            link.close()  # the reply, if it comes, is never read
-            raise _AbandonedCall(e) from e
+            return step(*args)
+        except (pickle.UnpicklingError, ValueError, TypeError) as e:
+            # A whole message that is not a reply: the stream is intact.
+            raise OwnerError(f"{self.address} sent no reply: {e!r}") from e
+        except Exception as e:
+            link.close()
+            raise self._failure(e, "call", stale=_StaleConnection) from e
 
     def _open(self, incarnation: Hashable, deadline: float) -> _Link:
         if self._closed:
@@ -279,7 +273,10 @@ class EncodeProxy:
         return OwnerUnreachable(f"{step} with {self.address} failed: {e!r}")
 
 
-def _reply_from(address: str, kind: object, result: object) -> PeerReply | None:
+def _reply_from(address: str, reply: object) -> PeerReply | None:
+    """The ``PeerReply`` an owner's ``('#RETURN', (version, reused, int32 bytes))`` carries, its ids
+    an ``array('i')`` of those bytes; None for ``('#RETURN', None)``; else ``OwnerError``."""
+    kind, result = reply if isinstance(reply, tuple) and len(reply) == 2 else (None, reply)
     if kind == "#RETURN" and result is None:
         return None
     if (
@@ -296,7 +293,7 @@ def _reply_from(address: str, kind: object, result: object) -> PeerReply | None:
             ids.frombytes(result[2])
         except ValueError as e:
             raise OwnerError(f"{address} sent {len(result[2])} bytes, not int32 ids") from e
-        return PeerReply(result[0], result[1], ids)  # kept int32: the asker holds them so
+        return PeerReply(result[0], result[1], ids)
     if kind == "#RETURN" and isinstance(result, str):
         raise OwnerError(f"{address} could not tokenize the prompt: {result}")
     raise OwnerError(f"{address} answered {kind!r}: {str(result)[:200]}")

@@ -3,32 +3,33 @@
 An owner (``mptok.transport.owner``) and its peers
 (``mptok.transport.proxy``) speak the ``multiprocessing.managers`` protocol
 over a Unix socket in the ipc directory. This module holds what both ends
-share: the socket's path, the errors a call can end in, and
-``TimedConnection``, the manager ``Connection`` redone so that every read
-and write ends by a deadline, messages are capped in size, and unpickling
+share: the socket's path, the errors a call can end in, the defaults both
+ends bound themselves with, and ``TimedConnection``, which speaks the
+framing of ``multiprocessing.connection.Connection`` (enough of its
+surface for the stdlib's authkey handshake and ``Server.serve_client``)
+with a deadline on every message, a cap on its size, and an unpickler that
 refuses globals, so a request cannot run code in the owner (nor a reply in
 the peer).
 
-Token ids cross as native int32 bytes (``pack_int32``): building a
-38k-element list costs as much as the rest of the call, so only the asking
-side builds one.
+Token ids cross as native int32 bytes (``int32_bytes``): building a
+38k-element list costs as much as the rest of the call, so neither end
+builds one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import pickle
 import socket
-import stat
 import struct
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mptok.core.ids import INT32
-from mptok.transport.mp_private import HookedConnection
 
 SOCKET_NAME = "tokenize-{}.sock"
 # The well-known ident under which an owner publishes its cache service, so a
@@ -36,6 +37,12 @@ SOCKET_NAME = "tokenize-{}.sock"
 ENCODE_TYPEID = "PrefixTokenCache"
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
 MAX_UNIX_PATH_BYTES = 107
+# The largest message either end reads: a 200k-token prompt and its ids are a
+# few MB; the cap only keeps a peer from making the other end allocate GBs.
+MAX_MESSAGE_BYTES = 1 << 28
+# How long closing an end (its connections, its serving threads) may wait.
+CLOSE_TIMEOUT_S = 5.0
+
 _SHORT_HEADER = struct.Struct("!i")
 _LONG_HEADER = struct.Struct("!iQ")
 _LENGTH_ONLY = struct.Struct("!Q")
@@ -49,71 +56,16 @@ _MAX_INBOX_BYTES = 1 << 20
 # A header alone never makes a buffer larger than this: a longer message's
 # buffer grows as its bytes arrive (at most the connection's message cap).
 _FIRST_READ_BYTES = 4 << 20
+# How a buffer of native int32 describes itself (numpy may spell the byte order).
+_NATIVE_INT32_FORMATS = frozenset({INT32, f"@{INT32}", f"={INT32}", f"{'<' if sys.byteorder == 'little' else '>'}{INT32}"})
+# A kernel timeout armed for a deadline is re-armed once it is this much older
+# than the time left: a read or write then ends at most this late.
+_REARM_AFTER_S = 0.01
 
 
 def socket_path(ipc_dir: str, frontend_id: int) -> str:
     """Where frontend ``frontend_id`` serves its cache."""
     return os.path.join(ipc_dir, SOCKET_NAME.format(frontend_id))
-
-
-def secure_ipc_dir(path: str) -> str:
-    """Create ``path`` (mode 0700) if missing and check that only this user can enter it.
-
-    With the authkey, the directory is what keeps other users away from the
-    sockets in it. Raises ``PermissionError`` if ``path`` is a symbolic link
-    (its target is whatever the link says today, not a directory this user
-    made), if another user owns it, or if group or others have any access to
-    it; ``NotADirectoryError`` if it is not a directory. The checks are made
-    on the opened directory itself, so a path swapped between the check and
-    the open cannot pass. Returns the absolute path.
-    """
-    path = os.path.abspath(path)
-    with contextlib.suppress(FileExistsError):
-        os.makedirs(path, mode=0o700)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if os.path.islink(path):
-            raise PermissionError(f"ipc dir {path} is a symbolic link; give mptok a real directory") from None
-        if e.errno == errno.ENOTDIR:
-            raise NotADirectoryError(f"ipc dir {path} is not a directory") from None
-        raise
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if st.st_uid != os.geteuid():
-        raise PermissionError(
-            f"ipc dir {path} belongs to uid {st.st_uid}, not to this process's uid "
-            f"{os.geteuid()}; give mptok a directory of its own"
-        )
-    if st.st_mode & 0o077:
-        raise PermissionError(
-            f"ipc dir {path} has mode {stat.S_IMODE(st.st_mode):04o}: group and others "
-            f"must have no access to it (chmod 700 {path})"
-        )
-    return path
-
-
-def open_private_file(path: str, flags: int) -> int:
-    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link.
-
-    Raises ``PermissionError`` if ``path`` is a symbolic link or anything but
-    a regular file of this user: in the private ipc dir only a bug or
-    another program of this user plants one, and following it would make
-    mptok write wherever it points.
-    """
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise PermissionError(f"{path} is a symbolic link; mptok refuses to follow it") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise PermissionError(f"{path} is not a regular file of uid {os.geteuid()}; mptok refuses to use it")
-    return fd
 
 
 class TransportError(Exception):
@@ -133,20 +85,37 @@ class OwnerError(TransportError):
 
 
 class MessageTooLarge(OSError):
-    """A message longer than the connection accepts; its body was left unread."""
-
-
-class BadFrame(OSError):
-    """A length header no sender of this protocol writes (a negative length, say)."""
+    """A message longer than the connection accepts; the connection was shut down unread."""
 
 
 def time_left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (None: no limit); ``TimeoutError`` once it has passed."""
     if deadline is None:
         return None
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("deadline passed")
     return left
+
+
+def left_or_zero(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def int32_bytes(ids: Sequence[int]) -> bytes:
+    """``ids`` as native int32 bytes, from a list or any 1-D int32 buffer (numpy, ``array('i')``).
+
+    A buffer is copied as it is, without a Python int per id; a list is
+    packed in one call (about 2.5x faster than ``array("i", ids)``, whose
+    constructor parses every element generically). Raises ``TypeError`` for
+    a buffer of anything but int32.
+    """
+    if isinstance(ids, list):
+        return struct.Struct(f"{len(ids)}{INT32}").pack(*ids)
+    with memoryview(ids) as view:  # type: ignore[arg-type]
+        if view.ndim != 1 or view.itemsize != 4 or view.format not in _NATIVE_INT32_FORMATS:
+            raise TypeError(f"ids must be int32, not a buffer of {view.format!r} x {view.ndim}-D")
+        return view.tobytes()
 
 
 class _NoGlobalsUnpickler(pickle.Unpickler):
@@ -161,21 +130,29 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load global {module}.{name}")
 
 
-class TimedConnection(HookedConnection):
-    """A manager ``Connection`` whose every read and write ends by ``deadline``.
+class TimedConnection:
+    """A manager connection on a Unix socket whose every message ends by ``deadline``.
 
-    The stock ``Connection`` blocks in ``os.read``/``os.write`` with no
-    timeout. This one keeps its socket blocking and, before each read or
-    write, sets the kernel's SO_RCVTIMEO/SO_SNDTIMEO to the time left before
-    ``deadline`` (None: no limit), so a message is bounded as a whole however
-    the peer trickles it, and a step past the deadline raises
-    ``TimeoutError``. ``recv()`` refuses messages longer than
-    ``max_message_bytes`` (``MessageTooLarge``), length headers that no
-    sender writes (``BadFrame``: a negative length would otherwise be read
-    as a message of bytes taken from the next one), and pickles that
-    reference globals (``pickle.UnpicklingError``). After either refusal the
-    stream is useless and the connection is shut down. No buffer larger
-    than ``_FIRST_READ_BYTES`` is allocated on the word of a header alone.
+    It frames messages as ``Connection`` does (a "!i" length, or -1 and a
+    "!Q" length) and has the part of its surface that the stdlib's
+    handshake and ``Server.serve_client`` use: ``send``/``recv`` (pickles),
+    ``send_bytes``/``recv_bytes``, ``close``. ``recv`` refuses messages
+    longer than ``max_message_bytes`` (``MessageTooLarge``), length headers
+    that no sender writes (``OSError``: a negative length would otherwise
+    be read as a message of bytes taken from the next one), and pickles
+    that reference globals (``pickle.UnpicklingError``). After a refused
+    frame the stream is useless and the connection is shut down. No buffer
+    larger than ``_FIRST_READ_BYTES`` is allocated on the word of a header
+    alone.
+
+    ``deadline`` (a ``time.monotonic()`` instant, None: no limit) bounds
+    every read and write: each message checks the time left, and the
+    kernel's SO_RCVTIMEO/SO_SNDTIMEO are set to it once per deadline (again
+    only for a message still in flight ``_REARM_AFTER_S`` later), so a call
+    costs one ``setsockopt`` per direction, however its messages are split,
+    and a peer that trickles a message still cannot hold it past the
+    deadline. Kernel timeouts rather than ``settimeout()``: a socket with a
+    Python timeout polls before every read and write.
 
     Every socket call releases the GIL, and in a process whose main thread
     runs Python it may take a switch interval or far longer to get it back
@@ -185,8 +162,6 @@ class TimedConnection(HookedConnection):
     message to message (grown to twice the largest message, up to
     ``_MAX_INBOX_BYTES``) that takes the length header and the body
     together; whatever is missing then comes in one ``MSG_WAITALL`` read.
-    Kernel timeouts rather than ``settimeout()`` for the same reason: a
-    socket with a Python timeout polls before every read and write.
     """
 
     def __init__(self, sock: socket.socket, max_message_bytes: int):
@@ -202,68 +177,61 @@ class TimedConnection(HookedConnection):
         self._inbox = bytearray(_INBOX_BYTES)
         self._start = self._end = 0
         self.deadline: float | None = None
-        super().__init__(sock.fileno())
+        # Per direction: the deadline its kernel timeout was set for, and when
+        # (a new socket has none: as if set for no deadline).
+        self._armed: dict[int, tuple[float | None, float]] = {socket.SO_RCVTIMEO: (None, 0.0), socket.SO_SNDTIMEO: (None, 0.0)}
+
+    def send(self, obj: Any) -> None:
+        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return _NoGlobalsUnpickler(io.BytesIO(self.recv_bytes())).load()
+
+    def send_bytes(self, buf: bytes) -> None:
+        n = len(buf)
+        header = _SHORT_HEADER.pack(n) if n <= 0x7FFFFFFF else _LONG_HEADER.pack(-1, n)
+        try:
+            self._arm(socket.SO_SNDTIMEO)
+            sent = self._sock.sendmsg([header, buf])
+            if sent < len(header) + n:  # the buffers were full: the rest as they drain
+                with memoryview(header + bytes(buf)) as whole:
+                    while sent < len(whole):
+                        self._arm(socket.SO_SNDTIMEO)
+                        sent += self._sock.send(whole[sent:])
+        except BlockingIOError as e:  # what SO_SNDTIMEO raises
+            raise TimeoutError("send timed out") from e
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
+        """The next message; ``MessageTooLarge`` (and the connection shut down) past ``maxlength``
+        (default: the connection's cap)."""
+        (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
+        if size == -1:
+            (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
+        elif size < 0:
+            self.shutdown()
+            raise OSError(f"length header {size}: not a message")
+        limit = self._max_message_bytes if maxlength is None else min(maxlength, self._max_message_bytes)
+        if size > limit:
+            self.shutdown()  # the body is still in the stream, which is therefore useless
+            raise MessageTooLarge(f"message of {size} bytes, longer than {limit}")
+        if size <= len(self._inbox):
+            return self._take(size)
+        return self._read_large(size)
+
+    def wait_for_message(self) -> None:
+        """Block until the next message's first byte has arrived."""
+        if self._end == self._start:
+            self._fill(1)
 
     def shutdown(self) -> None:
         """Wake any thread blocked on this connection; it then sees EOF."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
 
-    def recv(self) -> Any:
-        self.ensure_readable()
-        buf = self.read_frame(self._max_message_bytes)
-        if buf is None:
-            # The body is still in the stream, which is therefore useless.
-            self.shutdown()
-            raise MessageTooLarge(f"message longer than {self._max_message_bytes} bytes")
-        return _NoGlobalsUnpickler(buf).load()
+    def close(self) -> None:
+        self._sock.close()
 
-    # Connection's I/O primitives (through HookedConnection), redone on the
-    # socket with deadlines and the same framing: a "!i" length, or -1 and a
-    # "!Q" length.
-
-    def write_frame(self, buf: bytes) -> None:
-        n = len(buf)
-        header = _SHORT_HEADER.pack(n) if n <= 0x7FFFFFFF else _LONG_HEADER.pack(-1, n)
-        self._arm(socket.SO_SNDTIMEO)
-        try:
-            sent = self._sock.sendmsg([header, buf])
-        except BlockingIOError as e:
-            raise TimeoutError("send timed out") from e
-        if sent < len(header) + n:
-            self.write_all(memoryview(header + bytes(buf))[sent:])
-
-    def write_all(self, buf: bytes) -> None:
-        with memoryview(buf) as view:
-            while view:
-                self._arm(socket.SO_SNDTIMEO)
-                try:
-                    view = view[self._sock.send(view) :]
-                except BlockingIOError as e:
-                    raise TimeoutError("send timed out") from e
-
-    def has_buffered_bytes(self) -> bool:
-        return self._end > self._start
-
-    def read_frame(self, maxsize: int | None) -> io.BytesIO | None:
-        size = self.read_length()
-        if maxsize is not None and size > maxsize:
-            return None
-        return self.read_body(size)
-
-    def read_length(self) -> int:
-        """The next message's length, from its header."""
-        (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
-        if size == -1:
-            (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
-        elif size < 0:
-            self.shutdown()
-            raise BadFrame(f"length header {size}: not a message")
-        return size
-
-    def read_body(self, size: int) -> io.BytesIO:
-        if size <= len(self._inbox):
-            return io.BytesIO(self._take(size))
+    def _read_large(self, size: int) -> bytearray:
         # Larger than the inbox: what the inbox holds, then the rest in place,
         # in a buffer that grows only as the bytes arrive.
         data = bytearray(min(size, _FIRST_READ_BYTES))
@@ -278,12 +246,7 @@ class TimedConnection(HookedConnection):
             with memoryview(data) as view:
                 self._read_exactly(view[got:], got)
             got = len(data)
-        return io.BytesIO(data)
-
-    def wait_for_message(self) -> None:
-        """Block until the next message's first byte has arrived."""
-        if self._end == self._start:
-            self._fill(1)
+        return data
 
     def _take(self, size: int) -> bytes:
         """The next ``size`` bytes of the stream (``size`` <= the inbox)."""
@@ -304,7 +267,7 @@ class TimedConnection(HookedConnection):
             if held == 0:
                 # Blocks until the message starts, and takes as much of it as
                 # has arrived: often all of it.
-                self._end += self._read_some(view[held:], held)
+                self._end += self._read_some(view, 0)
             if self._end < size:
                 self._read_exactly(view[self._end : size], self._end)
                 self._end = size
@@ -313,7 +276,7 @@ class TimedConnection(HookedConnection):
         self._arm(socket.SO_RCVTIMEO)
         try:
             n = self._sock.recv_into(view, 0, flags)
-        except BlockingIOError as e:
+        except BlockingIOError as e:  # what SO_RCVTIMEO raises
             raise TimeoutError("receive timed out") from e
         if n == 0:
             if already == 0:
@@ -328,24 +291,16 @@ class TimedConnection(HookedConnection):
             got += self._read_some(view[got:], already + got, socket.MSG_WAITALL)
 
     def _arm(self, option: int) -> None:
+        """Check the deadline; set ``option`` to the time left unless it is set for this deadline already."""
         left = time_left(self.deadline)
+        now = time.monotonic()
+        armed_for, armed_at = self._armed[option]
+        if armed_for == self.deadline and (left is None or now - armed_at < _REARM_AFTER_S):
+            return
         if left is None:
             timeval = _TIMEVAL.pack(0, 0)  # no timeout
         else:
             seconds = int(left)
             timeval = _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6)))
         self._sock.setsockopt(socket.SOL_SOCKET, option, timeval)
-
-    def close_handle(self) -> None:
-        self._sock.close()
-
-
-def left_or_zero(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
-
-
-def pack_int32(ids: list[int]) -> bytes:
-    # About 2.5x faster than array("i", ids).tobytes(), whose constructor
-    # parses every element generically (0.26 vs 0.65 ms for 38k ids), and
-    # than struct.pack(fmt, *ids), which copies the arguments once more.
-    return struct.Struct(f"{len(ids)}{INT32}").pack(*ids)
+        self._armed[option] = (self.deadline, now)

@@ -1,4 +1,4 @@
-"""Real frontend processes for the routing and fault tests.
+"""Real frontend processes in one ipc dir, for the routing and fault tests.
 
 Each child (spawn context) runs ``TokenizationOwners`` over the real
 ``PrefixTokenCache`` and the embedded tokenizer, and obeys commands the test
@@ -21,22 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mptok_harness.checks import HANG_GUARD_S, expected_ids
+
 AUTHKEY = b"mptok-test-authkey"
-HANG_GUARD_S = 120.0
-
-
-def expected_ids(tokenizer: Any, text: str) -> list[int]:
-    """What every path must return: the tokenizer's own ids."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = HANG_GUARD_S) -> None:
-    """Poll ``predicate`` until it holds; fail (never hang) after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.005)
 
 
 def key_owned_by(owner: int, num_frontends: int, prefix: str, *, then: int | None = None) -> str:

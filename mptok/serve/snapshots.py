@@ -1,0 +1,72 @@
+"""Each process's counters as a JSON file in the ipc dir, so any frontend can show them all.
+
+Behind one SO_REUSEPORT port a scrape of ``/metrics`` reaches one frontend
+picked by the kernel, yet the operator needs the whole server. So each
+process writes a snapshot of its counters into the private ipc directory
+(atomically, every ``SNAPSHOT_INTERVAL_S`` and at exit), and the frontend
+that answers reads them all (``mptok.serve.metrics`` renders them). The
+supervisor writes one too, named ``SUPERVISOR_SNAPSHOT``. Why files and
+not ``prometheus_client``'s multiprocess mode: docs/SERVE.md ("Why
+snapshot files", measured by ``scripts/bench_metrics.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_INTERVAL_S = 0.5
+SUPERVISOR_SNAPSHOT = "supervisor"
+_SNAPSHOT_PREFIX = "metrics-"
+_SNAPSHOT_SUFFIX = ".json"
+
+
+class SnapshotDir:
+    """The snapshots in one ipc directory: written atomically, read all at once.
+
+    A frontend's snapshot is named by its frontend id, the supervisor's
+    ``SUPERVISOR_SNAPSHOT``.
+    """
+
+    def __init__(self, ipc_dir: str):
+        self._dir = ipc_dir
+
+    def write(self, name: str | int, data: Mapping[str, Any]) -> None:
+        """Replace snapshot ``name`` atomically (readers see the old or the new one, whole)."""
+        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-metrics-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(orjson.dumps(data))
+            os.replace(tmp, os.path.join(self._dir, f"{_SNAPSHOT_PREFIX}{name}{_SNAPSHOT_SUFFIX}"))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def read_all(self) -> dict[str, dict[str, Any]]:
+        """Every snapshot by name; one that vanishes or is unreadable is left out, with a warning."""
+        snapshots = {}
+        try:
+            names = os.listdir(self._dir)
+        except FileNotFoundError:
+            return {}
+        for filename in sorted(names):
+            if not (filename.startswith(_SNAPSHOT_PREFIX) and filename.endswith(_SNAPSHOT_SUFFIX)):
+                continue
+            name = filename[len(_SNAPSHOT_PREFIX) : -len(_SNAPSHOT_SUFFIX)]
+            try:
+                with open(os.path.join(self._dir, filename), "rb") as f:
+                    snapshots[name] = orjson.loads(f.read())
+            except FileNotFoundError:
+                continue
+            except (OSError, orjson.JSONDecodeError) as e:
+                logger.warning("unreadable metrics snapshot %s: %s", filename, e)
+        return snapshots
