@@ -406,6 +406,8 @@ def _non_default_words(declared: Option, default: object) -> list[str]:
         return [declared.flag]
     if declared.many:
         return [declared.flag, "a", "b"]
+    if declared.choices:
+        return [declared.flag, next(choice for choice in declared.choices if choice != default)]
     if isinstance(default, (int, float)):
         return [declared.flag, str(default + 1)]
     return [declared.flag, "7"]  # a str, or an int whose default is None

@@ -19,6 +19,15 @@ segment (the text between two added tokens): the legacy SentencePiece
 ``add_prefix_space``. A tail cut from the middle of a segment must not get
 that prefix, so the continuation tokenizer has them switched off, and only
 the tail's first segment is tokenized with it.
+
+Full tokenizations (misses, and the tails of splices at a segment start) may
+go through a faster engine, fastokens or gigatoken, loaded from the same
+specification (``mptok.cache.fast_backends``): when the backend is built,
+each engine that loads is checked id for id against the Rust tokenizer on an
+adversarial corpus and timed in CPU time, and the cheapest exact one is used
+(``choice="auto"``), or the one ``CacheConfig.tokenizer_backend`` names if it
+passes the check. Sampled results are re-checked in the background and one
+difference switches the backend back to the Rust tokenizer for good.
 """
 
 from __future__ import annotations
@@ -36,6 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Encoding, Tokenizer
+
+from mptok.cache import fast_backends
+from mptok.cache.config import CacheConfig
+from mptok.cache.fast_backends import CHOICES, ENGINES, FIRST_CHECKS, VERIFIER, EngineUnavailable, IdsEngine
+from mptok.cache.segments import SegmentOpeners
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +69,7 @@ class TokenizerRefused(Exception):
     """
 
 
-def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
+def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, backend: str | None = None) -> Any:
     """Load a transformers fast tokenizer, offline, ready for the cache.
 
     ``None`` gives the embedded default: the 128k byte-level BPE tokenizer.json
@@ -64,13 +78,14 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
     of a ``tokenizer.json`` file, loads that tokenizer. Anything else raises
     ``ValueError``: there is no model hub to download from.
 
-    It also builds the cache's private copy of the tokenizer (``backend_for``),
-    which takes about 1.5 s for the embedded tokenizer, so that the first
-    ``encode`` does not pay for it.
+    It also builds the cache's private copy of the tokenizer (``backend_for``
+    with ``backend``, default ``MPTOK_CACHE_TOKENIZER_BACKEND`` else "auto"),
+    which takes a few seconds for the embedded tokenizer with the fast
+    engines' start-up check, so that the first ``encode`` does not pay for it.
     """
     tokenizer = _load(name_or_path)
     try:
-        backend_for(tokenizer)
+        backend_for(tokenizer, backend or default_choice())
     except SlowTokenizerError:
         pass  # the cache says so, once, when it is first asked to encode
     return tokenizer
@@ -134,41 +149,89 @@ def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
     raise SlowTokenizerError(f"{type(tokenizer).__name__} is a slow tokenizer, with no Rust backend")
 
 
-# Backends kept per process, one per distinct tokenizer object. Building one
-# copies the Rust tokenizer through JSON: ~0.5 s for a 128k vocabulary, ~3 s
-# for Qwen's 248k. Every cache in the process shares them.
+# Backends kept per process, one per distinct tokenizer object and backend
+# choice. Building one copies the Rust tokenizer through JSON (~0.5 s for a
+# 128k vocabulary, ~3 s for Qwen's 248k) and checks the fast engines (about
+# as long again). Every cache in the process shares them.
 MAX_BACKENDS = 8
-_backends: OrderedDict[int, tuple[Any, TokenizerBackend | SlowTokenizerError]] = OrderedDict()
+_backends: OrderedDict[tuple[int, str], tuple[Any, TokenizerBackend | SlowTokenizerError]] = OrderedDict()
 _backends_lock = threading.Lock()
 
+# One background re-check of a fast engine's results per this many results.
+DEFAULT_CHECK_EVERY = 256
 
-def backend_for(tokenizer: Any) -> TokenizerBackend:
-    """The process-wide ``TokenizerBackend`` of ``tokenizer``, built on first use.
+
+def default_choice() -> str:
+    """``MPTOK_CACHE_TOKENIZER_BACKEND`` if set to one of ``CHOICES``, else "auto"."""
+    try:
+        return CacheConfig().tokenizer_backend
+    except ValueError:
+        return "auto"  # the cache says so when it is made with that value
+
+
+def backend_for(tokenizer: Any, choice: str = "auto") -> TokenizerBackend:
+    """The process-wide ``TokenizerBackend`` of ``tokenizer`` and ``choice``
+    (one of ``CHOICES``), built on first use.
 
     Holds ``tokenizer`` (so its id cannot be reused) until ``MAX_BACKENDS``
-    newer tokenizers have been seen. Raises ``SlowTokenizerError``.
+    newer ones have been built. Raises ``SlowTokenizerError``.
     """
+    if choice not in CHOICES:
+        raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
+    slot = (id(tokenizer), choice)
     with _backends_lock:
-        known = _backends.get(id(tokenizer))
+        known = _backends.get(slot)
         if known is not None and known[0] is tokenizer:
-            _backends.move_to_end(id(tokenizer))
+            _backends.move_to_end(slot)
             if isinstance(known[1], SlowTokenizerError):
                 raise known[1]
             return known[1]
     try:
-        backend: TokenizerBackend | SlowTokenizerError = TokenizerBackend(tokenizer)  # slow: unlocked
+        backend: TokenizerBackend | SlowTokenizerError = TokenizerBackend(tokenizer, choice)  # slow: unlocked
     except SlowTokenizerError as e:
         backend = e
     except Exception as e:
         # Remembered, so that the next call does not pay for the attempt again.
         backend = SlowTokenizerError(f"cannot copy {type(tokenizer).__name__}'s Rust tokenizer: {e!r}")
     with _backends_lock:
-        _backends[id(tokenizer)] = (tokenizer, backend)
+        _backends[slot] = (tokenizer, backend)
         while len(_backends) > MAX_BACKENDS:
             _backends.popitem(last=False)
     if isinstance(backend, SlowTokenizerError):
         raise backend
     return backend
+
+
+class _BackendCounters:
+    """Process-wide counts of the fast engines' background checks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("backend_checks", "backend_checks_dropped", "backend_mismatches"), 0)
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+_counters = _BackendCounters()
+
+
+def backend_stats() -> dict[str, int]:
+    """How many of the process's backends use each engine now
+    (``backend_tokenizers``, ``backend_fastokens``, ``backend_gigatoken``) and
+    the background checks of fast results since start (``backend_checks``,
+    ``backend_checks_dropped``, ``backend_mismatches``)."""
+    with _backends_lock:
+        live = [b for _, b in _backends.values() if isinstance(b, TokenizerBackend)]
+    counts = {f"backend_{name}": 0 for name in ("tokenizers",) + ENGINES}
+    for backend in live:
+        counts[f"backend_{backend.engine_name}"] += 1
+    return dict(counts, **_counters.snapshot())
 
 
 @dataclass(frozen=True)
@@ -189,14 +252,32 @@ class TokenSpans:
 class TokenizerBackend:
     """Full and continuation encodings of one caller's tokenizer.
 
-    Thread-safe: it only calls ``tokenizers.Tokenizer.encode``. Exceptions
-    from the Rust tokenizer (for instance on lone surrogates) propagate as
-    they are.
+    Thread-safe: it only calls ``tokenizers.Tokenizer.encode`` and the fast
+    engine's encode. Exceptions from the Rust tokenizer (for instance on lone
+    surrogates) propagate as they are.
+
+    ``choice`` is one of ``CHOICES``: "auto" uses the cheapest engine (in CPU
+    time) that passes the start-up check, "tokenizers" never a fast one, and
+    an engine's name that engine if it loads and passes the check (else the
+    Rust tokenizer, with a WARNING). ``engine`` hands over an engine the
+    caller vouches for instead: it skips the start-up check (tests and tools
+    use it to build a real mismatch), never the background checks.
+    ``check_every``: one result in this many (after the first
+    ``FIRST_CHECKS``) is re-checked in the background.
     """
 
     _serials = itertools.count()
 
-    def __init__(self, tokenizer: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        choice: str = "auto",
+        *,
+        engine: IdsEngine | None = None,
+        check_every: int = DEFAULT_CHECK_EVERY,
+    ):
+        if choice not in CHOICES:
+            raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
         # Never reused, unlike id(): caches key their entries by it.
         self.serial = next(self._serials)
         rust = rust_tokenizer_of(tokenizer)
@@ -216,6 +297,130 @@ class TokenizerBackend:
         self._opens_word, self._closes_word = _space_marker_ids(spec, self._full)
         self._full_normalizer = self._full.normalizer
         self._continuation_normalizer = (self._continuation or self._full).normalizer
+        self.segment_openers = SegmentOpeners(
+            rust.get_added_tokens_decoder(), has_normalizer=_has_normalizer(spec), split_special=split_special
+        )
+        self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        self._check_every = max(1, check_every)
+        self._results = itertools.count()
+        self._engine: IdsEngine | None = None
+        self.choice_report = "forced" if engine is not None else ""
+        if engine is not None:
+            self._engine = engine
+        elif choice != "tokenizers":
+            self._engine, self.choice_report = self._choose_engine(json.dumps(spec), split_special, choice)
+        logger.info("tokenizer backend for %s: %s (%s)", self.name, self.engine_name, self.choice_report or choice)
+
+    # -- the fast engine ---------------------------------------------------------
+
+    @property
+    def engine_name(self) -> str:
+        """"tokenizers", or the fast engine's name while it is trusted."""
+        engine = self._engine
+        return "tokenizers" if engine is None else engine.name
+
+    @property
+    def fast(self) -> bool:
+        """Whether full tokenizations go through a fast engine (ids only)."""
+        return self._engine is not None
+
+    def encode_ids(self, text: str) -> list[int]:
+        """Full tokenization's ids by the cheapest exact engine, a new list.
+
+        Raises ``TokenizerRefused`` for text the Rust tokenizer rejects; text
+        a fast engine rejects goes to the Rust tokenizer.
+        """
+        engine = self._engine
+        if engine is not None:
+            try:
+                ids = engine.encode_ids(text)
+            except Exception:
+                return self.encode(text).ids
+            self.spot_check(text, ids)
+            return ids
+        return self.encode(text).ids
+
+    def spot_check(self, text: str, ids: Any) -> None:
+        """Queue a background check of ``ids`` (a list or ``IdPieces``) for
+        ``text`` if this result is sampled; only fast results are checked."""
+        if self._engine is None:
+            return
+        n = next(self._results)
+        if n >= FIRST_CHECKS and n % self._check_every:
+            return
+        if VERIFIER.submit(self, text, ids):
+            _counters.add("backend_checks")
+        else:
+            _counters.add("backend_checks_dropped")
+
+    def verify(self, text: str, ids: Any) -> None:
+        """Compare ``ids`` with the Rust tokenizer's; on a difference switch
+        to the Rust tokenizer for good, with a WARNING."""
+        engine = self._engine
+        if engine is None:
+            return
+        got = ids.to_list() if hasattr(ids, "to_list") else list(ids)
+        try:
+            expected = self.encode(text).ids
+        except TokenizerRefused:
+            return
+        if got == expected:
+            return
+        self._engine = None
+        _counters.add("backend_mismatches")
+        logger.warning(
+            "tokenizer backend %s gave ids different from tokenizers for %s on a %d-character text "
+            "(first difference at id %d); using tokenizers for it from now on",
+            engine.name,
+            self.name,
+            len(text),
+            next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))),
+        )
+
+    def _choose_engine(self, spec_json: str, split_special: bool, choice: str) -> tuple[IdsEngine | None, str]:
+        names = ENGINES if choice == "auto" else (choice,)
+        texts = fast_backends.self_check_texts(self._added_contents())
+        expected: dict[str, list[int] | None] = {}
+
+        def reference(text: str) -> list[int] | None:
+            if text not in expected:
+                try:
+                    expected[text] = self.encode(text).ids
+                except TokenizerRefused:
+                    expected[text] = None
+            return expected[text]
+
+        timing = fast_backends.timing_texts(texts[-1])
+        notes = []
+        candidates: list[tuple[float, IdsEngine]] = []
+        for name in names:
+            try:
+                engine = fast_backends.load_engine(name, spec_json, split_special)
+            except EngineUnavailable as e:
+                notes.append(f"{name}: {e}")
+                continue
+            difference = fast_backends.first_difference(engine, reference, texts)
+            if difference is not None:
+                notes.append(f"{name}: {difference}")
+                continue
+            cost = fast_backends.cost_of(engine.encode_ids, timing)
+            notes.append(f"{name}: {cost.cpu_seconds * 1e3:.2f} ms CPU")
+            candidates.append((cost.cpu_seconds, engine))
+        if choice != "auto" and not candidates:
+            logger.warning("tokenizer backend %s refused for %s (%s); using tokenizers", choice, self.name, notes[0])
+        if not candidates:
+            return None, "; ".join(notes)
+        # `tokenizers` is linear in the text and ~30x slower: timed on a tenth.
+        tenth = fast_backends.cost_of(lambda t: self.encode(t).ids, [t[: len(t) // 10] for t in timing])
+        reference_cost = fast_backends.Cost(tenth.cpu_seconds * 10, tenth.wall_seconds * 10)
+        notes.append(f"tokenizers: {reference_cost.cpu_seconds * 1e3:.2f} ms CPU")
+        cpu, engine = min(candidates, key=lambda c: c[0])
+        if choice == "auto" and cpu >= reference_cost.cpu_seconds:
+            return None, "; ".join(notes)
+        return engine, f"{len(timing[0])} characters: " + "; ".join(notes)
+
+    def _added_contents(self) -> list[str]:
+        return [t.content for t in self._full.get_added_tokens_decoder().values()]
 
     def encode(self, text: str) -> Encoding:
         """Full tokenization of ``text`` (what the caller's tokenizer returns).
@@ -341,6 +546,13 @@ def _space_marker_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[froze
     opens = frozenset(i for piece, i in vocab.items() if piece.startswith(marker))
     closes = frozenset(i for piece, i in vocab.items() if piece.endswith(marker))
     return opens, closes
+
+
+def _has_normalizer(spec: dict[str, Any]) -> bool:
+    normalizer = spec.get("normalizer")
+    return normalizer is not None and not (
+        normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")
+    )
 
 
 def _build(spec: dict[str, Any], split_special: bool) -> Tokenizer:

@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mptok.cache.fast_backends import CHOICES
+
 ENV_PREFIX = "MPTOK_CACHE_"
 
 # Longest conversation id, in UTF-8 bytes. Ids are kept whole as cache keys
@@ -79,6 +81,11 @@ class CacheConfig:
         kept one before that window is tokenized in full.
     max_seam_attempts: how many candidate seams are re-tokenized and checked
         before the prompt is tokenized in full.
+    tokenizer_backend: what tokenizes prompts in full: "auto" (the cheapest
+        of fastokens, gigatoken and `tokenizers` that gives identical ids on
+        the start-up check), "tokenizers", "fastokens" or "gigatoken"
+        (``mptok.cache.fast_backends``); default ``MPTOK_CACHE_TOKENIZER_BACKEND``,
+        else "auto".
     """
 
     max_entries: int = 1024
@@ -88,6 +95,10 @@ class CacheConfig:
     min_chars: int = 256
     seam_window_tokens: int = 4096
     max_seam_attempts: int = 4
+    # MPTOK_CACHE_TOKENIZER_BACKEND, else "auto" (load_tokenizer builds that one).
+    tokenizer_backend: str = dataclasses.field(
+        default_factory=lambda: os.environ.get(ENV_PREFIX + "TOKENIZER_BACKEND", "").strip() or "auto"
+    )
 
     def __post_init__(self) -> None:
         lower_bounds = {
@@ -99,6 +110,10 @@ class CacheConfig:
             "seam_window_tokens": 16,
             "max_seam_attempts": 1,
         }
+        if self.tokenizer_backend not in CHOICES:
+            raise ValueError(
+                f"CacheConfig.tokenizer_backend must be one of {', '.join(CHOICES)}, got {self.tokenizer_backend!r}"
+            )
         for name, lowest in lower_bounds.items():
             value = getattr(self, name)
             if value is None and name == "max_cached_chars":
@@ -133,7 +148,9 @@ class CacheConfig:
             if raw is None or raw.strip() == "":
                 continue
             try:
-                if field.name.endswith("_bytes"):
+                if field.name == "tokenizer_backend":
+                    values[field.name] = raw.strip()
+                elif field.name.endswith("_bytes"):
                     values[field.name] = parse_bytes(raw)
                 else:
                     values[field.name] = int(raw.strip().replace("_", ""))

@@ -31,7 +31,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for
+from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
 from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt
@@ -219,7 +219,7 @@ class PrefixTokenCache:
         if fingerprint is None:
             return None
         try:
-            backend = backend_for(tokenizer)
+            backend = backend_for(tokenizer, self.config.tokenizer_backend)
         except SlowTokenizerError:
             return None
         with self._lock:
@@ -251,10 +251,14 @@ class PrefixTokenCache:
         ``CacheConfig.max_bytes``), never more than ``max_bytes``.
         ``allocation_failures`` counts ``MemoryError``s while caching: each
         emptied the cache, and the prompt was tokenized in full.
+        ``backend_*``: the process's tokenizer backends by engine and the
+        background checks of fast engines (``mptok.cache.backend.backend_stats``).
         """
+        backends = backend_stats()
         with self._lock:
             return dict(
                 self._counters.snapshot(),
+                **backends,
                 entries=len(self._entries),
                 cached_chars=self._cached_chars,
                 cached_bytes=self._cached_bytes,
@@ -285,7 +289,7 @@ class PrefixTokenCache:
         ``extending`` names, if given) and kept unless ``keep`` is false, or
         its ids if it cannot be kept."""
         try:
-            backend = backend_for(tokenizer)
+            backend = backend_for(tokenizer, self.config.tokenizer_backend)
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
@@ -456,7 +460,7 @@ class PrefixTokenCache:
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
         try:
-            return backend.encode(text).ids
+            return backend.encode_ids(text)
         except TokenizerRefused:
             return _call_tokenizer(tokenizer, text)
 

@@ -25,6 +25,21 @@ the cached tokenization agree on a boundary inside the shared prefix they
 agree on everything after it; check 4 establishes such a boundary and that
 the missing left context changed nothing up to it. A prompt with no seam
 that passes is tokenized in full.
+
+A backend with a fast engine gives ids only, and reading pre-token
+boundaries from the Rust tokenizer costs about what tokenizing the tail with
+it does, which is about what the fast engine takes for the whole prompt. So
+with a fast engine the cache keeps no offsets and splices only where no
+offsets are needed: at an added token that opens a segment in both prompts
+(``mptok.cache.segments``). The seam ``s`` passes when the kept prompt's
+text from ``s`` on, tokenized whole, gives exactly the kept prompt's last
+ids and begins with an added token: then the kept tokenization matched an
+added token at ``s`` (the ids tile the same text from the end), the new
+prompt matches it there too (``s`` plus the longest added token lies inside
+the shared prefix), and every segment before ``s`` is the same text in both.
+The new ids are the kept ones before ``s`` and ``text[s:]`` tokenized whole.
+A splice that would re-tokenize more than half the prompt is not tried: a
+full tokenization costs less.
 """
 
 from __future__ import annotations
@@ -66,7 +81,10 @@ class CachedPrompt:
 
 
 def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) -> CachedPrompt:
-    """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens."""
+    """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens
+    (none with a fast engine: its splices need no offsets)."""
+    if backend.fast:
+        return _without_window(text, IdPieces.of(backend.encode_ids(text)))
     encoding = backend.encode(text)
     ids = encoding.ids
     first = max(0, len(ids) - window_tokens)
@@ -101,6 +119,8 @@ def extend_prompt(
     """
     if shared == len(text) == len(cached.text):
         return cached
+    if backend.fast:
+        return _extend_at_segment(backend, cached, text, shared, max_attempts)
     # Local indices (into the window) of pre-token starts before `shared`,
     # nearest first. The two nearest may change with the new text.
     before_shared = bisect.bisect_left(cached.starts, shared)
@@ -190,3 +210,32 @@ def _splice(
     return CachedPrompt(
         text, ids, cached.window_first + surplus, starts, ends, word_starts[surplus:]
     )
+
+
+def _without_window(text: str, ids: IdPieces) -> CachedPrompt:
+    offsets = _offset_type(text)
+    return CachedPrompt(text, ids, ids.length, array(offsets), array(offsets), b"")
+
+
+def _extend_at_segment(
+    backend: TokenizerBackend, cached: CachedPrompt, text: str, shared: int, max_attempts: int
+) -> CachedPrompt | None:
+    """Splice at the nearest segment opener that proves itself (module docstring)."""
+    openers = backend.segment_openers
+    kept = cached.ids.length
+    # Re-tokenizing len(cached.text) - s plus len(text) - s characters must
+    # stay within half the prompt.
+    lowest = max(0, (len(cached.text) + len(text) - len(text) // 2 + 1) // 2)
+    for attempt, seam in enumerate(openers.starts_before(cached.text, shared, lowest)):
+        if attempt >= max_attempts:
+            return None
+        old_tail = backend.encode_ids(cached.text[seam:])
+        first = kept - len(old_tail)
+        if not old_tail or first < 0 or old_tail[0] not in openers.ids:
+            continue
+        if cached.ids.slice(first, kept) != old_tail:
+            continue
+        ids = cached.ids.spliced(first, backend.encode_ids(text[seam:]))
+        backend.spot_check(text, ids)
+        return _without_window(text, ids)
+    return None

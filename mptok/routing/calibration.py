@@ -22,11 +22,12 @@ CALIBRATION_CHARS = 20_000
 _LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
 
 
-def build_backend(tokenizer: Any) -> TokenizerBackend | None:
+def build_backend(tokenizer: Any, choice: str) -> TokenizerBackend | None:
     """Build (and run once) the tokenizer backend an owner answers its peers
-    with; None for a slow tokenizer, which the cache does not serve."""
+    with (the cache's ``choice`` of engine); None for a slow tokenizer, which
+    the cache does not serve."""
     try:
-        backend = backend_for(tokenizer)
+        backend = backend_for(tokenizer, choice)
     except SlowTokenizerError:
         return None
     backend.encode("warm up")
@@ -34,7 +35,8 @@ def build_backend(tokenizer: Any) -> TokenizerBackend | None:
 
 
 def seconds_per_char(backend: TokenizerBackend) -> float:
-    """What tokenizing one character of made-up words costs ``backend`` here."""
+    """What tokenizing one character of made-up words in full costs ``backend``
+    here, with the engine its full tokenizations use (a fast one, if trusted)."""
     rng = random.Random(os.urandom(8))  # words the backend has not cached yet
     words, chars = [], 0
     while chars < CALIBRATION_CHARS:
@@ -43,5 +45,5 @@ def seconds_per_char(backend: TokenizerBackend) -> float:
         chars += len(word) + 1
     sample = " ".join(words)
     started = time.perf_counter()
-    backend.encode(sample)
+    backend.encode_ids(sample)
     return (time.perf_counter() - started) / len(sample)

@@ -187,7 +187,7 @@ class TokenizationOwners:
         # Peers may call as soon as the socket listens; an owner whose
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
-        backend = build_backend(tokenizer)
+        backend = build_backend(tokenizer, cache.config.tokenizer_backend)
         # Calibration is for asking peers: a lone frontend never does.
         here_s_per_char = seconds_per_char(backend) if num_frontends > 1 and backend is not None else None
         self._patience_per_char_s = (

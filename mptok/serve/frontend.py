@@ -276,11 +276,12 @@ class Frontend:
         self._stop_deadline: float | None = None
         self._stack = contextlib.ExitStack()
         try:
-            tokenizer = load_tokenizer(options.tokenizer)
+            cache_config = CacheConfig.from_env(**options.arguments_for(Use.CACHE))
+            tokenizer = load_tokenizer(options.tokenizer, backend=cache_config.tokenizer_backend)
             template = ChatTemplate.for_tokenizer(tokenizer, settings.chat_template)
             # load_tokenizer has built the cache's tokenizer copy, and
             # TokenizationOwners runs it once before peers can see this owner.
-            cache = PrefixTokenCache(CacheConfig.from_env(**options.arguments_for(Use.CACHE)))
+            cache = PrefixTokenCache(cache_config)
             self.socket = self._stack.enter_context(tcp_socket(options.host, options.port, reuse_port=True))
             self.owners = self._stack.enter_context(
                 TokenizationOwners(

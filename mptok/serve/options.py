@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.cache.config import parse_bytes
+from mptok.cache.fast_backends import CHOICES
 from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S
 from mptok.transport import CALL_TIMEOUT_S
 
@@ -103,6 +104,7 @@ class Option:
     makes a flag without a value (the field's default is False). ``many``
     takes one or more words (a tuple). ``argument`` is the keyword the
     component of ``use`` takes it as (default: the field's name).
+    ``choices``, if any, are the only words accepted.
     """
 
     flag: str
@@ -112,6 +114,7 @@ class Option:
     use: Use
     argument: str | None = None
     many: bool = False
+    choices: tuple[str, ...] = ()
 
 
 def option(
@@ -125,9 +128,10 @@ def option(
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     argument: str | None = None,
     many: bool = False,
+    choices: tuple[str, ...] = (),
 ) -> Any:
     """A ``ServeOptions`` field that is a command-line option (see ``Option``)."""
-    declared = Option(flag, parse, metavar, help, use, argument, many)
+    declared = Option(flag, parse, metavar, help, use, argument, many, choices)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"option": declared})
 
 
@@ -170,6 +174,14 @@ class ServeOptions:
         "memory each frontend's prefix cache may hold for its conversations (text, ids, offsets, "
         "versions, keys), e.g. 512M or 2G; default: MPTOK_CACHE_MAX_BYTES, else 512MiB",
         use=Use.CACHE, argument="max_bytes", default=None,
+    )
+    # None: CacheConfig's (MPTOK_CACHE_TOKENIZER_BACKEND, else "auto").
+    tokenizer_backend: str | None = option(
+        "--tokenizer-backend", str, "NAME",
+        "what tokenizes prompts in full: auto (the cheapest of fastokens, gigatoken and tokenizers that gives "
+        "identical ids on a start-up check), tokenizers, fastokens or gigatoken; default: "
+        "MPTOK_CACHE_TOKENIZER_BACKEND, else auto",
+        use=Use.CACHE, default=None, choices=CHOICES,
     )
     threads: int = option("--threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)", use=Use.SERVICE, default=4)
     affinity_chars: int = option(
@@ -305,6 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=declared.parse,
             metavar=declared.metavar,
             nargs="+" if declared.many else None,
+            choices=declared.choices or None,
             default=default,
             help=declared.help,
         )

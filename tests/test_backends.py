@@ -1,0 +1,199 @@
+"""The fast tokenizer backends: which one is chosen, forcing it, refusing
+layouts an engine cannot load, the start-up check, and the background check
+switching a tokenizer back to `tokenizers` on a real difference."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import threading
+
+import pytest
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from mptok import CacheConfig, PrefixTokenCache
+from mptok.cache import fast_backends
+from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
+from mptok.cache.fast_backends import ENGINES, SampledVerifier, load_engine, self_check_texts
+from mptok_harness.conversations import adversarial_delta, chat_turns
+from mptok_harness.families import CHAT_MARKERS, load_family
+from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
+
+
+def reference_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def spec_json(tokenizer: Tokenizer) -> str:
+    spec = json.loads(tokenizer.to_str())
+    spec["post_processor"] = None
+    return json.dumps(spec)
+
+
+def test_auto_picks_a_fast_engine_for_byte_level_bpe():
+    backend = backend_for(load_family("deepseek"), "auto")
+    assert backend.fast and backend.engine_name in ENGINES
+    assert backend_stats()[f"backend_{backend.engine_name}"] >= 1
+
+
+def test_forcing_tokenizers_uses_no_fast_engine():
+    tokenizer = load_family("deepseek")
+    backend = backend_for(tokenizer, "tokenizers")
+    assert not backend.fast and backend.engine_name == "tokenizers"
+    cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="tokenizers"))
+    text = "hello world, " * 40
+    assert cache.encode(tokenizer, text, key="k") == reference_ids(tokenizer, text)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_forcing_an_engine_uses_it(engine):
+    tokenizer = load_family("deepseek")
+    backend = backend_for(tokenizer, engine)
+    assert backend.engine_name == engine
+    text = "def f(x):\n    return x  # \u00e9\u0301 \U0001f600 \u6211\u4eec\n" * 30
+    assert backend.encode_ids(text) == reference_ids(tokenizer, text)
+
+
+@pytest.mark.parametrize(
+    ("family", "engine"),
+    [("wordpiece", "fastokens"), ("wordpiece", "gigatoken"), ("metaspace_first", "fastokens"), ("metaspace_first", "gigatoken")],
+)
+def test_an_engine_that_cannot_load_the_layout_falls_back_to_tokenizers(family, engine, caplog):
+    tokenizer = load_family(family)
+    with caplog.at_level(logging.WARNING, logger="mptok.cache.backend"):
+        backend = TokenizerBackend(tokenizer, engine)
+    assert not backend.fast
+    assert any(f"{engine} refused" in r.getMessage() for r in caplog.records)
+    start, end = CHAT_MARKERS[family]
+    cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend=engine))
+    text = ""
+    for _ in range(6):
+        text += adversarial_delta(random.Random(5), (start, end), pieces=20)
+        assert cache.encode(tokenizer, text, key="k") == reference_ids(tokenizer, text)
+
+
+def test_start_up_check_catches_an_engine_loaded_from_another_tokenizer():
+    caller, other = load_family("deepseek"), load_family("qwen")
+    engine = load_engine("fastokens", spec_json(other), split_special=False)
+    texts = self_check_texts(t.content for t in caller.get_added_tokens_decoder().values())
+    difference = fast_backends.first_difference(engine, lambda t: reference_ids(caller, t), texts)
+    assert difference is not None and "different ids" in difference
+    same = load_engine("fastokens", spec_json(caller), split_special=False)
+    assert fast_backends.first_difference(same, lambda t: reference_ids(caller, t), texts) is None
+
+
+def test_background_check_switches_back_to_tokenizers_on_a_real_mismatch(caplog):
+    """An engine loaded from qwen's tokenizer.json serving deepseek's
+    tokenizer: the first result is wrong (it was returned before the check
+    ran), the check finds it, and the backend uses `tokenizers` from then on."""
+    caller, other = load_family("deepseek"), load_family("qwen")
+    wrong_engine = load_engine("fastokens", spec_json(other), split_special=False)
+    backend = TokenizerBackend(caller, engine=wrong_engine)
+    text = "Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 " * 20
+    before = backend_stats()["backend_mismatches"]
+    with caplog.at_level(logging.WARNING, logger="mptok.cache.backend"):
+        first = backend.encode_ids(text)
+        assert first != reference_ids(caller, text)  # a real mismatch, already returned
+        assert fast_backends.VERIFIER.drain(timeout=60)
+    assert not backend.fast and backend.engine_name == "tokenizers"
+    assert backend_stats()["backend_mismatches"] == before + 1
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "fastokens" in warning and f"{len(text)}-character" in warning
+    assert backend.encode_ids(text) == reference_ids(caller, text)
+
+
+def test_sampled_checks_are_counted_and_agree():
+    tokenizer = load_family("deepseek")
+    backend = backend_for(tokenizer, "auto")
+    before = backend_stats()
+    cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="auto"))
+    start, end = CHAT_MARKERS["deepseek"]
+    for prompt in chat_turns(random.Random(7), start, end, turns=12):
+        assert cache.encode(tokenizer, prompt, key="chat") == reference_ids(tokenizer, prompt)
+    assert fast_backends.VERIFIER.drain(timeout=120)
+    after = cache.stats()
+    checked = after["backend_checks"] + after["backend_checks_dropped"] - before["backend_checks"] - before["backend_checks_dropped"]
+    assert checked > 0
+    assert after["backend_mismatches"] == before["backend_mismatches"]
+    assert backend.fast
+
+
+class _Blocking:
+    """A check that waits until released, to fill the verifier's queue."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def verify(self, text, ids) -> None:
+        self.started.set()
+        self.release.wait(30)
+
+
+def test_verifier_drops_checks_when_its_queue_is_full():
+    verifier = SampledVerifier(capacity=1)
+    blocking = _Blocking()
+    assert verifier.submit(blocking, "a", [1])
+    assert blocking.started.wait(10)  # the thread holds the first check
+    assert verifier.submit(blocking, "b", [2])  # queued
+    assert not verifier.submit(blocking, "c", [3])  # dropped
+    blocking.release.set()
+    assert verifier.drain(timeout=10)
+
+
+@pytest.mark.parametrize("family", ["deepseek", "qwen", "legacy_sp", "bytelevel_prefix"])
+def test_literal_special_tokens_with_split_special_tokens_stay_exact(family):
+    """With split_special_tokens, special-token strings in the text are
+    ordinary text: they must not be used as segment seams."""
+    rust = load_family(family)
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(rust.to_str()), split_special_tokens=True)
+    start, end = CHAT_MARKERS[family]
+    cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="auto"))
+    for prompt in chat_turns(random.Random(8), start, end, turns=10):
+        assert cache.encode(hf, prompt, key="chat") == hf(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_config_names_the_backend(monkeypatch):
+    monkeypatch.delenv("MPTOK_CACHE_TOKENIZER_BACKEND", raising=False)
+    assert CacheConfig().tokenizer_backend == "auto"
+    monkeypatch.setenv("MPTOK_CACHE_TOKENIZER_BACKEND", "fastokens")
+    assert CacheConfig().tokenizer_backend == "fastokens"
+    config = CacheConfig.from_env({"MPTOK_CACHE_TOKENIZER_BACKEND": "gigatoken"})
+    assert config.tokenizer_backend == "gigatoken"
+    with pytest.raises(ValueError, match="tokenizer_backend"):
+        CacheConfig(tokenizer_backend="fast")
+
+
+def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "gigatoken", None)  # a real ImportError on import
+    monkeypatch.setattr(fast_backends, "_import_failures", {})
+    tokenizer = load_family("deepseek")
+    with caplog.at_level(logging.INFO, logger="mptok.cache.fast_backends"):
+        first = TokenizerBackend(tokenizer, "auto")
+        second = TokenizerBackend(tokenizer, "auto")
+    assert first.engine_name != "gigatoken" and second.engine_name != "gigatoken"
+    assert sum("gigatoken unavailable" in r.getMessage() for r in caplog.records) == 1
+    text = "plain text, twice over. " * 30
+    assert second.encode_ids(text) == reference_ids(tokenizer, text)
+
+
+def test_serve_tokenizer_backend_reaches_every_frontend_and_its_metrics(tmp_path):
+    """`mptok serve --tokenizer-backend auto` (the test session pins
+    `tokenizers` in the environment): the frontends tokenize through a fast
+    engine, exactly, and say so on /metrics."""
+    tokenizer = load_family("deepseek")
+    start, end = CHAT_MARKERS["deepseek"]
+    with Server(tmp_path / "serve.log", "--frontends", "2", "--tokenizer-backend", "auto") as server:
+        for prompt in chat_turns(random.Random(9), start, end, turns=6):
+            body = {"prompt": prompt, "conversation_id": "fast", "add_special_tokens": False}
+            assert tokenize(server.port, body)["tokens"] == reference_ids(tokenizer, prompt)
+        wait_for_snapshots()
+        samples = scrape(server.port)
+    fast = sum(total(samples, f"mptok_tokenizer_backend_{engine}") for engine in ENGINES)
+    assert fast == 2  # one tokenizer per frontend, each on a fast engine
+    assert total(samples, "mptok_tokenizer_backend_tokenizers") == 0
+    assert total(samples, "mptok_tokenizer_backend_mismatches_total") == 0
+    assert total(samples, "mptok_cache_hits_total") > 0
