@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 # What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
 # as ``mptok.routing.answer.answer_peer`` with its cache and tokenizer bound.
 # Its reply's ids may be a list or any int32 buffer (numpy, ``array('i')``).
-PeerAnswer = Callable[[str, "str | None", "int | None", int], "PeerReply | None"]
+PeerAnswer = Callable[[str, str | None, int | None, int], PeerReply | None]
 
 
 class _EncodeService:
