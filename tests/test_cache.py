@@ -341,3 +341,15 @@ def test_long_tokenization_lets_other_threads_run(tokenizer):
     assert ids == full_ids(tokenizer, text)
     # Holding the GIL throughout, the ticker would get one or two turns.
     assert ticks >= 20, ticks
+
+
+def test_tokens_reused_and_tokenized_add_up_to_the_ids_returned(tokenizer):
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="tokenizers"))
+    first = "A system prompt that is long enough to be cached. " * 20
+    second = first + "And a new user turn with a few more words in it."
+    returned = len(cache.encode(tokenizer, first, key="c")) + len(cache.encode(tokenizer, second, key="c"))
+    stats = cache.stats()
+    assert stats["misses"] == 1 and stats["hits"] == 1
+    assert stats["tokens_reused"] + stats["tokens_tokenized"] == returned
+    # The hit tokenized only its tail: most of the second prompt was reused.
+    assert stats["tokens_reused"] > len(tokenizer(first, add_special_tokens=False)["input_ids"]) // 2

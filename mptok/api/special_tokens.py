@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from mptok.core.ids import as_id_array
+
 # Two different texts whose tokenizations, with and without special tokens,
 # reveal what the post-processor adds around a single sequence.
 _SENTINELS = ("Hello world", "x = 1;\n\n\t\u00e9\U0001f642 end")
@@ -49,6 +53,16 @@ class SpecialTokenFrame:
             if with_special[start : start + n] == without:
                 return cls(tuple(with_special[:start]), tuple(with_special[start + n :]))
         return None
+
+    @property
+    def prefix_ids(self) -> np.ndarray:
+        """``prefix`` in the compact form (``mptok.core.ids``)."""
+        return as_id_array(list(self.prefix))
+
+    @property
+    def suffix_ids(self) -> np.ndarray:
+        """``suffix`` in the compact form (``mptok.core.ids``)."""
+        return as_id_array(list(self.suffix))
 
     def around(self, ids: list[int]) -> list[int]:
         """``ids`` as ``tokenizer(text, add_special_tokens=True)`` returns them."""

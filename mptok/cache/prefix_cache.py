@@ -151,7 +151,7 @@ class PrefixTokenCache:
         self._disabled = False
         self._warned_slow = False
         self._counters = Counters(
-            ("hits", "misses", "resync_failures", "uncached", "allocation_failures")
+            ("hits", "misses", "resync_failures", "uncached", "allocation_failures", "tokens_reused", "tokens_tokenized")
         )
 
     # -- public API ---------------------------------------------------------
@@ -251,6 +251,9 @@ class PrefixTokenCache:
         ``CacheConfig.max_bytes``), never more than ``max_bytes``.
         ``allocation_failures`` counts ``MemoryError``s while caching: each
         emptied the cache, and the prompt was tokenized in full.
+        ``tokens_reused`` counts the ids answered from kept prompts,
+        ``tokens_tokenized`` those the backend tokenized (tails and full
+        tokenizations); their ratio is what the cache saved.
         ``backend_*``: the process's tokenizer backends by engine and the
         background checks of fast engines (``mptok.cache.backend.backend_stats``).
         """
@@ -345,6 +348,7 @@ class PrefixTokenCache:
                 if self._entries.get(holder) is known:
                     self._entries.move_to_end(holder)
                     self._count("hits")
+                    self._counters.add("tokens_reused", known.prompt.ids.length)
                     return known
         prompt = None
         if known is not None:
@@ -363,6 +367,8 @@ class PrefixTokenCache:
             self._count("misses")
         else:
             self._count("hits")
+        self._counters.add("tokens_reused", prompt.reused)
+        self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
         if not keep:
             return _Entry(prompt, 0)
         chain = b""
@@ -460,9 +466,11 @@ class PrefixTokenCache:
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
         try:
-            return backend.encode_ids(text)
+            ids = backend.encode_ids(text)
         except TokenizerRefused:
             return _call_tokenizer(tokenizer, text)
+        self._counters.add("tokens_tokenized", len(ids))
+        return ids
 
     def _forget_all(self) -> None:
         """Drop every kept prompt; the caller holds the lock."""

@@ -69,7 +69,9 @@ class CachedPrompt:
 
     ``starts``, ``ends`` and ``word_starts`` describe the tokens from index
     ``window_first`` on; offsets are int32 (``array('i')``, 4 bytes each)
-    for any text shorter than 2**31 characters.
+    for any text shorter than 2**31 characters. ``reused`` is how many of
+    the first ids a splice took from the prompt it extended (0 when the
+    prompt was tokenized in full).
     """
 
     text: str
@@ -78,6 +80,7 @@ class CachedPrompt:
     starts: array
     ends: array
     word_starts: bytes
+    reused: int = 0
 
 
 def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) -> CachedPrompt:
@@ -208,13 +211,13 @@ def _splice(
     surplus = max(0, len(starts) - window_tokens)
     del starts[:surplus], ends[:surplus]
     return CachedPrompt(
-        text, ids, cached.window_first + surplus, starts, ends, word_starts[surplus:]
+        text, ids, cached.window_first + surplus, starts, ends, word_starts[surplus:], seam_index
     )
 
 
-def _without_window(text: str, ids: IdPieces) -> CachedPrompt:
+def _without_window(text: str, ids: IdPieces, reused: int = 0) -> CachedPrompt:
     offsets = _offset_type(text)
-    return CachedPrompt(text, ids, ids.length, array(offsets), array(offsets), b"")
+    return CachedPrompt(text, ids, ids.length, array(offsets), array(offsets), b"", reused)
 
 
 def _extend_at_segment(
@@ -237,5 +240,5 @@ def _extend_at_segment(
             continue
         ids = cached.ids.spliced(first, backend.encode_ids(text[seam:]))
         backend.spot_check(text, ids)
-        return _without_window(text, ids)
+        return _without_window(text, ids, first)
     return None

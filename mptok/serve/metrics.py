@@ -154,6 +154,8 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _gauge("mptok_cache_cached_chars", "cache", "cached_chars", "Prompt characters kept by the cache."),
     _gauge("mptok_cache_bytes", "cache", "cached_bytes", "Bytes the cache holds for its conversations (text, ids, offsets, versions, keys, bookkeeping)."),
     _gauge("mptok_cache_max_bytes", "cache", "max_bytes", "The cache's byte budget (--cache-bytes)."),
+    _counter("mptok_cache_tokens_reused_total", "cache", "tokens_reused", "Token ids answered from kept prompts, without tokenizing them again."),
+    _counter("mptok_cache_tokens_tokenized_total", "cache", "tokens_tokenized", "Token ids the tokenizer backend produced: new tails and full tokenizations."),
     _counter("mptok_cache_allocation_failures_total", "cache", "allocation_failures", "MemoryErrors while caching; each emptied the cache and the prompt was tokenized in full."),
     _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes of the fingerprints held here of the conversations this frontend routed."),
     _gauge("mptok_held_reply_entries", "routing", "held_entries", "Fingerprints held here, one per routed conversation and owner."),

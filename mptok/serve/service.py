@@ -30,6 +30,7 @@ import orjson
 
 from mptok.api.affinity import IdentityKind, identify
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
+from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.api.tokenize_request import (
     RETRY_AFTER_S,
     RequestError,
@@ -47,9 +48,6 @@ from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
 
-# Two different texts whose tokenizations, with and without special tokens,
-# reveal what the post-processor adds around a single sequence.
-_SENTINELS = ("Hello world", "x = 1;\n\n\t\u00e9\U0001f642 end")
 # JSON may spell one character as a 12-byte surrogate-pair escape; bodies
 # larger than this many bytes per allowed prompt character are refused unread.
 _BODY_BYTES_PER_CHAR = 12
@@ -101,48 +99,6 @@ class Admission:
         finally:
             with self._lock:
                 self._held -= 1
-
-
-@dataclass(frozen=True)
-class SpecialTokenFrame:
-    """The ids the tokenizer's post-processor puts around one sequence.
-
-    The cache only knows ``add_special_tokens=False``. For ``True`` the ids
-    are ``prefix + ids + suffix`` when the post-processor adds fixed ids
-    around the sequence; ``derive`` proves that on two different texts and
-    returns None otherwise (then prompts are tokenized in full).
-    """
-
-    prefix: tuple[int, ...]
-    suffix: tuple[int, ...]
-
-    @classmethod
-    def derive(cls, tokenizer: Any, sentinels: tuple[str, ...] = _SENTINELS) -> SpecialTokenFrame | None:
-        frames = set()
-        for text in sentinels:
-            with_special = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-            without = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            frame = cls._split(with_special, without)
-            if frame is None:
-                return None
-            frames.add(frame)
-        return frames.pop() if len(frames) == 1 else None
-
-    @classmethod
-    def _split(cls, with_special: list[int], without: list[int]) -> SpecialTokenFrame | None:
-        n = len(without)
-        for start in range(len(with_special) - n + 1):
-            if with_special[start : start + n] == without:
-                return cls(tuple(with_special[:start]), tuple(with_special[start + n :]))
-        return None
-
-    @property
-    def prefix_ids(self) -> np.ndarray:
-        return as_id_array(list(self.prefix))
-
-    @property
-    def suffix_ids(self) -> np.ndarray:
-        return as_id_array(list(self.suffix))
 
 
 class TokenizeService:
