@@ -19,7 +19,7 @@ from mptok.cache import fast_backends
 from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
 from mptok.cache.fast_backends import ENGINES, SampledVerifier, load_engine, self_check_texts
 from mptok_harness.conversations import adversarial_delta, chat_turns
-from mptok_harness.families import CHAT_MARKERS, load_family
+from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 
@@ -197,3 +197,89 @@ def test_serve_tokenizer_backend_reaches_every_frontend_and_its_metrics(tmp_path
     assert total(samples, "mptok_tokenizer_backend_tokenizers") == 0
     assert total(samples, "mptok_tokenizer_backend_mismatches_total") == 0
     assert total(samples, "mptok_cache_hits_total") > 0
+
+
+@pytest.mark.parametrize(
+    "family,before,after",
+    [
+        ("deepseek", "<｜end▁of▁", "<｜end▁of▁sentence｜>"),
+        ("bytelevel_prefix", "<|im_end|", "<|im_end|>\n<|im_start|>user\nok"),
+    ],
+)
+@pytest.mark.parametrize("choice", ["tokenizers", "auto"])
+def test_a_prompt_that_completes_an_added_token_is_not_spliced_inside_it(family, before, after, choice):
+    """The previous prompt ends partway through an added token's text; the
+    next one completes it. No seam may lie where that token begins."""
+    tokenizer = load_family_hf(family)
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend=choice, min_chars=0))
+    head = "x " * 200 + "hello "
+    cache.encode(tokenizer, head + before, key="k")
+    text = head + after
+    assert cache.encode(tokenizer, text, key="k") == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_after_a_mismatch_the_cache_forgets_what_the_engine_tokenized():
+    """A real wrong engine (qwen's tokenizer.json serving deepseek): its first
+    result is returned and kept; once the background check finds it, neither
+    the same prompt nor one extending it is answered from that result."""
+    caller, other = load_family_hf("deepseek"), load_family("qwen")
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="fastokens", min_chars=0))
+    backend = backend_for(caller, "fastokens")
+    backend._engine = load_engine("fastokens", spec_json(other), split_special=False)  # honest, and wrong
+    start, end = CHAT_MARKERS["deepseek"]
+    first = f"{start}Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 {end}" * 20
+    assert cache.encode(caller, first, key="k") != caller(first, add_special_tokens=False)["input_ids"]
+    assert fast_backends.VERIFIER.drain(timeout=60)
+    assert not backend.fast
+    for text in (first, first + f"{start}and one more turn{end}"):
+        assert cache.encode(caller, text, key="k") == caller(text, add_special_tokens=False)["input_ids"]
+        assert cache.encode(caller, text) == caller(text, add_special_tokens=False)["input_ids"]
+
+
+def _with_added(family: str, *tokens) -> PreTrainedTokenizerFast:
+    base = load_family(family)
+    rust = Tokenizer.from_str(base.to_str())
+    rust.add_tokens(list(tokens))
+    return PreTrainedTokenizerFast(tokenizer_object=rust)
+
+
+def test_overlapping_raw_and_normalized_added_tokens_keep_tokenizers():
+    """tokenizers matches raw added tokens before normalized ones; the fast
+    engines match both in one pass, so where the two overlap they are not
+    trusted, and the ids are tokenizers'."""
+    from tokenizers import AddedToken
+
+    tokenizer = _with_added(
+        "bytelevel_prefix", AddedToken("<tool>", normalized=True), AddedToken("l>ABCDEFGHIJKLMNOPQRSTUVWXYZ", normalized=False)
+    )
+    backend = TokenizerBackend(tokenizer, "auto")
+    assert not backend.fast and "overlap" in backend.choice_report
+    text = "x " * 200 + "hello!!<tool>ABCDEFGHIJKLMNOPQRSTUVWXYZ."
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))
+    assert cache.encode(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_normalized_added_token_that_begins_with_a_space_is_in_the_start_up_check():
+    """gigatoken matched " sp" (normalized) in "sp" under a prefix space where
+    tokenizers does not: the start-up check must see that text."""
+    from tokenizers import AddedToken
+
+    tokenizer = _with_added("bytelevel_prefix", AddedToken(" sp", normalized=True))
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))
+    for text in ("<|im_start|>sp and", "sp", "sp and more " * 30):
+        assert cache.encode(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    gigatoken = TokenizerBackend(tokenizer, "gigatoken")
+    assert gigatoken.engine_name == "tokenizers" and "different ids" in gigatoken.choice_report
+
+
+def test_a_caller_that_changes_the_returned_list_does_not_fail_the_check():
+    tokenizer = load_family_hf("deepseek")
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto"))
+    if not backend_for(tokenizer, "auto").fast:
+        pytest.skip("no fast engine is trusted for the embedded tokenizer here")
+    before = backend_stats()["backend_mismatches"]
+    for i in range(12):  # uncached (short) prompts: their lists go straight to the caller
+        ids = cache.encode(tokenizer, f"short prompt {i}")
+        ids.insert(0, 0)  # a BOS, say
+    assert fast_backends.VERIFIER.drain(timeout=60)
+    assert backend_stats()["backend_mismatches"] == before

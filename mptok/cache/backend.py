@@ -27,11 +27,13 @@ each engine that loads is checked id for id against the Rust tokenizer on an
 adversarial corpus and timed in CPU time, and the cheapest exact one is used
 (``choice="auto"``), or the one ``CacheConfig.tokenizer_backend`` names if it
 passes the check. Sampled results are re-checked in the background and one
-difference switches the backend back to the Rust tokenizer for good.
+difference switches the backend back to the Rust tokenizer, and the engine
+is not trusted for that tokenizer again in this process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
 import json
@@ -150,9 +152,9 @@ def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
 
 
 # Backends kept per process, one per distinct tokenizer object and backend
-# choice. Building one copies the Rust tokenizer through JSON (~0.5 s for a
-# 128k vocabulary, ~3 s for Qwen's 248k) and checks the fast engines (about
-# as long again). Every cache in the process shares them.
+# choice, because building one is slow: it copies the Rust tokenizer through
+# JSON (seconds for a large vocabulary) and runs the fast engines' start-up
+# check. Every cache in the process shares them.
 MAX_BACKENDS = 8
 _backends: OrderedDict[tuple[int, str], tuple[Any, TokenizerBackend | SlowTokenizerError]] = OrderedDict()
 _backends_lock = threading.Lock()
@@ -307,8 +309,10 @@ class TokenizerBackend:
         self.choice_report = "forced" if engine is not None else ""
         if engine is not None:
             self._engine = engine
-        elif choice != "tokenizers":
-            self._engine, self.choice_report = self._choose_engine(json.dumps(spec), split_special, choice)
+        spec_json = json.dumps(spec)
+        self._spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
+        if engine is None and choice != "tokenizers":
+            self._engine, self.choice_report = self._choose_engine(spec_json, split_special, choice)
         logger.info("tokenizer backend for %s: %s (%s)", self.name, self.engine_name, self.choice_report or choice)
 
     # -- the fast engine ---------------------------------------------------------
@@ -348,6 +352,8 @@ class TokenizerBackend:
         n = next(self._results)
         if n >= FIRST_CHECKS and n % self._check_every:
             return
+        if isinstance(ids, list):
+            ids = list(ids)  # the caller owns the list it was given and may change it
         if VERIFIER.submit(self, text, ids):
             _counters.add("backend_checks")
         else:
@@ -355,7 +361,9 @@ class TokenizerBackend:
 
     def verify(self, text: str, ids: Any) -> None:
         """Compare ``ids`` with the Rust tokenizer's; on a difference switch
-        to the Rust tokenizer for good, with a WARNING."""
+        to the Rust tokenizer, with a WARNING; a new ``serial`` makes every
+        cache forget what the engine tokenized, and the engine is not
+        trusted for this tokenizer again in this process."""
         engine = self._engine
         if engine is None:
             return
@@ -367,6 +375,11 @@ class TokenizerBackend:
         if got == expected:
             return
         self._engine = None
+        _distrusted.add((self._spec_digest, engine.name))
+        # The cache keys what it keeps by the serial: a new one forgets every
+        # prompt the engine tokenized, so none of them is answered or spliced
+        # onto again.
+        self.serial = next(self._serials)
         _counters.add("backend_mismatches")
         logger.warning(
             "tokenizer backend %s gave ids different from tokenizers for %s on a %d-character text "
@@ -393,7 +406,16 @@ class TokenizerBackend:
         timing = fast_backends.timing_texts(texts[-1])
         notes = []
         candidates: list[tuple[float, IdsEngine]] = []
+        two_pass = _overlapping_added_tokens(self._full.get_added_tokens_decoder().values())
+        if two_pass:
+            # tokenizers matches non-normalized added tokens before normalized
+            # ones; both engines match them in one pass, and so does the
+            # segment splice's proof. Where the two kinds overlap they differ.
+            return None, f"added tokens {two_pass} overlap across the normalized and raw passes"
         for name in names:
+            if (self._spec_digest, name) in _distrusted:
+                notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
+                continue
             try:
                 engine = fast_backends.load_engine(name, spec_json, split_special)
             except EngineUnavailable as e:
@@ -512,6 +534,27 @@ class TokenizerBackend:
         head = self._full_normalizer.normalize_str(left)
         tail = self._continuation_normalizer.normalize_str(right)
         return whole == head + tail
+
+
+# (tokenizer spec digest, engine) pairs that gave a wrong result in this
+# process: never trusted again, even by a backend rebuilt after eviction.
+_distrusted: set[tuple[str, str]] = set()
+
+
+def _overlapping_added_tokens(tokens: Any) -> tuple[str, str] | None:
+    """A normalized and a raw added token that one left-to-right pass over
+    both would match differently from tokenizers' two passes (raw first),
+    or None: the normalized one holds the raw one, or ends with its start
+    (matched first, being leftmost, it would take the raw one's start)."""
+    normalized = [t.content for t in tokens if t.normalized and t.content]
+    raw = [t.content for t in tokens if not t.normalized and t.content]
+    if not normalized or not raw:
+        return None
+    for a in normalized:
+        for b in raw:
+            if b in a or any(a.endswith(b[:n]) for n in range(1, min(len(a), len(b)))):
+                return a, b
+    return None
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> Encoding:

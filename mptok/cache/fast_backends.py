@@ -13,9 +13,13 @@ on every text; sampling cannot either: a result re-checked after it was
 returned has already been returned. The trust rests on three things, in this
 order:
 
-1. Both engines implement the same deterministic specification (the
+1. Both engines load the same deterministic specification (the
    ``tokenizer.json`` the caller's tokenizer was built from, with its
    truncation, padding and post-processor removed, as the cache's own copy).
+   They do not implement every part of it as `tokenizers` does: both match
+   added tokens in one pass where `tokenizers` matches raw ones before
+   normalized ones, so a tokenizer whose raw and normalized added tokens
+   overlap is never given to them (``mptok.cache.backend``).
 2. At start an engine must give ids identical to `tokenizers`, id for id, on a
    fixed adversarial corpus built for that tokenizer (``self_check_texts``:
    combining-mark runs, emoji ZWJ sequences, CJK, CRLF, digit and whitespace
@@ -26,9 +30,11 @@ order:
 3. While serving, the first ``FIRST_CHECKS`` results and then one in
    ``check_every`` are re-tokenized by `tokenizers` on one background thread
    (``SampledVerifier``). One difference switches that tokenizer back to
-   `tokenizers` for good, with a WARNING: it bounds how long an engine that
-   diverges on real traffic goes on being used, not whether one result was
-   wrong.
+   `tokenizers`, with a WARNING, and the engine is not trusted for it again
+   in this process; the cache forgets every prompt the engine tokenized for
+   it. That bounds how long an engine that diverges on real traffic goes on
+   being used, not whether one result was wrong: the differing result, and
+   any returned before the check ran, had already been returned.
 
 A deployment for which "the start-up check plus a tripwire" is not enough
 forces `tokenizers` (``CacheConfig.tokenizer_backend``,
@@ -39,6 +45,7 @@ forces `tokenizers` (``CacheConfig.tokenizer_backend``,
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -167,6 +174,11 @@ def self_check_texts(added_contents: Iterable[str], seed: int = 0) -> list[str]:
     texts = list(pieces)
     for content in added:
         texts += [content + content, "x" + content + "y", " " + content + " ", "\n" + content + "\n\n"]
+        # Where a normalizer or a prefix space could make text match a token
+        # that the raw text does not: its content trimmed, after another.
+        trimmed = content.strip()
+        if trimmed and trimmed != content:
+            texts += [trimmed, trimmed + " and", added[0] + trimmed + " and"]
     for _ in range(400):
         texts.append("".join(rng.choice(pieces) for _ in range(rng.randint(2, 12))))
     texts.append("".join(texts))
@@ -272,6 +284,13 @@ class SampledVerifier:
             time.sleep(0.005)
         return self._queue.unfinished_tasks == 0
 
+    def after_fork(self) -> None:
+        """In a forked child: the parent's thread did not come along, and
+        neither may its queue's lock; start afresh."""
+        self._queue = queue.Queue(self._queue.maxsize)
+        self._thread = None
+        self._lock = threading.Lock()
+
     def _start(self) -> None:
         if self._thread is not None:
             return
@@ -292,3 +311,4 @@ class SampledVerifier:
 
 
 VERIFIER = SampledVerifier()
+os.register_at_fork(after_in_child=VERIFIER.after_fork)

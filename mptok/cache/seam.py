@@ -19,6 +19,10 @@ layout adds a dummy prefix whose ids still match), so a seam must pass all of:
    pre-token boundaries, over at least two complete pre-tokens, all inside the
    shared prefix and clear of its last two pre-tokens (which the new text
    may change: a word can grow, lookahead can see the new characters).
+5. The seam plus the longest added token lies inside the shared prefix:
+   added tokens are split out first, left to right, and one that the new
+   text completes (the kept prompt ended inside its text) must not start
+   before the seam.
 
 Pre-tokenizers match left to right without lookbehind, so once the tail and
 the cached tokenization agree on a boundary inside the shared prefix they
@@ -136,11 +140,18 @@ def extend_prompt(
     skipped = next(boundaries, None)
     if skipped is None:
         return None
+    # An added token matched in the new text from before the seam to past
+    # it would be missed by the tail; added tokens are matched left to
+    # right, so a seam whose longest possible match lies inside the shared
+    # prefix sees the same matches before it in both prompts.
+    reach = backend.segment_openers.reach
     attempts = 0
     for examined, seam_local in enumerate(boundaries):
         if examined >= MAX_CANDIDATES or attempts >= max_attempts:
             return None
-        if seam_local == 0 or not _clean_seam(backend, cached, text, seam_local):
+        if seam_local == 0 or cached.starts[seam_local] + reach > shared:
+            continue
+        if not _clean_seam(backend, cached, text, seam_local):
             continue
         attempts += 1
         result = _splice(backend, cached, text, seam_local, limit_local, window_tokens)
