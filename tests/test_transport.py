@@ -87,7 +87,10 @@ def serve(ipc_dir):
 
 
 def mptok_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("mptok")]
+    """The owner's threads (its accept loop and one per peer), by the default
+    name ``serve_encode`` gives them; process-wide daemons of other layers
+    (the fast backends' verifier) are not the transport's to join."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("mptok-owner")]
 
 
 def test_text_and_key_with_lone_surrogates_cross_intact(serve):
