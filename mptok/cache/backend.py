@@ -344,6 +344,21 @@ class TokenizerBackend:
             return ids
         return self.encode(text).ids
 
+    def encode_id_array(self, text: str) -> Any:
+        """``encode_ids`` as an int array where the engine gives one (the
+        cache stores int32 arrays: a list of 200k Python ints is built and
+        read again for nothing), else the list. Raises as ``encode_ids``."""
+        engine = self._engine
+        to_array = getattr(engine, "encode_id_array", None)
+        if to_array is None:
+            return self.encode_ids(text)
+        try:
+            ids = to_array(text)
+        except Exception:
+            return self.encode(text).ids
+        self.spot_check(text, ids)
+        return ids
+
     def spot_check(self, text: str, ids: Any) -> None:
         """Queue a background check of ``ids`` (a list or ``IdPieces``) for
         ``text`` if this result is sampled; only fast results are checked."""
@@ -367,7 +382,7 @@ class TokenizerBackend:
         engine = self._engine
         if engine is None:
             return
-        got = ids.to_list() if hasattr(ids, "to_list") else list(ids)
+        got = ids.to_list() if hasattr(ids, "to_list") else ids.tolist() if hasattr(ids, "tolist") else list(ids)
         try:
             expected = self.encode(text).ids
         except TokenizerRefused:

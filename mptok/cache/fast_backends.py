@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 ENGINES = ("fastokens", "gigatoken")
@@ -112,6 +114,11 @@ class _Gigatoken:
 
     def encode_ids(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).tolist()
+
+    def encode_id_array(self, text: str) -> np.ndarray:
+        # gigatoken answers with a uint32 array: no Python ints on the way
+        # to the cache's int32 store (ids past int32 are refused there).
+        return self._tokenizer.encode(text)
 
 
 _ENGINE_CLASSES = {"fastokens": _Fastokens, "gigatoken": _Gigatoken}

@@ -91,7 +91,7 @@ def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) ->
     """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens
     (none with a fast engine: its splices need no offsets)."""
     if backend.fast:
-        return _without_window(text, IdPieces.of(backend.encode_ids(text)))
+        return _without_window(text, IdPieces.of(backend.encode_id_array(text)))
     encoding = backend.encode(text)
     ids = encoding.ids
     first = max(0, len(ids) - window_tokens)
