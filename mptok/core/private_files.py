@@ -127,3 +127,24 @@ def remove_if_unused(path: str) -> bool:
         for fd in held:
             os.close(fd)
         os.close(dir_fd)
+
+
+def sweep_unused(parent: str, prefix: str, keep: str | None = None) -> list[str]:
+    """Remove this user's directories in ``parent`` whose names start with
+    ``prefix`` and that nothing uses (``remove_if_unused``), except ``keep``.
+
+    Returns what was removed; never raises for one directory it cannot judge
+    or remove (it is left), nor for a ``parent`` it cannot list."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        if path == keep:
+            continue
+        with contextlib.suppress(OSError):
+            if remove_if_unused(path):
+                removed.append(path)
+    return removed

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 
-from mptok.core.private_files import SERVER_LOCK, remove_if_unused
+from mptok.core.private_files import SERVER_LOCK, sweep_unused
 from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.supervisor")
@@ -70,18 +70,7 @@ def sweep_stale(parent: str | None = None) -> list[str]:
     ``parent`` defaults to the temporary directory. Returns what was removed;
     never raises for one directory it cannot judge or remove (it is left).
     """
-    parent = parent or tempfile.gettempdir()
-    removed = []
-    try:
-        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(parent, name)
-        try:
-            if remove_if_unused(path):
-                removed.append(path)
-                log_event(logger, logging.WARNING, "swept_stale_ipc_dir", path=path, reason="its server is gone")
-        except OSError as e:
-            logger.debug("left %s: %r", path, e)
+    removed = sweep_unused(parent or tempfile.gettempdir(), PREFIX)
+    for path in removed:
+        log_event(logger, logging.WARNING, "swept_stale_ipc_dir", path=path, reason="its server is gone")
     return removed

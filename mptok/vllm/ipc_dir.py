@@ -40,7 +40,7 @@ import tempfile
 import time
 
 from mptok.routing.liveness import start_ticks
-from mptok.core.private_files import SERVER_LOCK, remove_if_unused, secure_ipc_dir
+from mptok.core.private_files import SERVER_LOCK, remove_if_unused, secure_ipc_dir, sweep_unused
 
 logger = logging.getLogger("vllm.mptok")
 
@@ -72,7 +72,7 @@ class SharedIpcDir:
             raise ProcessLookupError(f"vllm serve process {server_pid} is gone")
         self.parent = parent or tempfile.gettempdir()
         self.path = os.path.join(self.parent, f"{PREFIX}{server_pid}-{ticks}")
-        sweep_unused(self.parent, keep=self.path)
+        sweep_stale(self.parent, keep=self.path)
         self._lock_fd: int | None = _join(self.path)
         try:
             self.authkey = _shared_key(self.path)
@@ -89,26 +89,14 @@ class SharedIpcDir:
             remove_if_unused(self.path)
 
 
-def sweep_unused(parent: str, keep: str | None = None) -> list[str]:
+def sweep_stale(parent: str, keep: str | None = None) -> list[str]:
     """Remove this user's ``mptok-serve-vllm-*`` directories in ``parent`` that no process uses.
 
     Returns what was removed; never raises for one directory it cannot
     judge or remove (it is left)."""
-    removed = []
-    try:
-        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(parent, name)
-        if path == keep:
-            continue
-        try:
-            if remove_if_unused(path):
-                removed.append(path)
-                logger.warning("mptok: removed the ipc dir %s of a vllm serve that is gone", path)
-        except OSError as e:
-            logger.debug("mptok: left %s: %r", path, e)
+    removed = sweep_unused(parent, PREFIX, keep)
+    for path in removed:
+        logger.warning("mptok: removed the ipc dir %s of a vllm serve that is gone", path)
     return removed
 
 
