@@ -335,25 +335,20 @@ class TokenizerBackend:
         a fast engine rejects goes to the Rust tokenizer.
         """
         engine = self._engine
-        if engine is not None:
-            try:
-                ids = engine.encode_ids(text)
-            except Exception:
-                return self.encode(text).ids
-            self.spot_check(text, ids)
-            return ids
-        return self.encode(text).ids
+        return self._by_engine(engine.encode_ids, text) if engine is not None else self.encode(text).ids
 
     def encode_id_array(self, text: str) -> Any:
         """``encode_ids`` as an int array where the engine gives one (the
         cache stores int32 arrays: a list of 200k Python ints is built and
         read again for nothing), else the list. Raises as ``encode_ids``."""
-        engine = self._engine
-        to_array = getattr(engine, "encode_id_array", None)
-        if to_array is None:
-            return self.encode_ids(text)
+        to_array = getattr(self._engine, "encode_id_array", None)
+        return self._by_engine(to_array, text) if to_array is not None else self.encode_ids(text)
+
+    def _by_engine(self, encode: Any, text: str) -> Any:
+        """``encode(text)`` by the fast engine, sampled for a check; text the
+        engine rejects goes to the Rust tokenizer."""
         try:
-            ids = to_array(text)
+            ids = encode(text)
         except Exception:
             return self.encode(text).ids
         self.spot_check(text, ids)
