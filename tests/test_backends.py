@@ -53,11 +53,17 @@ def test_threads_asking_at_once_share_one_backend():
     for it while it is being built."""
     from concurrent.futures import ThreadPoolExecutor
 
-    tokenizer = Tokenizer.from_str(load_family("qwen").to_str())  # no backend built for it yet
+    tokenizer = Tokenizer.from_str(load_family("metaspace_first").to_str())  # no backend built for it yet
+    start = threading.Barrier(4)
+
+    def ask(_: int) -> TokenizerBackend:
+        start.wait(timeout=10)
+        return backend_for(tokenizer, "tokenizers")
+
     with ThreadPoolExecutor(4) as pool:
-        backends = list(pool.map(lambda _: backend_for(tokenizer, "auto"), range(4)))
+        backends = list(pool.map(ask, range(4)))
     assert all(backend is backends[0] for backend in backends)
-    assert backend_for(tokenizer, "auto") is backends[0]
+    assert backend_for(tokenizer, "tokenizers") is backends[0]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
