@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
+.PHONY: test-vllm test-vllm-render run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -82,6 +82,18 @@ $(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 
 test-vllm: $(VLLM_VENV)/bin/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(ARGS)
+
+# vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
+# render server (`vllm launch render`) with and without the switch, and the
+# version check. Its own venv (scripts/vllm_venv.sh render; about 5 minutes,
+# 9.5 GB); the tests about 3 minutes.
+VLLM_RENDER_VENV := .venv-vllm33
+$(VLLM_RENDER_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
+	scripts/vllm_venv.sh $(VLLM_RENDER_VENV) render
+	touch $@
+
+test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
+	$(VLLM_RENDER_VENV)/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_compat.py $(ARGS)
 
 # The transport's tests on the other declared Python versions.
 test-versions:

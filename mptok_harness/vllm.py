@@ -8,7 +8,10 @@ on it in its own process group (through ``tests/vllm/vllm_cli.py``, which
 lets vLLM's CLI find its version under the CPU build's distribution name),
 waits (bounded) until every API server has started, and on ``stop()``
 SIGTERMs it, then SIGKILLs the whole group, so a failing test leaves no
-process behind. Needs the ``make test-vllm`` environment (``.venv-vllm``).
+process behind. With ``command=RENDER`` it is ``vllm launch render`` instead:
+vLLM's GPU-less render server, one process, no engine, the serve command's
+flags. Needs the ``make test-vllm`` environment (``.venv-vllm``), or for the
+render server ``make test-vllm-render``'s (``.venv-vllm33``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_CLI = str(REPO / "tests" / "vllm" / "vllm_cli.py")
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+
+# vLLM's subcommands: the server with its engine, and the GPU-less render server.
+SERVE = ("serve",)
+RENDER = ("launch", "render")
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -128,7 +135,10 @@ def write_model_dir(directory: Path) -> Path:
 
 
 class VllmServer:
-    """``vllm serve MODEL_DIR`` with ``api_servers`` API servers, with or without ``--tokenizer-mode mptok``."""
+    """``vllm serve MODEL_DIR`` with ``api_servers`` API servers, with or without ``--tokenizer-mode mptok``.
+
+    ``command=RENDER``: ``vllm launch render MODEL_DIR`` (one process; give it ``api_servers=1``).
+    """
 
     def __init__(
         self,
@@ -140,13 +150,14 @@ class VllmServer:
         max_model_len: int = 65536,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        command: tuple[str, ...] = SERVE,
     ):
         self.model = str(model_dir)
         self.port = free_port()
         self.api_servers = api_servers
         self.log_path = log_path
         self.args = [
-            sys.executable, VLLM_CLI, "serve", self.model,
+            sys.executable, VLLM_CLI, *command, self.model,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--api-server-count", str(api_servers),
             "--enable-scale-out", "--load-format", "dummy",

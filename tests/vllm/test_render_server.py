@@ -1,0 +1,127 @@
+"""vLLM's render server (``vllm launch render``) with ``--tokenizer-mode mptok``: vLLM's ids, the cache alone.
+
+The render server is vLLM's GPU-less front (what a router such as llm-d's
+calls to turn requests into ids): one process, no engine, so it runs where
+vLLM's engine cannot (vLLM 0.33's CUDA build on this CPU-only machine, ``make
+test-vllm-render``), and on vLLM 0.32's CPU build as well (``make test-vllm``).
+One render server without the switch answers every request of
+``test_plugin.CASES`` (agentic chats with tool turns, ``add_special_tokens``
+both ways, ``continue_final_message``, ``chat_template_kwargs``, completion
+and ``/tokenize`` renders) and is stopped; then one with the switch on the
+same model directory must give every request the same ids, with its cache
+alone (one process: nothing routed) hitting on the agents' later turns, as
+its ``/metrics`` shows. vLLM's own fastokens backend (``VLLM_USE_FASTOKENS=1``)
+must agree too. Expected ids always come from vLLM without the switch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mptok.vllm.compat import supported_range
+from mptok_harness.vllm import RENDER, VllmServer
+
+from test_plugin import AGENTS, CASES, TURNS, _answer_all, _ids, _scraped
+
+FAILED_START_TIMEOUT_S = 240.0
+LATER_TURNS = AGENTS * (TURNS - 2)
+# fastokens has no token offsets (vLLM answers 501 with it).
+WITHOUT_OFFSETS = {name: case for name, case in CASES.items() if not case[1].get("return_token_offsets")}
+
+
+def _render_server(model_dir: Path, log_path: Path, *, mptok: bool, env: dict[str, str] | None = None) -> VllmServer:
+    return VllmServer(model_dir, log_path, mptok=mptok, api_servers=1, command=RENDER, env=env)
+
+
+@pytest.fixture(scope="module")
+def plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
+    with _render_server(model_dir, logs_dir / "render-plain.log", mptok=False) as server:
+        return _answer_all(server)
+
+
+@dataclass(frozen=True)
+class Switched:
+    """What the render server with the switch answered, logged and counted; it is stopped by then."""
+
+    ids: dict[str, list[int]]
+    log: str
+    series: dict[str, dict[str, float]]
+
+
+@pytest.fixture(scope="module")
+def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]) -> Switched:
+    with _render_server(model_dir, logs_dir / "render-mptok.log", mptok=True) as server:
+        ids = _answer_all(server)
+        # Every agent's turns after its first two extend a prompt the cache
+        # holds (the second may land before a provable seam exists).
+        series = _scraped(server, "mptok_cache_hits_total", LATER_TURNS)
+        return Switched(ids, server.log(), series)
+
+
+def _fastokens_installed() -> bool:
+    return importlib.util.find_spec("fastokens") is not None and importlib.util.find_spec("vllm.tokenizers.fastokens") is not None
+
+
+@pytest.fixture(scope="module")
+def fastokens_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
+    if not _fastokens_installed():
+        pytest.skip("needs fastokens and a vLLM with VLLM_USE_FASTOKENS")
+    log_path = logs_dir / "render-fastokens.log"
+    with _render_server(model_dir, log_path, mptok=False, env={"VLLM_USE_FASTOKENS": "1"}) as server:
+        return {name: _ids(server, kind, body) for name, (kind, body) in WITHOUT_OFFSETS.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_request_gets_the_ids_of_the_render_server_without_the_switch(plain_ids, switched, name):
+    assert switched.ids[name] == plain_ids[name]
+
+
+def test_the_start_log_says_mptok_is_on_with_the_cache_alone(switched):
+    assert switched.log.count("mptok is on (--tokenizer-mode mptok)") == 1, switched.log[-3000:]
+    assert "routing off: one API server" in switched.log
+    assert "cache max_bytes=" in switched.log
+
+
+def test_its_metrics_show_the_cache_hitting_on_later_turns_with_nothing_routed(switched):
+    series = switched.series
+    assert set(series["mptok_prompts_total"]) == {"0"}, series["mptok_prompts_total"]
+    assert sum(series["mptok_cache_hits_total"].values()) >= LATER_TURNS, series
+    assert sum(series["mptok_cache_tokens_reused_total"].values()) > 0, series
+    assert sum(series.get("mptok_routed_total", {}).values()) == 0, series
+    # The requests for token offsets go down vLLM's own path.
+    assert sum(series["mptok_vllm_prompts_total"].values()) >= 2, series
+
+
+def test_vllm_with_fastokens_gives_the_ids_mptok_gives(switched, fastokens_ids):
+    assert {name: switched.ids[name] for name in WITHOUT_OFFSETS} == fastokens_ids
+
+
+# Runs vLLM's CLI in a process whose vLLM reports another version.
+_AS_VERSION = (
+    "import runpy, sys, vllm.version\n"
+    "sys.argv = sys.argv[1:]\n"
+    "vllm.version.__version__ = sys.argv.pop(1)\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def test_a_vllm_outside_the_tested_range_refuses_to_start_with_the_switch(model_dir, logs_dir):
+    """The render server is one process, so the version it reports is the one the plugin checks."""
+    server = _render_server(model_dir, logs_dir / "render-unsupported.log", mptok=True)
+    server.args = [sys.executable, "-c", _AS_VERSION, server.args[1], "0.34.0", *server.args[2:]]
+    server.launch()
+    assert server.process is not None
+    try:
+        code = server.process.wait(FAILED_START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        server.stop()
+    assert code not in (None, 0), server.log_tail()
+    assert f"--tokenizer-mode mptok supports vLLM {supported_range()}, not 0.34.0" in server.log(), server.log_tail()
