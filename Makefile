@@ -74,7 +74,8 @@ test-quick: $(BIN)/.installed-test
 # The vLLM plugin's tests against real vLLM (CPU build) in a venv of their
 # own, built on first use (scripts/vllm_venv.sh; about 5 minutes, 3.5 GB);
 # the tests start four `vllm serve` one after another (6-9 minutes on 2
-# shared cores). `make test` does not collect them.
+# shared cores), then four render servers (tests/vllm/test_render_server.py,
+# 2-4 minutes). `make test` does not collect them.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 	scripts/vllm_venv.sh $(VLLM_VENV)
