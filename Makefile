@@ -75,7 +75,7 @@ test-quick: $(BIN)/.installed-test
 # own, built on first use (scripts/vllm_venv.sh; about 5 minutes, 3.5 GB);
 # the tests start four `vllm serve` one after another (6-9 minutes on 2
 # shared cores), then four render servers (tests/vllm/test_render_server.py,
-# 2-4 minutes). `make test` does not collect them.
+# 3-5 minutes). `make test` does not collect them.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 	scripts/vllm_venv.sh $(VLLM_VENV)
@@ -87,7 +87,8 @@ test-vllm: $(VLLM_VENV)/bin/.installed
 # vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
 # render server (`vllm launch render`) with and without the switch, and the
 # version check. Its own venv (scripts/vllm_venv.sh render; about 5 minutes,
-# 9.5 GB); the tests about 3 minutes.
+# 4 GB of wheels, 9.5 GB); the tests start four render servers one after
+# another (about 2 minutes of CPU; 3-6 minutes on 2 shared cores).
 VLLM_RENDER_VENV := .venv-vllm33
 $(VLLM_RENDER_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 	scripts/vllm_venv.sh $(VLLM_RENDER_VENV) render

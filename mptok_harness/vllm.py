@@ -87,6 +87,8 @@ LLAMA_CONFIG = {
 }
 
 VLLM_ENV = {
+    # Without a GPU, vLLM's CUDA build (0.33's render server) fails at start
+    # with "Failed to infer device type" unless told.
     "VLLM_TARGET_DEVICE": "cpu",
     # GiB of KV cache; by default the CPU engine wants 92% of the memory.
     "VLLM_CPU_KVCACHE_SPACE": "1",
