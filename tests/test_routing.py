@@ -326,3 +326,40 @@ def test_crossing_routes_unless_the_prompt_is_cheaper_here():
     assert costs.choose("a", 1_000) == ROUTE_CHEAPER
     # Without a cost per character (a lone frontend, or not weighing), always route.
     assert CrossingCosts(None).choose("a", 1) == ROUTE_UNKNOWN
+
+
+def test_a_prompt_cheaper_here_is_kept_here_where_there_is_room(tmp_path, tokenizer):
+    """With a fast engine a short prompt costs less here than a crossing:
+    it is tokenized here and kept here if that evicts nothing, and the
+    conversation's next turns then extend that copy here (a hit, not a
+    crossing). A cache with no room keeps what it had and the turn is
+    tokenized here all the same; every id list is exact."""
+    from mptok_harness.conversations import chat_turns
+
+    ipc_dir = str(tmp_path / "ipc")
+    configs = [mptok.CacheConfig(tokenizer_backend="auto"), mptok.CacheConfig(tokenizer_backend="auto", max_entries=1)]
+    for config in configs:
+        caches = [mptok.PrefixTokenCache(mptok.CacheConfig(tokenizer_backend="auto")), mptok.PrefixTokenCache(config)]
+        owners = []
+        try:
+            owners = [TokenizationOwners(ipc_dir, i, 2, caches[i], tokenizer, authkey=AUTHKEY) for i in range(2)]
+            unrelated = conversation(9, 1)[0]
+            assert owners[1].encode(tokenizer, unrelated) == expected(tokenizer, unrelated)  # keyless: kept here
+            key = key_owned_by(0, 2, f"cheaper-here-{config.max_entries}")
+            prompts = chat_turns(random.Random(8), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=12, words_per_message=900)
+            for prompt in prompts:
+                assert owners[1].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
+            stats = owners[1].stats()
+            assert stats["crossing_local_cheaper"] >= 1, stats
+            if config.max_entries == 1:
+                assert caches[1].stats()["entries"] == 1 and caches[1].holds(tokenizer, key) is False
+                assert stats["crossing_local_kept"] == 0
+                assert caches[1].encode(tokenizer, unrelated) == expected(tokenizer, unrelated)
+                assert caches[1].stats()["hits"] == 1  # the keyless prompt stayed
+            else:
+                assert caches[1].holds(tokenizer, key)
+                assert stats["crossing_local_kept"] >= 1
+                assert caches[1].stats()["hits"] >= stats["crossing_local_kept"]
+        finally:
+            for owner in owners:
+                owner.close()

@@ -20,6 +20,7 @@ above (``mptok.routing``).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import secrets
@@ -62,6 +63,15 @@ BRANCH_SLACK_CHARS = 256
 # content index. Measured with tracemalloc (scripts/bench_memory.py) and
 # rounded up.
 ENTRY_OVERHEAD_BYTES = 1024
+
+
+class _Keep(enum.Enum):
+    """Whether a prompt tokenized by the cache is kept: always, never (another
+    frontend keeps its conversation), or only where that evicts nothing."""
+
+    YES = "yes"
+    NO = "no"
+    IF_ROOM = "if_room"
 
 
 @dataclass(frozen=True)
@@ -171,16 +181,31 @@ class PrefixTokenCache:
         entry = self._entry_or_ids(tokenizer, text, key)
         return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
 
-    def encode_array(self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True) -> np.ndarray:
+    def encode_array(
+        self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True, room_only: bool = False
+    ) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array, read-only when it is
         the cache's own (it never changes). For a caller that writes the ids
         as JSON (orjson's ``OPT_SERIALIZE_NUMPY``) or sends them on: no list
         and no Python int is made for them. With ``keep=False`` the prompt
         extends what is kept as ``encode`` would, but is not kept itself
-        (another frontend keeps its conversation). Raises what ``encode`` raises."""
+        (another frontend keeps its conversation); with ``room_only`` it is
+        kept only if that evicts no other prompt (what this key kept stays
+        otherwise). Raises what ``encode`` raises."""
         _check_input(text, key)
-        entry = self._entry_or_ids(tokenizer, text, key, keep=keep) if text else []
+        keeping = _Keep.NO if not keep else _Keep.IF_ROOM if room_only else _Keep.YES
+        entry = self._entry_or_ids(tokenizer, text, key, keep=keeping) if text else []
         return entry.prompt.ids.array() if isinstance(entry, _Entry) else as_id_array(entry)
+
+    def holds(self, tokenizer: Any, key: str) -> bool:
+        """Whether a prompt of conversation ``key`` tokenized by ``tokenizer``
+        is kept (a later prompt of it would extend it here)."""
+        try:
+            serial = backend_for(tokenizer, self.config.tokenizer_backend).serial
+        except SlowTokenizerError:
+            return False
+        with self._lock:
+            return (serial, key) in self._branches
 
     def would_keep(self, text: str, key: str | None = None) -> bool:
         """Whether ``encode(tokenizer, text, key)`` would keep the prompt
@@ -286,7 +311,7 @@ class PrefixTokenCache:
         )
 
     def _entry_or_ids(
-        self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, keep: bool = True
+        self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, keep: _Keep = _Keep.YES
     ) -> _Entry | list[int]:
         """The entry for ``text``, made here (extending the kept prompt
         ``extending`` names, if given) and kept unless ``keep`` is false, or
@@ -307,7 +332,7 @@ class PrefixTokenCache:
         return entry
 
     def _entry_here(
-        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: bool
+        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: _Keep
     ) -> _Entry | None:
         """The entry kept for ``text``, made here; None if the text is not kept.
 
@@ -333,7 +358,7 @@ class PrefixTokenCache:
             return None
 
     def _encode_cached(
-        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: bool
+        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: _Keep
     ) -> _Entry:
         if extending is not None:
             holder, known, shared = extending
@@ -342,7 +367,7 @@ class PrefixTokenCache:
         else:
             holder, known, shared = self._branch_for(backend, key, text)
         config = self.config
-        if keep and known is not None and shared == len(text) == len(known.prompt.text):
+        if keep is not _Keep.NO and known is not None and shared == len(text) == len(known.prompt.text):
             # The kept prompt again: it stays as it is, only its place in the LRU moves.
             with self._lock:
                 if self._entries.get(holder) is known:
@@ -369,14 +394,14 @@ class PrefixTokenCache:
             self._count("hits")
         self._counters.add("tokens_reused", prompt.reused)
         self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
-        if not keep:
+        if keep is _Keep.NO:
             return _Entry(prompt, 0)
         chain = b""
         if key is not None:  # peers ask for keyed prompts only
             reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
             chain = extend_chain(text, reused)
         entry = _Entry(prompt, next(self._versions), chain, entry_bytes(holder, prompt, chain))
-        self._keep(holder, entry, by_content=key is None)
+        self._keep(holder, entry, by_content=key is None, room_only=keep is _Keep.IF_ROOM)
         return entry
 
     def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:
@@ -425,12 +450,16 @@ class PrefixTokenCache:
         """The kept branches of ``key``, newest first; the caller holds the lock."""
         return [(holder, self._entries[holder]) for holder in reversed(self._branches.get((serial, key), ()))]
 
-    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool) -> None:
+    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool, room_only: bool = False) -> None:
         """Keep ``entry`` as the newest, then evict the least recently used
         until every limit holds; an entry over the byte budget by itself is
-        not kept (and what ``holder`` had is forgotten)."""
+        not kept (and what ``holder`` had is forgotten). With ``room_only``
+        it is kept only where it fits without evicting another entry, and
+        otherwise what ``holder`` had stays."""
         config = self.config
         with self._lock:
+            if room_only and not self._fits(holder, entry):
+                return
             self._drop(holder)
             if entry.nbytes > config.max_bytes:
                 return
@@ -450,6 +479,19 @@ class PrefixTokenCache:
                 or (config.max_cached_chars is not None and self._cached_chars > config.max_cached_chars)
             ):
                 self._drop(next(iter(self._entries)))
+
+    def _fits(self, holder: Hashable, entry: _Entry) -> bool:
+        """Whether ``entry`` in place of what ``holder`` keeps (if anything)
+        stays within every limit; the caller holds the lock."""
+        config, old = self.config, self._entries.get(holder)
+        entries = len(self._entries) + (old is None)
+        chars = self._cached_chars + len(entry.prompt.text) - (len(old.prompt.text) if old is not None else 0)
+        nbytes = self._cached_bytes + entry.nbytes - (old.nbytes if old is not None else 0)
+        return (
+            entries <= config.max_entries
+            and nbytes <= config.max_bytes
+            and (config.max_cached_chars is None or chars <= config.max_cached_chars)
+        )
 
     def _drop(self, holder: Hashable) -> None:
         """Forget what ``holder`` has kept, if anything; the caller holds the lock."""

@@ -1,9 +1,11 @@
 """What tokenizing a character costs in this process, learned once at start.
 
-Routing weighs a prompt's cost here against a call to its owner
-(``mptok.routing.crossing``) and bounds its patience with an owner by it
-(``mptok.routing.deadline``); both need seconds per character of this
-frontend's tokenizer backend, on words it has not seen.
+Routing bounds its patience with an owner by what a prompt would cost here
+at worst (``mptok.routing.deadline``: made-up words, which no engine has
+cached), and weighs a prompt's cost here against a call to its owner by
+what a prompt typically costs (``mptok.routing.crossing``: real text, whose
+words repeat as a prompt's do). The two differ most for the fast engines,
+which cache words: made-up words cost them tens of times what text does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for
@@ -34,16 +37,36 @@ def build_backend(tokenizer: Any, choice: str) -> TokenizerBackend | None:
     return backend
 
 
-def seconds_per_char(backend: TokenizerBackend) -> float:
-    """What tokenizing one character of made-up words in full costs ``backend``
-    here, with the engine its full tokenizations use (a fast one, if trusted)."""
+def seconds_per_char(backend: TokenizerBackend, sample: str | None = None) -> float:
+    """What tokenizing one character of ``sample`` (default: made-up words)
+    in full costs ``backend`` here, with the engine its full tokenizations
+    use (a fast one, if trusted)."""
+    if sample is None:
+        sample = made_up_words()
+    started = time.perf_counter()
+    backend.encode_ids(sample)
+    return (time.perf_counter() - started) / len(sample)
+
+
+def made_up_words() -> str:
+    """About ``CALIBRATION_CHARS`` characters of new random words."""
     rng = random.Random(os.urandom(8))  # words the backend has not cached yet
     words, chars = [], 0
     while chars < CALIBRATION_CHARS:
         word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 9)))
         words.append(word)
         chars += len(word) + 1
-    sample = " ".join(words)
-    started = time.perf_counter()
-    backend.encode_ids(sample)
-    return (time.perf_counter() - started) / len(sample)
+    return " ".join(words)
+
+
+def typical_text() -> str:
+    """About ``CALIBRATION_CHARS`` characters of real text, prose and code:
+    mptok's own sources, which every installation has."""
+    parts, chars = [], 0
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        parts.append(text)
+        chars += len(text)
+        if chars >= CALIBRATION_CHARS:
+            break
+    return "".join(parts)[:CALIBRATION_CHARS]

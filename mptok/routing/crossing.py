@@ -6,9 +6,15 @@ of the prompt); tokenizing the whole prompt here costs its characters times
 what a character costs this frontend's backend (``mptok.routing.calibration``).
 With a fast backend a short prompt is cheaper here; with ``tokenizers`` a
 long one is cheaper at its owner. ``CrossingCosts`` learns each owner's
-round trip from recent delta calls (an EWMA) and chooses the cheaper. A
-prompt tokenized here because that was cheaper is not kept here (its owner
-keeps the conversation), so memory stays one copy per conversation.
+round trip from recent delta calls (an EWMA) and chooses the cheaper.
+
+A prompt tokenized here because that was cheaper is kept here only where
+the cache has room for it without evicting anything, and a conversation
+kept here is extended here (``LOCAL_KEPT``: cheaper than the owner
+extending its own copy and the crossing on top). With room to spare a
+frontend so keeps what lands on it, as a cache per frontend would; under
+memory pressure nothing is evicted for such a copy, so each conversation
+is still kept once, by its owner.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ ROUTE_CHEAPER = "route_cheaper"
 ROUTE_UNKNOWN = "route_unknown"
 ROUTE_PROBE = "route_probe"
 LOCAL_CHEAPER = "local_cheaper"
-CHOICES = (ROUTE_CHEAPER, ROUTE_UNKNOWN, ROUTE_PROBE, LOCAL_CHEAPER)
+LOCAL_KEPT = "local_kept"
+CHOICES = (ROUTE_CHEAPER, ROUTE_UNKNOWN, ROUTE_PROBE, LOCAL_CHEAPER, LOCAL_KEPT)
 
 
 class CrossingCosts:
@@ -41,8 +48,14 @@ class CrossingCosts:
         self._route_s: dict[Hashable, float] = {}
         self._local_since_probe: dict[Hashable, int] = {}
 
+    @property
+    def weighing(self) -> bool:
+        """Whether choices are weighed at all (a lone frontend, or one told
+        not to weigh, routes every prompt an owner can answer)."""
+        return self._seconds_per_char is not None
+
     def choose(self, owner: Hashable, prompt_chars: int) -> str:
-        """One of ``CHOICES``: route unless tokenizing ``prompt_chars``
+        """One of ``CHOICES`` but ``LOCAL_KEPT``: route unless tokenizing ``prompt_chars``
         characters here is expected to cost less than a delta call to ``owner``."""
         if self._seconds_per_char is None:
             return ROUTE_UNKNOWN

@@ -37,8 +37,8 @@ from mptok.core.counting import Counters, Histogram
 from mptok.core.private_files import secure_ipc_dir
 from mptok.core.protocol import PeerReply
 from mptok.routing.answer import PeerCache, answer_peer
-from mptok.routing.calibration import build_backend, seconds_per_char
-from mptok.routing.crossing import CHOICES, LOCAL_CHEAPER, CrossingCosts
+from mptok.routing.calibration import build_backend, seconds_per_char, typical_text
+from mptok.routing.crossing import CHOICES, LOCAL_CHEAPER, LOCAL_KEPT, CrossingCosts
 from mptok.routing.deadline import PATIENCE_FACTOR, RouteDeadline
 from mptok.routing.held import BadReply, HeldReplies
 from mptok.routing.liveness import (
@@ -99,22 +99,30 @@ class _OwnerSkipped(Exception):
 @dataclass(frozen=True)
 class _Here:
     """What ``_route`` says when no owner tokenized a prompt: tokenize it
-    here and ``keep`` it (this frontend is its first live owner, or the
-    route failed) or not (tokenizing here was cheaper; its owner keeps it)."""
+    here and keep it (this frontend is its first live owner, or the route
+    failed), or keep it only where that evicts nothing (``room_only``:
+    tokenizing here was cheaper and its owner keeps the conversation)."""
 
-    keep: bool
+    room_only: bool
 
 
-_KEEP_HERE = _Here(keep=True)
-_ONLY_HERE = _Here(keep=False)
+_KEEP_HERE = _Here(room_only=False)
+_KEEP_IF_ROOM = _Here(room_only=True)
 
 
 class RoutableCache(TokenCache, PeerCache, Protocol):
     """What routing needs from this frontend's cache: encode here, and
     answer its peers (``PrefixTokenCache``)."""
 
-    def encode_array(self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True) -> np.ndarray:
-        """``encode``'s ids as an int32 array; with ``keep=False`` the prompt is not kept."""
+    def encode_array(
+        self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True, room_only: bool = False
+    ) -> np.ndarray:
+        """``encode``'s ids as an int32 array; with ``room_only`` the prompt
+        is kept only if that evicts no other."""
+        ...
+
+    def holds(self, tokenizer: Any, key: str) -> bool:
+        """Whether a prompt of conversation ``key`` is kept here."""
         ...
 
 
@@ -189,12 +197,14 @@ class TokenizationOwners:
         # them out and be backed off from. So it is built first.
         backend = build_backend(tokenizer, cache.config.tokenizer_backend)
         # Calibration is for asking peers: a lone frontend never does.
-        here_s_per_char = seconds_per_char(backend) if num_frontends > 1 and backend is not None else None
+        calibrated = num_frontends > 1 and backend is not None
+        worst_s_per_char = seconds_per_char(backend) if calibrated else None
         self._patience_per_char_s = (
-            patience_factor * here_s_per_char if here_s_per_char is not None and patience_factor > 0 else None
+            patience_factor * worst_s_per_char if worst_s_per_char is not None and patience_factor > 0 else None
         )
         # Without weighing, every prompt an owner can answer is routed.
-        self._crossing = CrossingCosts(here_s_per_char if weigh_crossing else None)
+        typical_s_per_char = seconds_per_char(backend, typical_text()) if calibrated and weigh_crossing else None
+        self._crossing = CrossingCosts(typical_s_per_char)
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
             address,
@@ -220,9 +230,9 @@ class TokenizationOwners:
         routed = self._routed(tokenizer, text, key)
         if isinstance(routed, np.ndarray):
             return routed.tolist()
-        if routed.keep:
+        if not routed.room_only:
             return self._cache.encode(tokenizer, text, key)
-        return self._cache.encode_array(tokenizer, text, key, keep=False).tolist()
+        return self._cache.encode_array(tokenizer, text, key, room_only=True).tolist()
 
     def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array (``cache.encode_array``),
@@ -230,7 +240,7 @@ class TokenizationOwners:
         routed = self._routed(tokenizer, text, key)
         if isinstance(routed, np.ndarray):
             return routed
-        return self._cache.encode_array(tokenizer, text, key, keep=routed.keep)
+        return self._cache.encode_array(tokenizer, text, key, room_only=routed.room_only)
 
     def _routed(self, tokenizer: Any, text: str, key: str | None) -> np.ndarray | _Here:
         if (
@@ -255,7 +265,8 @@ class TokenizationOwners:
         crossing_<choice>: for prompts this frontend could send its owner as
         a delta, whether it did because that was cheaper (route_cheaper), not
         yet known (route_unknown) or to refresh the estimate (route_probe), or
-        tokenized it here because that was cheaper (local_cheaper). served, serve_errors,
+        tokenized it here because that was cheaper (local_cheaper) or because
+        this frontend keeps a version of it (local_kept). served, serve_errors,
         active_connections, accepted, refused, handshake_failures,
         refused_requests: this frontend as an owner. held_entries,
         held_bytes, held_max_bytes: the fingerprints of routed prompts held here.
@@ -312,7 +323,8 @@ class TokenizationOwners:
     def _route(self, key: str, text: str) -> np.ndarray | _Here:
         """The ids from the conversation's owner, or where to tokenize here
         (this frontend is the first live one in the order, or the call
-        failed: kept; a call to the owner would cost more: not kept)."""
+        failed: kept; this frontend keeps a version of it, or a call to the
+        owner would cost more: kept where there is room)."""
         started = time.perf_counter()
         deadline = RouteDeadline.starting_now(self._timeout_s, self._patience_per_char_s, len(text))
         order = owner_order(key, self._num_frontends)
@@ -332,11 +344,16 @@ class TokenizationOwners:
                 assert record is not None
                 owner = (frontend, record.incarnation)
                 delta = self._held.get(owner, key) is not None
+                if delta and self._crossing.weighing and self._cache.holds(self._tokenizer, key):
+                    # Extending the version kept here costs less than the
+                    # owner extending its own, plus the crossing.
+                    self._counters.add(f"crossing_{LOCAL_KEPT}")
+                    return _KEEP_IF_ROOM
                 if delta:
                     choice = self._crossing.choose(owner, len(text))
                     self._counters.add(f"crossing_{choice}")
                     if choice == LOCAL_CHEAPER:
-                        return _ONLY_HERE
+                        return _KEEP_IF_ROOM
                 ids, answered_since = self._ask(frontend, record, key, text, deadline, checked)
             except _OwnerSkipped as e:
                 self._counters.add(f"fallback_{e.reason}")

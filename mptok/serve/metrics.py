@@ -182,7 +182,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_owner_refused_requests_total", "routing", "refused_requests", "Authenticated peer connections that asked for something other than encode."),
     Metric("mptok_route_fallbacks_total", "counter", "Prompts not tokenized by their owner, by reason.",
            OnePerLabel("reason", {reason: ("routing", f"fallback_{reason}") for reason in FALLBACK_REASONS})),
-    Metric("mptok_crossing_choices_total", "counter", "Prompts this frontend could send its owner as new characters, by choice: route_cheaper, route_unknown (no estimate yet), route_probe (refreshing the estimate), local_cheaper (tokenized here, not kept).",
+    Metric("mptok_crossing_choices_total", "counter", "Prompts this frontend could send its owner as new characters, by choice: route_cheaper, route_unknown (no estimate yet), route_probe (refreshing the estimate), local_cheaper (tokenized here: cheaper than the crossing), local_kept (extending the version kept here).",
            OnePerLabel("choice", {choice: ("routing", f"crossing_{choice}") for choice in CROSSING_CHOICES})),
     Metric("mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).",
            OnePerLabel("identity", {kind.value: ("identities", kind.value) for kind in IdentityKind})),
