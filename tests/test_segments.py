@@ -10,7 +10,7 @@ from tokenizers import AddedToken, Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.cache.backend import TokenizerBackend, backend_for
+from mptok.cache.backend import backend_for
 from mptok.cache.segments import SegmentOpeners
 from mptok_harness.conversations import chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
@@ -57,7 +57,7 @@ def test_a_token_that_the_new_text_completes_around_an_opener_is_not_spliced_pas
         AddedToken("ab<|turn|>cd", normalized=False),
         AddedToken("<|end|>", normalized=False),
     )
-    if not TokenizerBackend(tokenizer, "auto").fast:
+    if not backend_for(tokenizer, "auto").fast:  # the cache's own backend for it
         pytest.skip("no fast engine is trusted for this tokenizer here")
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))
     kept = HEAD + "<|end|>ab<|turn|>c"
@@ -67,15 +67,14 @@ def test_a_token_that_the_new_text_completes_around_an_opener_is_not_spliced_pas
     assert cache.stats()["hits"] == 1  # spliced at <|end|>, which the new text leaves alone
 
 
-@pytest.mark.parametrize("family", ["deepseek", "qwen"])
-def test_a_chat_hits_from_its_second_turn_with_a_fast_engine(family):
+def test_a_chat_hits_from_its_second_turn_with_a_fast_engine():
     """The generation prompt's opener, just before where the next turn parts
     from the kept prompt, is a seam from the second turn on (a splice
     re-tokenizes at most half the prompt)."""
-    tokenizer = load_family_hf(family)
+    tokenizer = load_family_hf("deepseek")
     if not backend_for(tokenizer, "auto").fast:
         pytest.skip("no fast engine is trusted for this tokenizer here")
-    start, end = CHAT_MARKERS[family]
+    start, end = CHAT_MARKERS["deepseek"]
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))
     prompts = [SYSTEM + prompt for prompt in chat_turns(random.Random(3), start, end, turns=8)]
     for prompt in prompts:
