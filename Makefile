@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
+.PHONY: test-vllm test-vllm-render run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -74,7 +74,8 @@ test-quick: $(BIN)/.installed-test
 # The vLLM plugin's tests against real vLLM (CPU build) in a venv of their
 # own, built on first use (scripts/vllm_venv.sh; about 5 minutes, 3.5 GB);
 # the tests start four `vllm serve` one after another (6-9 minutes on 2
-# shared cores). `make test` does not collect them.
+# shared cores), then four render servers (tests/vllm/test_render_server.py,
+# 3-5 minutes). `make test` does not collect them.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 	scripts/vllm_venv.sh $(VLLM_VENV)
@@ -82,6 +83,19 @@ $(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 
 test-vllm: $(VLLM_VENV)/bin/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(ARGS)
+
+# vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
+# render server (`vllm launch render`) with and without the switch, and the
+# version check. Its own venv (scripts/vllm_venv.sh render; about 5 minutes,
+# 4 GB of wheels, 9.5 GB); the tests start four render servers one after
+# another (about 2 minutes of CPU; 3-6 minutes on 2 shared cores).
+VLLM_RENDER_VENV := .venv-vllm33
+$(VLLM_RENDER_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
+	scripts/vllm_venv.sh $(VLLM_RENDER_VENV) render
+	touch $@
+
+test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
+	$(VLLM_RENDER_VENV)/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_compat.py $(ARGS)
 
 # The transport's tests on the other declared Python versions.
 test-versions:

@@ -8,7 +8,10 @@ on it in its own process group (through ``tests/vllm/vllm_cli.py``, which
 lets vLLM's CLI find its version under the CPU build's distribution name),
 waits (bounded) until every API server has started, and on ``stop()``
 SIGTERMs it, then SIGKILLs the whole group, so a failing test leaves no
-process behind. Needs the ``make test-vllm`` environment (``.venv-vllm``).
+process behind. With ``command=RENDER`` it is ``vllm launch render`` instead:
+vLLM's GPU-less render server, one process, no engine, the serve command's
+flags. Needs the ``make test-vllm`` environment (``.venv-vllm``), or for the
+render server ``make test-vllm-render``'s (``.venv-vllm33``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ START_TIMEOUT_S = 300.0
 # What docs/VLLM.md has a user add beside the switch, for session headers.
 SESSION_MIDDLEWARE = "mptok.vllm.session.SessionHeaders"
 STOP_TIMEOUT_S = 30.0
+
+# vLLM's subcommands: the server with its engine, and the GPU-less render server.
+SERVE = ("serve",)
+RENDER = ("launch", "render")
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -82,6 +89,8 @@ LLAMA_CONFIG = {
 }
 
 VLLM_ENV = {
+    # Without a GPU, vLLM's CUDA build (0.33's render server) fails at start
+    # with "Failed to infer device type" unless told.
     "VLLM_TARGET_DEVICE": "cpu",
     # GiB of KV cache; by default the CPU engine wants 92% of the memory.
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -131,7 +140,10 @@ def write_model_dir(directory: Path) -> Path:
 
 class VllmServer:
     """``vllm serve MODEL_DIR`` with ``api_servers`` API servers, with or without ``--tokenizer-mode mptok``
-    (with it, also mptok's session-header middleware)."""
+    (with it, also mptok's session-header middleware).
+
+    ``command=RENDER``: ``vllm launch render MODEL_DIR`` (one process; give it ``api_servers=1``).
+    """
 
     def __init__(
         self,
@@ -143,13 +155,14 @@ class VllmServer:
         max_model_len: int = 65536,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        command: tuple[str, ...] = SERVE,
     ):
         self.model = str(model_dir)
         self.port = free_port()
         self.api_servers = api_servers
         self.log_path = log_path
         self.args = [
-            sys.executable, VLLM_CLI, "serve", self.model,
+            sys.executable, VLLM_CLI, *command, self.model,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--api-server-count", str(api_servers),
             "--enable-scale-out", "--load-format", "dummy",

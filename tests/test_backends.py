@@ -48,6 +48,24 @@ def test_forcing_tokenizers_uses_no_fast_engine():
     assert cache.encode(tokenizer, text, key="k") == reference_ids(tokenizer, text)
 
 
+def test_threads_asking_at_once_share_one_backend():
+    """A tokenizer's first backend is built once, however many threads ask
+    for it while it is being built."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer = Tokenizer.from_str(load_family("metaspace_first").to_str())  # no backend built for it yet
+    start = threading.Barrier(4)
+
+    def ask(_: int) -> TokenizerBackend:
+        start.wait(timeout=10)
+        return backend_for(tokenizer, "tokenizers")
+
+    with ThreadPoolExecutor(4) as pool:
+        backends = list(pool.map(ask, range(4)))
+    assert all(backend is backends[0] for backend in backends)
+    assert backend_for(tokenizer, "tokenizers") is backends[0]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_forcing_an_engine_uses_it(engine):
     tokenizer = load_family("deepseek")

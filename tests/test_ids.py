@@ -18,6 +18,7 @@ from mptok.core.ids import (
     NO_IDS,
     IdPieces,
     as_id_array,
+    common_prefix_length,
     first_difference,
     held_bytes,
 )
@@ -143,3 +144,19 @@ def test_first_difference_anywhere():
             b = a.copy()
             b[at] += 1
             assert first_difference(a, b) == at
+
+
+@pytest.mark.parametrize("kind", ["ascii", "ucs2", "mixed"])
+def test_common_text_prefix_anywhere(kind):
+    """The first differing character of two long texts, found wherever it is:
+    inside the doubling windows, past the largest window, in the last one,
+    and where one text is a prefix of the other."""
+    rng = random.Random(kind)
+    alphabet = {"ascii": "ab \n", "ucs2": "｜é中 ", "mixed": "ab｜ \n"}[kind]
+    base = "".join(rng.choice(alphabet) for _ in range(70_000))
+    for at in (0, 1, 63, 64, 65, 1000, 16_383, 16_384, 40_000, 69_999):
+        changed = base[:at] + "\N{SNOWMAN}" + base[at + 1 :]
+        assert common_prefix_length(base, changed) == at
+        assert common_prefix_length(changed, base[: at + 5]) == at
+    assert common_prefix_length(base, base[:50_000]) == 50_000
+    assert common_prefix_length(base[:50_000], base) == 50_000

@@ -158,6 +158,7 @@ def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
 MAX_BACKENDS = 8
 _backends: OrderedDict[tuple[int, str], tuple[Any, TokenizerBackend | SlowTokenizerError]] = OrderedDict()
 _backends_lock = threading.Lock()
+_building: dict[tuple[int, str], threading.Lock] = {}
 
 # One background re-check of a fast engine's results per this many results.
 DEFAULT_CHECK_EVERY = 256
@@ -182,26 +183,46 @@ def backend_for(tokenizer: Any, choice: str = "auto") -> TokenizerBackend:
         raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
     slot = (id(tokenizer), choice)
     with _backends_lock:
-        known = _backends.get(slot)
-        if known is not None and known[0] is tokenizer:
-            _backends.move_to_end(slot)
-            if isinstance(known[1], SlowTokenizerError):
-                raise known[1]
-            return known[1]
-    try:
-        backend: TokenizerBackend | SlowTokenizerError = TokenizerBackend(tokenizer, choice)  # slow: unlocked
-    except SlowTokenizerError as e:
-        backend = e
-    except Exception as e:
-        # Remembered, so that the next call does not pay for the attempt again.
-        backend = SlowTokenizerError(f"cannot copy {type(tokenizer).__name__}'s Rust tokenizer: {e!r}")
-    with _backends_lock:
-        _backends[slot] = (tokenizer, backend)
-        while len(_backends) > MAX_BACKENDS:
-            _backends.popitem(last=False)
+        known = _known_backend(slot, tokenizer)
+        building = _building.setdefault(slot, threading.Lock()) if known is None else None
+    if building is not None:
+        # One build per slot: threads that ask meanwhile wait for it (it is
+        # what they would spend building their own) rather than build a
+        # second backend whose serial would make caches forget the first's.
+        with building:
+            with _backends_lock:
+                known = _known_backend(slot, tokenizer)
+            if known is None:
+                known = _built_backend(tokenizer, choice)
+                with _backends_lock:
+                    _backends[slot] = (tokenizer, known)
+                    while len(_backends) > MAX_BACKENDS:
+                        _backends.popitem(last=False)
+                    _building.pop(slot, None)
+    backend = known
     if isinstance(backend, SlowTokenizerError):
         raise backend
     return backend
+
+
+def _known_backend(slot: tuple[int, str], tokenizer: Any) -> TokenizerBackend | SlowTokenizerError | None:
+    """What was built for ``slot`` if it was built for this very tokenizer
+    (an id can be reused once a tokenizer is gone); callers hold the lock."""
+    known = _backends.get(slot)
+    if known is None or known[0] is not tokenizer:
+        return None
+    _backends.move_to_end(slot)
+    return known[1]
+
+
+def _built_backend(tokenizer: Any, choice: str) -> TokenizerBackend | SlowTokenizerError:
+    try:
+        return TokenizerBackend(tokenizer, choice)
+    except SlowTokenizerError as e:
+        return e
+    except Exception as e:
+        # Remembered, so that the next call does not pay for the attempt again.
+        return SlowTokenizerError(f"cannot copy {type(tokenizer).__name__}'s Rust tokenizer: {e!r}")
 
 
 class _BackendCounters:

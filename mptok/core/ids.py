@@ -213,14 +213,20 @@ def common_prefix_length(a: str, b: str) -> int:
     return _first_text_difference(a, b, 0, min(len(a), len(b)))
 
 
+# Windows stop doubling here: a slice this size (at most 64 KiB of UCS-4)
+# stays below glibc's mmap threshold, so its memory is reused instead of
+# being mapped and faulted in afresh for every comparison of a long prompt.
+_MAX_COMPARED_CHARS = 16384
+
+
 def _first_text_difference(a: str, b: str, low: int, high: int) -> int:
     """The first index in ``[low, high)`` where ``a`` and ``b`` differ, given
     ``a[:low] == b[:low]`` and a difference before ``high``: windows doubling
-    from ``low`` until one differs, then halving inside it."""
+    from ``low`` (up to a bound) until one differs, then halving inside it."""
     window = 64
     while high - low > window and a[low : low + window] == b[low : low + window]:
         low += window
-        window *= 2
+        window = min(2 * window, _MAX_COMPARED_CHARS)
     high = min(high, low + window)
     while high - low > 64:
         middle = (low + high) // 2

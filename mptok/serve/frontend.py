@@ -48,7 +48,7 @@ from mptok.serve.lifeline import stop_with_parent
 from mptok.serve.logfmt import configure_logging, log_event
 from mptok.serve.metrics import render_prometheus
 from mptok.serve.options import ServeOptions, Use
-from mptok.serve.periodic import PeriodicTask
+from mptok.core.periodic import PeriodicTask
 from mptok.serve.service import Answer, TokenizeService
 from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
 

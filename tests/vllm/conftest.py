@@ -17,7 +17,7 @@ from mptok_harness.vllm import write_model_dir
 try:
     import vllm.renderers.hf  # noqa: F401
 except ImportError:  # not make test-vllm's environment: only what needs no vLLM runs
-    collect_ignore = ["test_plugin.py", "test_teardown.py"]
+    collect_ignore = ["test_plugin.py", "test_teardown.py", "test_render_server.py"]
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,10 @@
-"""The plugin refuses a vLLM it was not tested with, or none, with an error that says what to do."""
+"""The plugin refuses a vLLM it was not tested with, or none, with an error that says what to do; its extra installs only what it accepts."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import re
 
 import pytest
 
@@ -41,3 +42,12 @@ def test_the_installed_vllm_is_in_the_tested_range():
 def test_the_general_plugin_entry_point_is_declared():
     plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
     assert plugins.get("mptok") == "mptok.vllm:register"
+
+
+def test_the_vllm_extra_installs_the_range_the_plugin_accepts():
+    """``pip install 'mptok[vllm]'`` must not install a vLLM the plugin then refuses, nor leave out a tested one."""
+    (requirement,) = [
+        r for r in importlib.metadata.requires("mptok") or [] if re.match(r"vllm\b", r) and 'extra == "vllm"' in r
+    ]
+    specifiers = requirement.split(";")[0].removeprefix("vllm").strip()
+    assert set(specifiers.split(",")) == set(supported_range().split(","))

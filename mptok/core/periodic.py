@@ -1,4 +1,4 @@
-"""A task a frontend runs every so often on a thread of its own (writing its metrics snapshot).
+"""A task run every so often on a thread of its own (a frontend writing its metrics snapshot, the vLLM plugin exporting its counters).
 
 Kept apart from what the task does, so that stopping it is done once, with
 a bound, and the final state is always written.

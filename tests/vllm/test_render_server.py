@@ -1,0 +1,199 @@
+"""vLLM's render server (``vllm launch render``) with ``--tokenizer-mode mptok``: vLLM's ids, the cache alone.
+
+The render server is vLLM's GPU-less front (what a router such as llm-d's
+calls to turn requests into ids): one process, no engine, so it runs where
+vLLM's engine cannot (vLLM 0.33's CUDA build on this CPU-only machine, ``make
+test-vllm-render``), and on vLLM 0.32's CPU build as well (``make test-vllm``).
+One render server without the switch answers every request of
+``test_plugin.CASES`` (agentic chats with tool turns, ``add_special_tokens``
+both ways, ``continue_final_message``, ``chat_template_kwargs``, completion
+and ``/tokenize`` renders), and agentic chats with tool turns in the other
+two formats the render server takes (Anthropic's ``/v1/messages/render``,
+OpenAI's ``/v1/responses/render``), and is stopped; then one with the switch
+on the same model directory must give every request the same ids, with its cache
+alone (one process: nothing routed) hitting on the agents' later turns, as
+its ``/metrics`` shows. vLLM's own fastokens backend (``VLLM_USE_FASTOKENS=1``)
+must agree too. Expected ids always come from vLLM without the switch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mptok.vllm.compat import supported_range
+from mptok_harness.vllm import RENDER, VllmServer
+
+from test_plugin import AGENTS, CASES, TURNS, _ids, _scraped
+from vllm_requests import TOOLS, agent_turns
+
+FAILED_START_TIMEOUT_S = 240.0
+# fastokens has no token offsets (vLLM answers 501 with it).
+WITHOUT_OFFSETS = {name: case for name, case in CASES.items() if not case[1].get("return_token_offsets")}
+
+
+def _anthropic_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """An OpenAI chat of ``agent_turns`` as an Anthropic Messages request: tool calls
+    as ``tool_use`` blocks, their results as ``tool_result`` blocks of a user turn."""
+    system, *rest = messages
+    converted: list[dict[str, Any]] = []
+    for message in rest:
+        if message["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": message["tool_call_id"], "content": message["content"]}
+            converted.append({"role": "user", "content": [block]})
+        elif message.get("tool_calls"):
+            blocks = [
+                {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
+                for call in message["tool_calls"]
+            ]
+            converted.append({"role": "assistant", "content": blocks})
+        else:
+            converted.append({"role": message["role"], "content": message["content"]})
+    tools = [
+        {"name": tool["function"]["name"], "description": tool["function"].get("description", ""), "input_schema": tool["function"]["parameters"]}
+        for tool in TOOLS
+    ]
+    return {"max_tokens": 16, "system": system["content"], "messages": converted, "tools": tools, "tool_choice": {"type": "none"}}
+
+
+def _responses_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same chat as an OpenAI Responses request: ``function_call`` and ``function_call_output`` items."""
+    system, *rest = messages
+    items: list[dict[str, Any]] = []
+    for message in rest:
+        if message["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]})
+        elif message.get("tool_calls"):
+            items += [
+                {"type": "function_call", "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+                for call in message["tool_calls"]
+            ]
+        else:
+            items.append({"type": "message", "role": message["role"], "content": message["content"]})
+    tools = [{"type": "function", **{k: tool["function"].get(k) for k in ("name", "description", "parameters")}} for tool in TOOLS]
+    return {"instructions": system["content"], "input": items, "tools": tools, "tool_choice": "none"}
+
+
+# Render endpoints of the render server beyond test_plugin's: name -> (path, body).
+# Agents of their own, so that no two formats of one chat share the cache.
+API_TURNS = 5
+API_CASES = {
+    f"{label}-turn{turn}": (path, body(messages))
+    for label, path, body, seed in (
+        ("messages-render", "/v1/messages/render", _anthropic_body, 10),
+        ("responses-render", "/v1/responses/render", _responses_body, 11),
+    )
+    for turn, messages in enumerate(agent_turns(seed, API_TURNS))
+}
+# The agents' turns after their first two, in every format: each extends a
+# prompt the cache holds (the second may land before a provable seam exists).
+LATER_TURNS = AGENTS * (TURNS - 2) + 2 * (API_TURNS - 2)
+
+
+def _answer_every_format(server: VllmServer, cases: dict[str, tuple[str, dict[str, Any]]] = CASES) -> dict[str, list[int]]:
+    """The ids of ``cases`` (test_plugin's kinds) and of ``API_CASES``."""
+    ids = {name: _ids(server, kind, body) for name, (kind, body) in cases.items()}
+    for name, (path, body) in API_CASES.items():
+        ids[name] = server.post(path, body)["token_ids"]  # type: ignore[call-overload]
+    return ids
+
+
+def _render_server(model_dir: Path, log_path: Path, *, mptok: bool, env: dict[str, str] | None = None) -> VllmServer:
+    return VllmServer(model_dir, log_path, mptok=mptok, api_servers=1, command=RENDER, env=env)
+
+
+@pytest.fixture(scope="module")
+def plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
+    with _render_server(model_dir, logs_dir / "render-plain.log", mptok=False) as server:
+        return _answer_every_format(server)
+
+
+@dataclass(frozen=True)
+class Switched:
+    """What the render server with the switch answered, logged and counted; it is stopped by then."""
+
+    ids: dict[str, list[int]]
+    log: str
+    series: dict[str, dict[str, float]]
+
+
+@pytest.fixture(scope="module")
+def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]) -> Switched:
+    with _render_server(model_dir, logs_dir / "render-mptok.log", mptok=True) as server:
+        ids = _answer_every_format(server)
+        # The counters are copied to /metrics one series after another every
+        # 0.5 s; mptok_vllm_prompts after the others (metrics.SERIES).
+        _scraped(server, "mptok_cache_hits_total", LATER_TURNS)
+        series = _scraped(server, "mptok_vllm_prompts_total", len(CASES) - len(WITHOUT_OFFSETS))
+        return Switched(ids, server.log(), series)
+
+
+def _fastokens_installed() -> bool:
+    return importlib.util.find_spec("fastokens") is not None and importlib.util.find_spec("vllm.tokenizers.fastokens") is not None
+
+
+@pytest.fixture(scope="module")
+def fastokens_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
+    if not _fastokens_installed():
+        pytest.skip("needs fastokens and a vLLM with VLLM_USE_FASTOKENS")
+    log_path = logs_dir / "render-fastokens.log"
+    with _render_server(model_dir, log_path, mptok=False, env={"VLLM_USE_FASTOKENS": "1"}) as server:
+        return _answer_every_format(server, WITHOUT_OFFSETS)
+
+
+@pytest.mark.parametrize("name", [*CASES, *API_CASES])
+def test_every_request_gets_the_ids_of_the_render_server_without_the_switch(plain_ids, switched, name):
+    assert switched.ids[name] == plain_ids[name]
+
+
+def test_the_start_log_says_mptok_is_on_with_the_cache_alone(switched):
+    assert switched.log.count("mptok is on (--tokenizer-mode mptok)") == 1, switched.log[-3000:]
+    assert "routing off: one API server" in switched.log
+    assert "cache max_bytes=" in switched.log
+
+
+def test_its_metrics_show_the_cache_hitting_on_later_turns_with_nothing_routed(switched):
+    series = switched.series
+    assert set(series["mptok_prompts_total"]) == {"0"}, series["mptok_prompts_total"]
+    assert sum(series["mptok_cache_hits_total"].values()) >= LATER_TURNS, series
+    assert sum(series["mptok_cache_tokens_reused_total"].values()) > 0, series
+    assert sum(series.get("mptok_routed_total", {}).values()) == 0, series
+    # The requests for token offsets go down vLLM's own path.
+    assert sum(series["mptok_vllm_prompts_total"].values()) >= len(CASES) - len(WITHOUT_OFFSETS), series
+
+
+def test_vllm_with_fastokens_gives_the_ids_mptok_gives(switched, fastokens_ids):
+    assert {name: switched.ids[name] for name in fastokens_ids} == fastokens_ids
+    assert set(fastokens_ids) == {*WITHOUT_OFFSETS, *API_CASES}
+
+
+# Runs vLLM's CLI in a process whose vLLM reports another version.
+_AS_VERSION = (
+    "import runpy, sys, vllm.version\n"
+    "sys.argv = sys.argv[1:]\n"
+    "vllm.version.__version__ = sys.argv.pop(1)\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def test_a_vllm_outside_the_tested_range_refuses_to_start_with_the_switch(model_dir, logs_dir):
+    """The render server is one process, so the version it reports is the one the plugin checks."""
+    server = _render_server(model_dir, logs_dir / "render-unsupported.log", mptok=True)
+    server.args = [sys.executable, "-c", _AS_VERSION, server.args[1], "0.34.0", *server.args[2:]]
+    server.launch()
+    assert server.process is not None
+    try:
+        code = server.process.wait(FAILED_START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        server.stop()
+    assert code not in (None, 0), server.log_tail()
+    assert f"--tokenizer-mode mptok supports vLLM {supported_range()}, not 0.34.0" in server.log(), server.log_tail()
