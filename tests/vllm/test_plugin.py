@@ -103,9 +103,7 @@ SESSION_CASES, SESSIONS = _session_cases()
 CASES = {**_cases(), **SESSION_CASES}
 
 
-def _ids(server: VllmServer, name: str) -> list[int]:
-    kind, body = CASES[name]
-    headers = {SESSION_HEADER: SESSIONS[name]} if name in SESSIONS else None
+def _ids(server: VllmServer, kind: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[int]:
     if kind == "chat":
         return server.chat_ids(body, headers=headers)
     if kind == "completion":
@@ -113,8 +111,14 @@ def _ids(server: VllmServer, name: str) -> list[int]:
     return server.tokenize_ids(body)
 
 
+def _case_ids(server: VllmServer, name: str) -> list[int]:
+    """The ids of case ``name``, sent with its session header if it has one."""
+    headers = {SESSION_HEADER: SESSIONS[name]} if name in SESSIONS else None
+    return _ids(server, *CASES[name], headers=headers)
+
+
 def _answer_all(server: VllmServer) -> dict[str, list[int]]:
-    return {name: _ids(server, name) for name in CASES}
+    return {name: _case_ids(server, name) for name in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +132,9 @@ def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
     """The server with the switch, its ids for every case, and mptok's totals
     before and after the session cases (which it answers last)."""
     with VllmServer(model_dir, logs_dir / "mptok.log", mptok=True) as server:
-        ids = {name: _ids(server, name) for name in CASES if name not in SESSION_CASES}
+        ids = {name: _case_ids(server, name) for name in CASES if name not in SESSION_CASES}
         before = _settled_totals(server)
-        ids.update((name, _ids(server, name)) for name in SESSION_CASES)
+        ids.update((name, _case_ids(server, name)) for name in SESSION_CASES)
         yield server, ids, (before, _settled_totals(server))
 
 
@@ -265,7 +269,7 @@ SINGLE_CASES = [name for name in CASES if name.startswith("agent0-") or not name
 @pytest.fixture(scope="module")
 def single(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
     with VllmServer(model_dir, logs_dir / "mptok-single.log", mptok=True, api_servers=1) as server:
-        yield server, {name: _ids(server, name) for name in SINGLE_CASES}
+        yield server, {name: _case_ids(server, name) for name in SINGLE_CASES}
 
 
 def test_one_api_server_uses_its_cache_alone_with_the_same_ids(single, plain_ids):
