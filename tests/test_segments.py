@@ -57,9 +57,10 @@ def test_a_token_that_the_new_text_completes_around_an_opener_is_not_spliced_pas
         AddedToken("ab<|turn|>cd", normalized=False),
         AddedToken("<|end|>", normalized=False),
     )
-    if not backend_for(tokenizer, "auto").fast:  # the cache's own backend for it
-        pytest.skip("no fast engine is trusted for this tokenizer here")
-    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))
+    # One engine forced (the cache's own backend for it): no choice between engines to time.
+    if not backend_for(tokenizer, "fastokens").fast:
+        pytest.skip("fastokens is not trusted for this tokenizer here")
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="fastokens", min_chars=0))
     kept = HEAD + "<|end|>ab<|turn|>c"
     new = HEAD + "<|end|>ab<|turn|>cd and the answer"
     assert cache.encode(tokenizer, kept, key="k") == _reference(tokenizer, kept)
