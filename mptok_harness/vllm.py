@@ -33,6 +33,8 @@ from mptok_harness.serve import free_port, request
 REPO = Path(__file__).resolve().parents[1]
 VLLM_CLI = str(REPO / "tests" / "vllm" / "vllm_cli.py")
 START_TIMEOUT_S = 300.0
+# What docs/VLLM.md has a user add beside the switch, for session headers.
+SESSION_MIDDLEWARE = "mptok.vllm.session.SessionHeaders"
 STOP_TIMEOUT_S = 30.0
 
 # vLLM's subcommands: the server with its engine, and the GPU-less render server.
@@ -137,7 +139,8 @@ def write_model_dir(directory: Path) -> Path:
 
 
 class VllmServer:
-    """``vllm serve MODEL_DIR`` with ``api_servers`` API servers, with or without ``--tokenizer-mode mptok``.
+    """``vllm serve MODEL_DIR`` with ``api_servers`` API servers, with or without ``--tokenizer-mode mptok``
+    (with it, also mptok's session-header middleware).
 
     ``command=RENDER``: ``vllm launch render MODEL_DIR`` (one process; give it ``api_servers=1``).
     """
@@ -164,7 +167,7 @@ class VllmServer:
             "--api-server-count", str(api_servers),
             "--enable-scale-out", "--load-format", "dummy",
             "--max-model-len", str(max_model_len),
-            *(["--tokenizer-mode", "mptok"] if mptok else []),
+            *(["--tokenizer-mode", "mptok", "--middleware", SESSION_MIDDLEWARE] if mptok else []),
             *extra_args,
         ]
         self.env = {**os.environ, **VLLM_ENV, **(env or {})}
@@ -211,19 +214,23 @@ class VllmServer:
                 pids[int(match.group(1))] = child.pid
         return pids
 
-    def post(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any] | list[Any]:
+    def post(
+        self, path: str, body: dict[str, Any], timeout_s: float = 60.0, headers: dict[str, str] | None = None
+    ) -> dict[str, Any] | list[Any]:
         """POST ``body`` (the model filled in) on a new connection; fails unless the answer is 200."""
-        status, payload, _ = request(self.port, "POST", path, {"model": self.model, **body}, timeout_s=timeout_s)
+        status, payload, _ = request(self.port, "POST", path, {"model": self.model, **body}, headers, timeout_s=timeout_s)
         assert status == 200, (path, status, payload[:1000])
         return json.loads(payload)
 
-    def chat_ids(self, body: dict[str, Any], timeout_s: float = 60.0) -> list[int]:
+    def chat_ids(self, body: dict[str, Any], timeout_s: float = 60.0, headers: dict[str, str] | None = None) -> list[int]:
         """The prompt ids vLLM renders for a chat request."""
-        return self.post("/v1/chat/completions/render", body, timeout_s)["token_ids"]  # type: ignore[index]
+        return self.post("/v1/chat/completions/render", body, timeout_s, headers)["token_ids"]  # type: ignore[index]
 
-    def completion_ids(self, body: dict[str, Any], timeout_s: float = 60.0) -> list[int]:
+    def completion_ids(
+        self, body: dict[str, Any], timeout_s: float = 60.0, headers: dict[str, str] | None = None
+    ) -> list[int]:
         """The prompt ids vLLM renders for a completion request (one prompt)."""
-        (rendered,) = self.post("/v1/completions/render", body, timeout_s)  # type: ignore[misc]
+        (rendered,) = self.post("/v1/completions/render", body, timeout_s, headers)  # type: ignore[misc]
         return rendered["token_ids"]
 
     def tokenize_ids(self, body: dict[str, Any], timeout_s: float = 60.0) -> list[int]:

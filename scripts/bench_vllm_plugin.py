@@ -130,8 +130,14 @@ def main() -> int:
                 server.stop()
     requests = len(tokens)
     can_hit = requests - args.chats
-    hits = after["mptok_cache_hits_total"] - before.get("mptok_cache_hits_total", 0)
-    routed = after["mptok_routed_total"] - before.get("mptok_routed_total", 0)
+    def grown(series: str) -> float:
+        return after.get(series, 0) - before.get(series, 0)
+
+    hits = grown("mptok_cache_hits_total")
+    routed = grown("mptok_routed_total")
+    misses = grown("mptok_cache_misses_total")
+    unproven = grown("mptok_cache_resync_failures_total")
+    local = grown("mptok_crossing_local_cheaper_total")
     rows = []
     for mode in MODES:
         rows.append(
@@ -154,7 +160,9 @@ def main() -> int:
             *rows,
             "",
             f"mptok: hits on {hits:.0f} of the {can_hit} turns that can hit ({hits / can_hit:.1%}); "
-            f"{routed:.0f} turns tokenized by the other API server (routed).",
+            f"{routed:.0f} turns tokenized by the other API server (routed). Misses: {misses:.0f} "
+            f"({args.chats} first turns; {local:.0f} tokenized in full by the API server they reached because "
+            f"a call to their owner was expected to cost more; {unproven:.0f} with no provable seam).",
             f"Later turns' render p50: {base_later / mptok_later:.1f}x faster than vLLM without the switch, "
             f"{fast_later / mptok_later:.2f}x against fastokens.",
             "",

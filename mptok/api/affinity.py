@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 _HASH_PERSON = b"mptok-affinity1"
+
+# Headers that name the conversation when the body does not, in the order
+# they are read (lower-cased, as HTTP/ASGI servers hand them over).
+CONVERSATION_HEADERS = ("x-session-id", "x-correlation-id")
 
 
 class IdentityKind(enum.Enum):
@@ -73,6 +77,12 @@ def identify(
     else:
         key = None
     return ConversationIdentity(key, IdentityKind.DERIVED if key is not None else IdentityKind.KEYLESS)
+
+
+def header_conversation_id(header: Callable[[str], str | None]) -> str | None:
+    """The conversation id a request's headers give: the first of
+    ``CONVERSATION_HEADERS`` that ``header(name)`` finds and is not empty."""
+    return next((value for name in CONVERSATION_HEADERS if (value := header(name))), None)
 
 
 def chat_identity(messages: Sequence[dict[str, Any]]) -> str | None:

@@ -39,8 +39,8 @@ offsets are needed: at an added token that opens a segment in both prompts
 text from ``s`` on, tokenized whole, gives exactly the kept prompt's last
 ids and begins with an added token: then the kept tokenization matched an
 added token at ``s`` (the ids tile the same text from the end), the new
-prompt matches it there too (``s`` plus the longest added token lies inside
-the shared prefix), and every segment before ``s`` is the same text in both.
+prompt matches it there too (``s`` plus that token's reach lies inside the
+shared prefix, ``mptok.cache.segments``), and every segment before ``s`` is the same text in both.
 The new ids are the kept ones before ``s`` and ``text[s:]`` tokenized whole.
 A splice that would re-tokenize more than half the prompt is not tried: a
 full tokenization costs less.
@@ -144,7 +144,7 @@ def extend_prompt(
     # it would be missed by the tail; added tokens are matched left to
     # right, so a seam whose longest possible match lies inside the shared
     # prefix sees the same matches before it in both prompts.
-    reach = backend.segment_openers.reach
+    reach = backend.segment_openers.max_reach
     attempts = 0
     for examined, seam_local in enumerate(boundaries):
         if examined >= MAX_CANDIDATES or attempts >= max_attempts:
@@ -245,7 +245,8 @@ def _extend_at_segment(
             return None
         old_tail = backend.encode_ids(cached.text[seam:])
         first = kept - len(old_tail)
-        if not old_tail or first < 0 or old_tail[0] not in openers.ids:
+        reach = openers.reach_of(old_tail[0]) if old_tail else None
+        if reach is None or seam + reach > shared or first < 0:
             continue
         if cached.ids.slice(first, kept) != old_tail:
             continue

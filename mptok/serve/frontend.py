@@ -39,6 +39,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from mptok.api.affinity import header_conversation_id
 from mptok.api.chat_template import ChatTemplate
 from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
@@ -56,8 +57,6 @@ logger = logging.getLogger("mptok.frontend")
 # What the owner's close gets at least, however much of the stop budget is left.
 _OWNERS_CLOSE_FLOOR_S = 0.5
 
-# Headers that name the conversation when the body does not ("conversation_id").
-CONVERSATION_HEADERS = ("x-session-id", "x-correlation-id")
 # mptok_http_requests_total's code for a request whose client went away unanswered (nginx's).
 CLIENT_GONE = 499
 
@@ -107,7 +106,7 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        key = next((request.headers[h] for h in CONVERSATION_HEADERS if request.headers.get(h)), None)
+        key = header_conversation_id(request.headers.get)
         answer: Answer | None
         try:
             with service.admission.place():

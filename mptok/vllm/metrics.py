@@ -50,6 +50,7 @@ SERIES = (
     Series("mptok_routed", "counter", "routed", "Prompts arriving here that their conversation's owner (another API server) tokenized."),
     Series("mptok_routed_since", "counter", "routed_since", "Routed prompts sent as the characters after a held fingerprint."),
     Series("mptok_route_failures", "counter", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
+    Series("mptok_crossing_local_cheaper", "counter", "crossing_local_cheaper", "Prompts tokenized here in full because a call to their owner was expected to cost more (not kept here)."),
     Series("mptok_owned_here", "counter", "owned_here", "Keyed prompts whose owner is this API server."),
     Series("mptok_taken_over_here", "counter", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),
     Series("mptok_served", "counter", "served", "Prompts this API server tokenized for the others."),
@@ -58,6 +59,9 @@ SERIES = (
     Series("mptok_prompt_tokens", "counter", "prompt_tokens", "Prompt tokens returned through mptok (cache or owner)."),
     Series("mptok_vllm_prompt_tokens", "counter", "vllm_prompt_tokens", "Prompt tokens tokenized by vLLM's own path (multimodal, offsets, truncation, a tokenizer mptok cannot serve)."),
     Series("mptok_prompts", "counter", "prompts", "Prompts tokenized through mptok."),
+    Series("mptok_prompts_keyed", "counter", "prompts_keyed", "Prompts through mptok named by the client's session header."),
+    Series("mptok_prompts_derived", "counter", "prompts_derived", "Prompts through mptok of chats named by their first messages."),
+    Series("mptok_prompts_keyless", "counter", "prompts_keyless", "Prompts through mptok with no name (not routed; matched by content)."),
     Series("mptok_vllm_prompts", "counter", "vllm_prompts", "Prompts left to vLLM's own tokenization."),
 ) + tuple(
     Series(f"mptok_route_fallback_{reason}", "counter", f"fallback_{reason}", f"Owners skipped or failed: {reason}.")

@@ -27,6 +27,7 @@ import logging
 import threading
 from typing import Any
 
+from mptok.api.affinity import ConversationIdentity, IdentityKind
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.backend import SlowTokenizerError, backend_for
 from mptok.cache.config import CacheConfig
@@ -59,7 +60,10 @@ class PromptTokens:
         self.rank = rank
         self._cache = PrefixTokenCache(CacheConfig.from_env())
         self._frame = SpecialTokenFrame.derive(tokenizer)
-        self._counters = Counters(("prompts", "prompt_tokens", "vllm_prompts", "vllm_prompt_tokens", "mptok_errors"))
+        self._counters = Counters(
+            ("prompts", "prompt_tokens", "vllm_prompts", "vllm_prompt_tokens", "mptok_errors")
+            + tuple(f"prompts_{kind.value}" for kind in IdentityKind)
+        )
         self._ipc_dir: SharedIpcDir | None = None
         self._owners: TokenizationOwners | None = None
         self._closed = False
@@ -86,12 +90,12 @@ class PromptTokens:
                 return None
             return _of_process
 
-    def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int] | None:
-        """The exact ids of ``text``, routed under conversation ``key``; None to let vLLM tokenize it."""
+    def tokenize(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> list[int] | None:
+        """The exact ids of ``text``, routed under ``identity.key``; None to let vLLM tokenize it."""
         if add_special_tokens and (self._frame is None or not text):
             return None
         try:
-            ids = self._encoder.encode(self._tokenizer, text, key)
+            ids = self._encoder.encode(self._tokenizer, text, identity.key)
         except Exception:
             # vLLM's own path then gives the request whatever vLLM gives it.
             logger.debug("mptok: tokenizing through the cache raised; vLLM tokenizes it", exc_info=True)
@@ -101,6 +105,7 @@ class PromptTokens:
             assert self._frame is not None
             ids = self._frame.around(ids)
         self._counters.add("prompts")
+        self._counters.add(f"prompts_{identity.kind.value}")
         self._counters.add("prompt_tokens", len(ids))
         return ids
 

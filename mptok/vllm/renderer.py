@@ -8,14 +8,18 @@ with the chat template (tools, ``add_generation_prompt``,
 first step as it is and replaces only the second, so the text is vLLM's own
 and the ids equal what vLLM's tokenizer call would return:
 
-- a chat is named for routing as ``mptok serve`` names a chat whose client
-  sends no session id: by its messages up to and including the first user
-  message (``mptok.api.affinity.chat_identity``). The renderer cannot see
-  request headers, so a session header does not name it here; the name
-  travels from ``render_messages`` to ``_tokenize_prompt`` in the prompt
-  dict and is removed before the prompt goes on;
-- a completion prompt has no name: it is matched by content in the cache
-  of the API server it lands on;
+- a prompt is named for routing as ``mptok serve`` names it: by the
+  request's session header when the API server runs the
+  ``mptok.vllm.session.SessionHeaders`` middleware and the client sends
+  one; else a chat by its messages up to and including the first user
+  message (``mptok.api.affinity.chat_identity``), a name that travels from
+  ``render_messages`` to ``_tokenize_prompt`` in the prompt dict and is
+  removed before the prompt goes on;
+- vLLM tokenizes in an executor thread; this renderer has that thread run
+  in a copy of the request's context, so that the header set by the
+  middleware is seen there;
+- a completion prompt without a session header has no name: it is matched
+  by content in the cache of the API server it lands on;
 - vLLM's own path tokenizes what mptok cannot take exactly: multimodal
   prompts and prompt embeddings, requests for token offsets, tokenizer
   arguments other than ``add_special_tokens`` / ``truncation`` /
@@ -25,12 +29,14 @@ and the ids equal what vLLM's tokenizer call would return:
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Any
 
 from vllm.renderers.hf import HfRenderer
 
-from mptok.api.affinity import chat_identity
+from mptok.api.affinity import ConversationIdentity, IdentityKind, chat_identity
 from mptok.vllm.prompt_tokens import PromptTokens
+from mptok.vllm.session import run_in_context, session_id
 
 # The conversation's name, from render_messages to _tokenize_prompt.
 CONVERSATION_FIELD = "_mptok_conversation"
@@ -50,6 +56,10 @@ class MptokRenderer(HfRenderer):
             if self.tokenizer is None
             else PromptTokens.of_process(self.tokenizer, parallel._api_process_rank, parallel._api_process_count)
         )
+        # vLLM's own wrapper runs it on this executor, outside the request's context.
+        executor = getattr(self, "_executor", None)
+        if isinstance(executor, Executor):
+            self._tokenize_prompt_async = run_in_context(self._tokenize_prompt, executor)
 
     def render_messages(self, messages: list[Any], params: Any) -> tuple[list[Any], Any]:
         conversation, prompt = super().render_messages(messages, params)
@@ -60,8 +70,8 @@ class MptokRenderer(HfRenderer):
         return conversation, _named(prompt, messages)
 
     def _tokenize_prompt(self, prompt: Any, params: Any) -> Any:
-        key = prompt.pop(CONVERSATION_FIELD, None)
-        ids = self._ids_through_mptok(prompt, params, key)
+        identity = _identity(session_id(), prompt.pop(CONVERSATION_FIELD, None))
+        ids = self._ids_through_mptok(prompt, params, identity)
         if ids is not None:
             return self._build_tokens_prompt(ids, prompt)
         tokens_prompt = super()._tokenize_prompt(prompt, params)
@@ -69,7 +79,7 @@ class MptokRenderer(HfRenderer):
             self._prompt_tokens.count_vllm(len(tokens_prompt["prompt_token_ids"]))
         return tokens_prompt
 
-    def _ids_through_mptok(self, prompt: Any, params: Any, key: str | None) -> list[int] | None:
+    def _ids_through_mptok(self, prompt: Any, params: Any, identity: ConversationIdentity) -> list[int] | None:
         if (
             self._prompt_tokens is None
             or not _text_only(prompt)
@@ -79,7 +89,7 @@ class MptokRenderer(HfRenderer):
         arguments = params.get_encode_kwargs()
         if not set(arguments) <= _ENCODE_ARGUMENTS:
             return None
-        ids = self._prompt_tokens.tokenize(prompt["prompt"], bool(arguments.get("add_special_tokens")), key)
+        ids = self._prompt_tokens.tokenize(prompt["prompt"], bool(arguments.get("add_special_tokens")), identity)
         max_length = arguments.get("max_length")
         if ids is not None and arguments.get("truncation") and max_length is not None and len(ids) > max_length:
             return None  # the tokenizer would truncate: vLLM's own call does it as vLLM does
@@ -90,6 +100,14 @@ def _text_only(prompt: Any) -> bool:
     return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not any(
         prompt.get(field) is not None for field in _NOT_TEXT_ONLY
     )
+
+
+def _identity(session: str | None, chat_name: str | None) -> ConversationIdentity:
+    if session is not None:
+        return ConversationIdentity(session, IdentityKind.KEYED)
+    if chat_name is not None:
+        return ConversationIdentity(chat_name, IdentityKind.DERIVED)
+    return ConversationIdentity(None, IdentityKind.KEYLESS)
 
 
 def _named(prompt: Any, messages: list[Any]) -> Any:

@@ -5,7 +5,9 @@ first and is stopped; then one with the switch (two API servers) answers
 the same requests, and must give every one the same ``token_ids``. The
 same server then shows the routing and counters on its ``/metrics``, and
 serves through a SIGSTOPped API server. Expected ids always come from vLLM
-itself without the switch, never from mptok.
+itself without the switch, never from mptok. The requests that carry a
+session header come last, so that the counters they move are measured
+alone.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import concurrent.futures
 import os
 import signal
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,13 @@ from vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
 
 AGENTS = 3
 TURNS = 8
+SESSION_TURNS = 5
+SESSION_HEADER = "X-Session-Id"
+
+
+def _session_owned_by(rank: int) -> str:
+    """A session id whose owner is API server ``rank`` of 2."""
+    return next(f"session-{n}" for n in range(1000) if owner_of(f"session-{n}", 2) == rank)
 
 
 def _cases() -> dict[str, tuple[str, dict[str, Any]]]:
@@ -68,19 +77,48 @@ def _cases() -> dict[str, tuple[str, dict[str, Any]]]:
     return cases
 
 
-CASES = _cases()
+def _session_cases() -> tuple[dict[str, tuple[str, dict[str, Any]]], dict[str, str]]:
+    """Requests with a session header, by name, and each one's session id:
+    two chats with the same first messages under two sessions (owned by API
+    servers 0 and 1), their turns interleaved, and a completion prompt that
+    grows under a third session."""
+    cases: dict[str, tuple[str, dict[str, Any]]] = {}
+    sessions: dict[str, str] = {}
+    first_messages = list(agent_turns(10, 1))[0][:2]
+    chats = {_session_owned_by(0): list(agent_turns(11, SESSION_TURNS)), _session_owned_by(1): list(agent_turns(12, SESSION_TURNS))}
+    for turn in range(SESSION_TURNS):
+        for n, (session, turns) in enumerate(chats.items()):
+            name = f"session{n}-turn{turn}"
+            cases[name] = ("chat", {"messages": first_messages + turns[turn][2:]})
+            sessions[name] = session
+    piece = text_source(98)
+    prompt = piece(3000)
+    for name, text in (("session-completion", prompt), ("session-completion-longer", prompt + piece(500))):
+        cases[name] = ("completion", {"prompt": text})
+        sessions[name] = "session-completion"
+    return cases, sessions
 
 
-def _ids(server: VllmServer, kind: str, body: dict[str, Any]) -> list[int]:
+SESSION_CASES, SESSIONS = _session_cases()
+CASES = {**_cases(), **SESSION_CASES}
+
+
+def _ids(server: VllmServer, kind: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[int]:
     if kind == "chat":
-        return server.chat_ids(body)
+        return server.chat_ids(body, headers=headers)
     if kind == "completion":
-        return server.completion_ids(body)
+        return server.completion_ids(body, headers=headers)
     return server.tokenize_ids(body)
 
 
+def _case_ids(server: VllmServer, name: str) -> list[int]:
+    """The ids of case ``name``, sent with its session header if it has one."""
+    headers = {SESSION_HEADER: SESSIONS[name]} if name in SESSIONS else None
+    return _ids(server, *CASES[name], headers=headers)
+
+
 def _answer_all(server: VllmServer) -> dict[str, list[int]]:
-    return {name: _ids(server, kind, body) for name, (kind, body) in CASES.items()}
+    return {name: _case_ids(server, name) for name in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +129,13 @@ def plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
+    """The server with the switch, its ids for every case, and mptok's totals
+    before and after the session cases (which it answers last)."""
     with VllmServer(model_dir, logs_dir / "mptok.log", mptok=True) as server:
-        yield server, _answer_all(server)
+        ids = {name: _case_ids(server, name) for name in CASES if name not in SESSION_CASES}
+        before = _settled_totals(server)
+        ids.update((name, _case_ids(server, name)) for name in SESSION_CASES)
+        yield server, ids, (before, _settled_totals(server))
 
 
 def _mptok_totals(server: VllmServer) -> dict[str, dict[str, float]]:
@@ -114,14 +157,26 @@ def _scraped(server: VllmServer, series: str, at_least: float, timeout_s: float 
         time.sleep(0.25)
 
 
+def _settled_totals(server: VllmServer, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
+    """The totals once two scrapes a sync interval apart agree (counters are copied every 0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    totals = _mptok_totals(server)
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        previous, totals = totals, _mptok_totals(server)
+        if totals == previous:
+            break
+    return totals
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_request_gets_the_ids_vllm_gives_without_the_switch(plain_ids, switched, name):
-    _, mptok_ids = switched
+    _, mptok_ids, _ = switched
     assert mptok_ids[name] == plain_ids[name]
 
 
 def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched):
-    server, _ = switched
+    server, _, _ = switched
     log = server.log()
     assert log.count("mptok is on (--tokenizer-mode mptok)") == 2, server.log_tail()
     for rank in (0, 1):
@@ -131,7 +186,7 @@ def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched
 
 
 def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
-    server, _ = switched
+    server, _, _ = switched
     totals = _scraped(server, "mptok_routed_total", 1)
     prompts = totals["mptok_prompts_total"]
     assert set(prompts) == {"0", "1"} and all(v > 0 for v in prompts.values()), prompts
@@ -144,8 +199,25 @@ def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
     assert sum(totals["mptok_cache_hits_total"].values()) >= AGENTS * (TURNS - 2)
 
 
+def test_a_session_header_names_the_conversation_as_mptok_serve_does(switched):
+    """Two chats with the same first messages under two session ids are two
+    conversations, each kept by its session's owner whichever API server its
+    turns reached; without the header they would be one name, one owner."""
+    server, _, (before, after) = switched
+
+    def grown(series: str) -> dict[str, float]:
+        return {rank: after.get(series, {}).get(rank, 0) - before.get(series, {}).get(rank, 0) for rank in ("0", "1")}
+
+    assert sum(grown("mptok_prompts_keyed_total").values()) == len(SESSION_CASES)
+    assert sum(grown("mptok_prompts_derived_total").values()) == 0
+    owners = Counter(str(owner_of(session, 2)) for session in set(SESSIONS.values()))
+    assert grown("mptok_cache_entries") == {rank: owners[rank] for rank in ("0", "1")}, (before, after)
+    assert sum(grown("mptok_routed_total").values()) > 0, (before, after)
+    assert sum(grown("mptok_cache_hits_total").values()) >= 2 * (SESSION_TURNS - 2)
+
+
 def test_metrics_show_tokens_through_mptok_and_through_vllm(switched):
-    server, _ = switched
+    server, _, _ = switched
     totals = _scraped(server, "mptok_prompt_tokens_total", 1)
     assert sum(totals["mptok_prompt_tokens_total"].values()) > 0
     # The requests for offsets go down vLLM's own path.
@@ -157,7 +229,7 @@ def test_a_stopped_api_server_never_holds_up_the_other(switched, plain_ids):
     """SIGSTOP the owner of an agent's conversation; the other API server's answers
     come within the route timeout and carry vLLM's ids; the stopped server's own
     connections wait for it (the kernel gave them to it), so they are let go."""
-    server, _ = switched
+    server, _, _ = switched
     pids = server.api_server_pids()
     agent = 0
     turn_messages = list(agent_turns(agent, TURNS))
@@ -197,7 +269,7 @@ SINGLE_CASES = [name for name in CASES if name.startswith("agent0-") or not name
 @pytest.fixture(scope="module")
 def single(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
     with VllmServer(model_dir, logs_dir / "mptok-single.log", mptok=True, api_servers=1) as server:
-        yield server, {name: _ids(server, *CASES[name]) for name in SINGLE_CASES}
+        yield server, {name: _case_ids(server, name) for name in SINGLE_CASES}
 
 
 def test_one_api_server_uses_its_cache_alone_with_the_same_ids(single, plain_ids):
