@@ -37,7 +37,7 @@ class PeriodicTask:
 
     def stop(self, join_s: float = STOP_JOIN_S) -> None:
         self._stopping.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(join_s)
         self._tick_logged()
 

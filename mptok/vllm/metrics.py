@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from mptok.core.periodic import PeriodicTask
 from mptok.routing.liveness import FALLBACK_REASONS
 
 logger = logging.getLogger("vllm.mptok")
@@ -76,7 +77,6 @@ class MetricsExport:
         from prometheus_client import Counter, Gauge
 
         self._stats = stats
-        self._interval_s = interval_s
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         label = str(api_server)
@@ -87,11 +87,11 @@ class MetricsExport:
             else:
                 metric = Gauge(series.name, series.help, ["api_server"], multiprocess_mode="livesum")
             self._series.append((series, metric.labels(api_server=label)))
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mptok-metrics", daemon=True)
+        self._task = PeriodicTask("mptok-metrics", self._synced, interval_s)
 
     def start(self) -> None:
-        self._thread.start()
+        """Copy the counters now, then every ``interval_s`` on a daemon thread."""
+        self._task.start()
 
     def sync(self) -> None:
         """Bring every series up to ``stats()`` now."""
@@ -110,14 +110,8 @@ class MetricsExport:
                     metric.set(value)
 
     def stop(self, join_s: float = 1.0) -> None:
-        self._stopping.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(join_s)
-        self._synced()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            self._synced()
+        """Stop the thread (waiting at most ``join_s``) and copy the counters a last time."""
+        self._task.stop(join_s)
 
     def _synced(self) -> None:
         try:

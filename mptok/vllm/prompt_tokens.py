@@ -151,14 +151,14 @@ class PromptTokens:
     def _warm_backend(self) -> None:
         # Building it copies the Rust tokenizer (1.5 s for 128k ids): at start, not on a request.
         try:
-            backend_for(self._tokenizer).encode("warm up")
+            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).encode("warm up")
         except SlowTokenizerError:
             pass
 
     def _log_start(self, routing: str, count: int) -> None:
         try:
-            backend_for(self._tokenizer)
-            backend = "the tokenizer's Rust tokenizers backend"
+            engine = backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engine_name
+            backend = f"{engine} (chosen from {self._cache.config.tokenizer_backend!r})"
         except SlowTokenizerError as e:
             backend = f"none ({e}): vLLM's own tokenization"
         config = self._cache.config
