@@ -300,7 +300,7 @@ def main() -> int:
     else:
         budget, results = points[0]
         by_mode = {r.mode: r for r in results}
-        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, conversations, copy_bytes) + "\n"
+        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, conversations, copy_bytes) + "\n\n" + rb.cpu_split(results) + "\n"
         if "mptok" in by_mode:
             mptok = by_mode["mptok"]
             markdown += (

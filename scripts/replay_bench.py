@@ -387,6 +387,8 @@ class ModeResult:
     # mptok mode: whether each turn's connection reached its conversation's owner.
     at_owner: list[bool] = field(default_factory=list)
     server_cpu_s: float = float("nan")
+    # The same CPU seconds by the process's role: "frontends", "supervisors", "nginx".
+    cpu_roles: collections.Counter = field(default_factory=collections.Counter)
     hits: float = 0.0
     misses: float = 0.0
     uncached: float = 0.0
@@ -408,6 +410,9 @@ class ModeResult:
     # and the fast results a background re-check found different.
     engines: collections.Counter = field(default_factory=collections.Counter)
     mismatches: float = 0.0
+    # Routed modes: the prompts each frontend could send its owner, by the
+    # crossing's choice (mptok_crossing_choices_total: route_cheaper, local_cheaper, ...).
+    crossing: collections.Counter = field(default_factory=collections.Counter)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -429,6 +434,8 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         merged.at_owner += r.at_owner
         merged.errors += r.errors
         merged.engines += r.engines
+        merged.crossing += r.crossing
+        merged.cpu_roles += r.cpu_roles
     merged.runs = [r.per_instance_turns for r in runs]
     return merged
 
@@ -522,14 +529,17 @@ def replay(
                     break
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    cpu_before = cpu_seconds(server_pids)
+    cpu_before = cpu_by_role(server_pids)
     began = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     result.wall_s = time.perf_counter() - began
-    result.server_cpu_s = cpu_seconds(server_pids) - cpu_before
+    spent = cpu_by_role(server_pids)
+    spent.subtract(cpu_before)
+    result.cpu_roles = collections.Counter({role: seconds for role, seconds in spent.items() if seconds > 0})
+    result.server_cpu_s = sum(result.cpu_roles.values())
     progress.done()
 
 
@@ -539,22 +549,27 @@ def server_timing(headers: dict[str, str], metric: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of ``pids`` and all their descendants so far."""
-    seen, spent = set(), 0.0
+def cpu_by_role(pids: list[int]) -> collections.Counter:
+    """User + system CPU seconds so far of ``pids`` and all their descendants,
+    by role: an nginx tree is "nginx"; any other root is a supervisor
+    ("supervisors") and its descendants "frontends" (their helpers included)."""
+    seen: set[int] = set()
+    spent: collections.Counter = collections.Counter()
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            tree = [root, *root.children(recursive=True)]
+            nginx = "nginx" in root.name()
+            tree = [(root, "nginx" if nginx else "supervisors")]
+            tree += [(child, "nginx" if nginx else "frontends") for child in root.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-        for process in tree:
+        for process, role in tree:
             if process.pid in seen:
                 continue
             seen.add(process.pid)
             with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
                 times = process.cpu_times()
-                spent += times.user + times.system
+                spent[role] += times.user + times.system
     return spent
 
 
@@ -585,6 +600,9 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     for engine in ENGINE_GAUGES:
         result.engines[engine] += int(total(samples, f"mptok_tokenizer_backend_{engine}"))
     result.mismatches = total(samples, "mptok_tokenizer_backend_mismatches_total")
+    for name, labels, value in samples:
+        if name == "mptok_crossing_choices_total" and value:
+            result.crossing[labels.get("choice", "?")] += value
 
 
 def run_mode(
@@ -656,6 +674,15 @@ def table(results: list[ModeResult], conversations: list[Conversation]) -> str:
     return "\n".join(rows)
 
 
+def cpu_split(results: list[ModeResult]) -> str:
+    """Each mode's server CPU ms per turn by the processes' role."""
+    parts = []
+    for r in results:
+        per_turn = {role: 1000 * seconds / max(1, r.requests) for role, seconds in r.cpu_roles.items()}
+        parts.append(f"{r.mode} " + ", ".join(f"{role} {ms:.2f}" for role, ms in sorted(per_turn.items())))
+    return "Server CPU ms per turn by process: " + "; ".join(parts) + "."
+
+
 def engines(r: ModeResult) -> str:
     """The engines the mode's frontends tokenized with, over its runs: "fastokens 12"
     (and "mismatches N" if a background re-check found a fast result different)."""
@@ -697,6 +724,10 @@ def owner_split(r: ModeResult) -> str:
         )
         if r.route_failures:
             crossing += f" ({int(r.route_failures)} routed calls failed; the owner's work for them counts above.)"
+    if r.crossing:
+        crossing += " The crossing's choices (`mptok_crossing_choices_total`): " + ", ".join(
+            f"{choice} {int(n)}" for choice, n in r.crossing.most_common()
+        ) + "."
     work = [sum(per_run) for per_run in zip(*r.runs)] if r.runs else r.per_instance_turns
     busiest = f" The busiest frontend did {100 * max(work) / sum(work):.0f}% of the cache work." if sum(work) else ""
     return (
@@ -942,7 +973,7 @@ def main() -> int:
         f"{f'{args.repeat} runs of every mode, interleaved, samples pooled. ' if args.repeat > 1 else ''}"
         f"Total run time {time.monotonic() - began:.0f} s.\n\n"
     )
-    markdown += table(results, conversations) + "\n"
+    markdown += table(results, conversations) + "\n\n" + cpu_split(results) + "\n"
     for routed in ("mptok", "keyless"):
         if routed in by_mode:
             markdown += "\n" + owner_split(results[modes.index(routed)]) + "\n"
