@@ -203,15 +203,23 @@ def targets(by_mode: dict[str, rb.ModeResult], copy_bytes: int) -> str:
 
 
 def sweep_table(points: list[tuple[Budget, list[rb.ModeResult]]]) -> str:
+    """Per budget and mode: hit rate, tokenize p50, bytes against one copy;
+    for a routed mode also the turns its crossing kept where they landed
+    (``local_cheaper``: tokenized in full there, counted as misses)."""
     modes = [r.mode for r in points[0][1]]
-    rows = [
-        "| per-frontend budget | " + " | ".join(f"{m} hit rate | {m} tokenize p50 ms | {m} bytes / one copy" for m in modes) + " |",
-        "|---|" + "---:|" * (3 * len(modes)),
-    ]
+    routed = {i for i in range(len(modes)) if any(results[i].crossing for _, results in points)}
+    header = []
+    for i, m in enumerate(modes):
+        header.append(f"{m} hit rate | {m} tokenize p50 ms | {m} bytes / one copy")
+        if i in routed:
+            header.append(f"{m} turns kept where they landed (local_cheaper)")
+    rows = ["| per-frontend budget | " + " | ".join(header) + " |", "|---|" + "---:|" * (3 * len(modes) + len(routed))]
     for budget, results in points:
         cells = []
-        for r in results:
+        for i, r in enumerate(results):
             cells += [f"{100 * r.hit_rate:.1f}%", f"{percentile(r.tokenize_ms, 0.5):.2f}", f"{(sum(r.cache_bytes) + held_of(r)) / budget.copy_bytes:.2f}"]
+            if i in routed:
+                cells.append(f"{int(r.crossing['local_cheaper'])} of {r.requests}")
         rows.append(f"| {budget.label} ({budget.cache_bytes / MiB:.1f} MiB) | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
