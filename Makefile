@@ -39,8 +39,10 @@ bench: $(BIN)/.installed-test
 bench-memory: $(BIN)/.installed
 	$(BIN)/python -m scripts.bench_memory $(ARGS)
 
-# The side-by-side replay (no cache, cache per instance, mptok, sticky nginx):
-# docs/results/replay_bench.md and its plot (`make replay ARGS="--help"`).
+# The side-by-side replay (no cache on `tokenizers`, then on the fast backend:
+# no cache, cache per instance, mptok, keyless, sticky nginx; `ARGS="--backend
+# gigatoken"` forces one engine): docs/results/replay_bench.md and its plot
+# (`make replay ARGS="--help"`).
 replay: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m scripts.replay_bench $(ARGS)

@@ -70,7 +70,11 @@ Many conversations live at once, their turns interleaved (each client thread
 sends one turn of the next conversation in the queue, so turn 1 of every
 conversation comes before turn 2 of any), against `mptok serve --cache-bytes
 B`, with the modes of [the replay](replay_bench.md); every answer is checked
-against full tokenization computed before the replay.
+against full tokenization computed before the replay. Every mode runs on
+the fast backend (`auto` unless the command says otherwise: each frontend
+takes the cheapest engine that gives identical ids on its start-up check;
+the table names the engine each frontend used, from its `/metrics`), so
+no-cache is every prompt tokenized in full by the fastest exact engine.
 
 **One copy** is the unit of memory: the bytes one cache (`PrefixTokenCache`,
 default settings, no budget) holds after each conversation's last prompt was
@@ -138,7 +142,7 @@ def run_at(
         results.append(
             rb.run_mode(
                 mode, conversations, args.frontends, args.clients, work, progress,
-                serve_args=("--cache-bytes", str(budget.cache_bytes)), env=env, interleave=True,
+                serve_args=("--cache-bytes", str(budget.cache_bytes)), env=env, interleave=True, backend=args.backend,
             )
         )
     return results
@@ -155,16 +159,16 @@ def held_of(r: rb.ModeResult) -> float:
 def table(results: list[rb.ModeResult], conversations: list[rb.Conversation], copy_bytes: int) -> str:
     can_hit = sum(len(c.turns) - 1 for c in conversations)
     rows = [
-        "| mode | hit rate (hits / turns that can hit) | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn "
+        "| mode | backend (frontends) | hit rate (hits / turns that can hit) | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn "
         "| cache MiB per frontend | held replies MiB per frontend | all frontends' bytes / one copy | checked exact |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in results:
         held = mib_list(r.held_bytes) if held_of(r) else "0"
         rows.append(
-            f"| {r.mode} | {100 * r.hit_rate:.1f}% ({int(r.hits)} / {can_hit}) | {percentile(r.tokenize_ms, 0.5):.2f} / {percentile(r.tokenize_ms, 0.99):.1f} "
+            f"| {r.mode} | {rb.engines(r)} | {100 * r.hit_rate:.1f}% ({int(r.hits)} / {can_hit}) | {percentile(r.tokenize_ms, 0.5):.2f} / {percentile(r.tokenize_ms, 0.99):.1f} "
             f"| {percentile(r.e2e_ms, 0.5):.1f} / {percentile(r.e2e_ms, 0.99):.1f} | {r.requests / r.wall_s:.1f} "
-            f"| {1000 * r.server_cpu_s / max(1, r.requests):.1f} | {mib_list(r.cache_bytes)} | {held} "
+            f"| {rb.cpu_per_turn_ms(r):.1f} | {mib_list(r.cache_bytes)} | {held} "
             f"| {(sum(r.cache_bytes) + held_of(r)) / copy_bytes:.2f} | {r.exact} of {r.checked} ({r.failed} failed) |"
         )
     return "\n".join(rows)
@@ -194,19 +198,28 @@ def targets(by_mode: dict[str, rb.ModeResult], copy_bytes: int) -> str:
         f"| bytes across frontends per conversation at most 1.3x one copy | ({sum(mptok.cache_bytes) / MiB:.1f} MiB cached + "
         f"{held / MiB:.1f} MiB held replies) / {copy_bytes / MiB:.1f} MiB = {ratio:.2f}x | {'yes' if ratio <= 1.3 else 'no'} |"
     )
+    rows.append(rb.wrong_ids_row(list(by_mode.values())))
     return "\n".join(rows)
 
 
 def sweep_table(points: list[tuple[Budget, list[rb.ModeResult]]]) -> str:
+    """Per budget and mode: hit rate, tokenize p50, bytes against one copy;
+    for a routed mode also the turns its crossing kept where they landed
+    (``local_cheaper``: tokenized in full there, counted as misses)."""
     modes = [r.mode for r in points[0][1]]
-    rows = [
-        "| per-frontend budget | " + " | ".join(f"{m} hit rate | {m} tokenize p50 ms | {m} bytes / one copy" for m in modes) + " |",
-        "|---|" + "---:|" * (3 * len(modes)),
-    ]
+    routed = {i for i in range(len(modes)) if any(results[i].crossing for _, results in points)}
+    header = []
+    for i, m in enumerate(modes):
+        header.append(f"{m} hit rate | {m} tokenize p50 ms | {m} bytes / one copy")
+        if i in routed:
+            header.append(f"{m} turns kept where they landed (local_cheaper)")
+    rows = ["| per-frontend budget | " + " | ".join(header) + " |", "|---|" + "---:|" * (3 * len(modes) + len(routed))]
     for budget, results in points:
         cells = []
-        for r in results:
+        for i, r in enumerate(results):
             cells += [f"{100 * r.hit_rate:.1f}%", f"{percentile(r.tokenize_ms, 0.5):.2f}", f"{(sum(r.cache_bytes) + held_of(r)) / budget.copy_bytes:.2f}"]
+            if i in routed:
+                cells.append(f"{int(r.crossing['local_cheaper'])} of {r.requests}")
         rows.append(f"| {budget.label} ({budget.cache_bytes / MiB:.1f} MiB) | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -247,6 +260,7 @@ def main() -> int:
     rb.add_build_options(parser, conversations=64)
     parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(rb.MODES)} (default {','.join(MODES)})")
+    rb.add_backend_option(parser)
     parser.add_argument("--budget", default="0.5", help="each frontend's --cache-bytes: a fraction of one copy (default 0.5) or a size (64M)")
     parser.add_argument("--held-bytes", default=None, help="MPTOK_CACHE_MAX_HELD_BYTES for every frontend (default: mptok's)")
     parser.add_argument("--sweep", default=None, help="comma-separated budgets (fractions of one copy): run the modes at each and plot hit rate against the budget")
@@ -294,7 +308,7 @@ def main() -> int:
     else:
         budget, results = points[0]
         by_mode = {r.mode: r for r in results}
-        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, conversations, copy_bytes) + "\n"
+        markdown = header + f"\nEach frontend's budget: {budget.label}, `--cache-bytes {budget.cache_bytes}` ({budget.cache_bytes / MiB:.1f} MiB).\n\n" + table(results, conversations, copy_bytes) + "\n\n" + rb.cpu_split(results) + "\n"
         if "mptok" in by_mode:
             mptok = by_mode["mptok"]
             markdown += (
@@ -315,7 +329,7 @@ def main() -> int:
                 markdown += f"\n![hit rate against each frontend's budget, for caches per frontend and mptok]({SWEEP_PLOT.name})\n"
         path = write_report(
             "capacity_replay", TITLE, markdown, command=rb.command_line("capacity_replay", parser, args),
-            extra={"nginx": rb.nginx_version()}, section=name, preamble=ABOUT,
+            extra={"nginx": rb.nginx_version()}, section=name, preamble=ABOUT, packages=rb.PACKAGES,
         )  # fmt: skip
         print(f"report: {path.relative_to(rb.REPO)}")
     return rb.report_errors(all_results)
