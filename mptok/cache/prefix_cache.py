@@ -20,7 +20,6 @@ above (``mptok.routing``).
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import secrets
@@ -63,15 +62,6 @@ BRANCH_SLACK_CHARS = 256
 # content index. Measured with tracemalloc (scripts/bench_memory.py) and
 # rounded up.
 ENTRY_OVERHEAD_BYTES = 1024
-
-
-class _Keep(enum.Enum):
-    """Whether a prompt tokenized by the cache is kept: always, never (another
-    frontend keeps its conversation), or only where that evicts nothing."""
-
-    YES = "yes"
-    NO = "no"
-    IF_ROOM = "if_room"
 
 
 @dataclass(frozen=True)
@@ -182,19 +172,18 @@ class PrefixTokenCache:
         return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
 
     def encode_array(
-        self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True, room_only: bool = False
+        self, tokenizer: Any, text: str, key: str | None = None, *, room_only: bool = False
     ) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array, read-only when it is
         the cache's own (it never changes). For a caller that writes the ids
         as JSON (orjson's ``OPT_SERIALIZE_NUMPY``) or sends them on: no list
-        and no Python int is made for them. With ``keep=False`` the prompt
-        extends what is kept as ``encode`` would, but is not kept itself
-        (another frontend keeps its conversation); with ``room_only`` it is
-        kept only if that evicts no other prompt (what this key kept stays
-        otherwise). Raises what ``encode`` raises."""
+        and no Python int is made for them. With ``room_only`` the prompt
+        extends what is kept as ``encode`` would, but is kept itself only if
+        that evicts no other prompt (what this key kept stays otherwise: its
+        conversation's owner is another frontend). Raises what ``encode``
+        raises."""
         _check_input(text, key)
-        keeping = _Keep.NO if not keep else _Keep.IF_ROOM if room_only else _Keep.YES
-        entry = self._entry_or_ids(tokenizer, text, key, keep=keeping) if text else []
+        entry = self._entry_or_ids(tokenizer, text, key, room_only=room_only) if text else []
         return entry.prompt.ids.array() if isinstance(entry, _Entry) else as_id_array(entry)
 
     def holds(self, tokenizer: Any, key: str) -> bool:
@@ -311,18 +300,18 @@ class PrefixTokenCache:
         )
 
     def _entry_or_ids(
-        self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, keep: _Keep = _Keep.YES
+        self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, room_only: bool = False
     ) -> _Entry | list[int]:
         """The entry for ``text``, made here (extending the kept prompt
-        ``extending`` names, if given) and kept unless ``keep`` is false, or
-        its ids if it cannot be kept."""
+        ``extending`` names, if given) and kept (with ``room_only``, only if
+        that evicts nothing), or its ids if it cannot be kept."""
         try:
             backend = backend_for(tokenizer, self.config.tokenizer_backend)
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
         try:
-            entry = self._entry_here(backend, text, key, extending, keep)
+            entry = self._entry_here(backend, text, key, extending, room_only)
         except TokenizerRefused:
             # Exactly what the tokenizer itself does with this text: its ids
             # or its error. Nothing is kept.
@@ -332,7 +321,7 @@ class PrefixTokenCache:
         return entry
 
     def _entry_here(
-        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: _Keep
+        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, room_only: bool
     ) -> _Entry | None:
         """The entry kept for ``text``, made here; None if the text is not kept.
 
@@ -342,7 +331,7 @@ class PrefixTokenCache:
             self._count("uncached")
             return None
         try:
-            return self._encode_cached(backend, text, key, extending, keep)
+            return self._encode_cached(backend, text, key, extending, room_only)
         except TokenizerRefused:
             raise
         except MemoryError:
@@ -358,7 +347,7 @@ class PrefixTokenCache:
             return None
 
     def _encode_cached(
-        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, keep: _Keep
+        self, backend: TokenizerBackend, text: str, key: str | None, extending: _Extension | None, room_only: bool
     ) -> _Entry:
         if extending is not None:
             holder, known, shared = extending
@@ -367,7 +356,7 @@ class PrefixTokenCache:
         else:
             holder, known, shared = self._branch_for(backend, key, text)
         config = self.config
-        if keep is not _Keep.NO and known is not None and shared == len(text) == len(known.prompt.text):
+        if known is not None and shared == len(text) == len(known.prompt.text):
             # The kept prompt again: it stays as it is, only its place in the LRU moves.
             with self._lock:
                 if self._entries.get(holder) is known:
@@ -394,14 +383,12 @@ class PrefixTokenCache:
             self._count("hits")
         self._counters.add("tokens_reused", prompt.reused)
         self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
-        if keep is _Keep.NO:
-            return _Entry(prompt, 0)
         chain = b""
         if key is not None:  # peers ask for keyed prompts only
             reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
             chain = extend_chain(text, reused)
         entry = _Entry(prompt, next(self._versions), chain, entry_bytes(holder, prompt, chain))
-        self._keep(holder, entry, by_content=key is None, room_only=keep is _Keep.IF_ROOM)
+        self._keep(holder, entry, by_content=key is None, room_only=room_only)
         return entry
 
     def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:

@@ -115,7 +115,7 @@ class RoutableCache(TokenCache, PeerCache, Protocol):
     answer its peers (``PrefixTokenCache``)."""
 
     def encode_array(
-        self, tokenizer: Any, text: str, key: str | None = None, *, keep: bool = True, room_only: bool = False
+        self, tokenizer: Any, text: str, key: str | None = None, *, room_only: bool = False
     ) -> np.ndarray:
         """``encode``'s ids as an int32 array; with ``room_only`` the prompt
         is kept only if that evicts no other."""
