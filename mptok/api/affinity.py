@@ -69,14 +69,24 @@ def identify(
     the prompt is at least that long, else it is keyless.
     """
     if explicit_id:
-        return ConversationIdentity(explicit_id, IdentityKind.KEYED)
+        return named(explicit_id, None)
     if messages is not None:
         key = chat_identity(messages)
     elif prompt is not None and affinity_chars > 0:
         key = prompt_identity(prompt, affinity_chars)
     else:
         key = None
-    return ConversationIdentity(key, IdentityKind.DERIVED if key is not None else IdentityKind.KEYLESS)
+    return named(None, key)
+
+
+def named(explicit_id: str | None, derived_key: str | None) -> ConversationIdentity:
+    """The identity of a conversation named by the client (``explicit_id``,
+    if not empty), else by what mptok derived from it, else by nothing."""
+    if explicit_id:
+        return ConversationIdentity(explicit_id, IdentityKind.KEYED)
+    if derived_key is not None:
+        return ConversationIdentity(derived_key, IdentityKind.DERIVED)
+    return ConversationIdentity(None, IdentityKind.KEYLESS)
 
 
 def header_conversation_id(header: Callable[[str], str | None]) -> str | None:

@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm.renderers.hf import HfRenderer
 
-from mptok.api.affinity import ConversationIdentity, IdentityKind, chat_identity
+from mptok.api.affinity import ConversationIdentity, chat_identity, named
 from mptok.vllm.prompt_tokens import PromptTokens
 from mptok.vllm.session import run_in_context, session_id
 
@@ -70,7 +70,7 @@ class MptokRenderer(HfRenderer):
         return conversation, _named(prompt, messages)
 
     def _tokenize_prompt(self, prompt: Any, params: Any) -> Any:
-        identity = _identity(session_id(), prompt.pop(CONVERSATION_FIELD, None))
+        identity = named(session_id(), prompt.pop(CONVERSATION_FIELD, None))
         ids = self._ids_through_mptok(prompt, params, identity)
         if ids is not None:
             return self._build_tokens_prompt(ids, prompt)
@@ -100,14 +100,6 @@ def _text_only(prompt: Any) -> bool:
     return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not any(
         prompt.get(field) is not None for field in _NOT_TEXT_ONLY
     )
-
-
-def _identity(session: str | None, chat_name: str | None) -> ConversationIdentity:
-    if session is not None:
-        return ConversationIdentity(session, IdentityKind.KEYED)
-    if chat_name is not None:
-        return ConversationIdentity(chat_name, IdentityKind.DERIVED)
-    return ConversationIdentity(None, IdentityKind.KEYLESS)
 
 
 def _named(prompt: Any, messages: list[Any]) -> Any:
