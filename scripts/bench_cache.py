@@ -55,7 +55,7 @@ from pathlib import Path
 
 import mptok
 from mptok.cache import fast_backends
-from mptok.cache.backend import DEFAULT_CHECK_EVERY, backend_for, rust_tokenizer_of
+from mptok.cache.backend import DEFAULT_CHECK_SHARE, backend_for, rust_tokenizer_of
 from scripts.report import write_report
 
 TOKENS_PER_TURN = 300

@@ -319,8 +319,12 @@ def test_rust_tokenizer_works_directly():
 
 def test_long_tokenization_lets_other_threads_run(tokenizer):
     """A frontend's event loop and owner threads keep running while a long
-    prompt is tokenized in full (Tokenizer.encode would hold the GIL)."""
-    cache = PrefixTokenCache()
+    prompt is tokenized in full (Tokenizer.encode would hold the GIL).
+
+    Forces `tokenizers`: a fast engine takes a few milliseconds, too short to
+    tell, while the reference tokenizer still tokenizes long texts whenever
+    a fast engine's prompt needs offsets."""
+    cache = PrefixTokenCache(CacheConfig(tokenizer_backend="tokenizers"))
     text = prompt(random.Random(16), 60_000)
     ticks = 0
     stop = threading.Event()

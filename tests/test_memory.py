@@ -15,6 +15,7 @@ import mptok
 import mptok.cache.prefix_cache
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.api.tokenize_request import RequestError, parse_tokenize_request
+from mptok.cache import fast_backends
 from mptok.cache.config import DEFAULT_MAX_HELD_BYTES, MAX_KEY_BYTES
 from mptok.core.fingerprint import Fingerprint, extend_chain
 from mptok.routing.answer import answer_peer
@@ -202,13 +203,18 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
         for key, turns in texts.items():
             for text in turns:
                 cache.encode(tokenizer, text, key=key)
+        # The background pass that gives a fast engine's prompts offsets holds
+        # the prompt it works on until it is done (mptok.cache.prefix_cache).
+        assert fast_backends.VERIFIER.drain(timeout=120)
         gc.collect()
         traced = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     # The texts were allocated before tracing began; the cache's count includes them.
     counted = cache.stats()["cached_bytes"] - sum(len(turns[-1]) + 49 for turns in texts.values())
-    assert cache.stats()["hits"] >= 110
+    # Each conversation's first turns are a fast engine's (ids only) until
+    # the background pass gives them offsets; nearly every turn after splices.
+    assert cache.stats()["hits"] >= 90
     assert abs(counted - traced) <= 0.25 * traced, (counted, traced)
     tokens = sum(len(full_ids(tokenizer, turns[-1])) for turns in texts.values())
     # 4-byte ids, their buffers' spare room (at most an eighth), the offsets
@@ -221,7 +227,7 @@ def test_cache_bytes_reaches_every_frontend_and_bounds_what_each_holds(tmp_path,
     """`mptok serve --cache-bytes` is each frontend's cache budget, the held
     fingerprints have their own (``DEFAULT_MAX_HELD_BYTES``): read back from
     /metrics after more routed conversations than the frontends can keep."""
-    budget, conversations, turns = 512 * 1024, 16, 4
+    budget, conversations, turns = 256 * 1024, 16, 4
     with Server(tmp_path / "serve.log", "--frontends", "2", "--cache-bytes", str(budget)) as server:
         chats = [conversation(seed, turns, first_chars=4000) for seed in range(conversations)]
         for turn in range(turns):

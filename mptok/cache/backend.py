@@ -160,8 +160,12 @@ _backends: OrderedDict[tuple[int, str], tuple[Any, TokenizerBackend | SlowTokeni
 _backends_lock = threading.Lock()
 _building: dict[tuple[int, str], threading.Lock] = {}
 
-# One background re-check of a fast engine's results per this many results.
-DEFAULT_CHECK_EVERY = 256
+# After the first results, the background re-checks of a fast engine's
+# results may cost this share of the CPU the engine itself spends.
+DEFAULT_CHECK_SHARE = 0.05
+# An engine's CPU per character against the reference's, for an engine that
+# was handed over rather than timed (fast engines measured 1/30 to 1/100).
+DEFAULT_ENGINE_TO_REFERENCE = 1 / 30
 
 
 def default_choice() -> str:
@@ -285,8 +289,9 @@ class TokenizerBackend:
     Rust tokenizer, with a WARNING). ``engine`` hands over an engine the
     caller vouches for instead: it skips the start-up check (tests and tools
     use it to build a real mismatch), never the background checks.
-    ``check_every``: one result in this many (after the first
-    ``FIRST_CHECKS``) is re-checked in the background.
+    ``check_share``: after the first ``FIRST_CHECKS`` results, re-checks in
+    the background cost at most this share of the engine's CPU
+    (``fast_backends.CheckBudget``).
     """
 
     _serials = itertools.count()
@@ -297,7 +302,7 @@ class TokenizerBackend:
         choice: str = "auto",
         *,
         engine: IdsEngine | None = None,
-        check_every: int = DEFAULT_CHECK_EVERY,
+        check_share: float = DEFAULT_CHECK_SHARE,
     ):
         if choice not in CHOICES:
             raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
@@ -324,7 +329,6 @@ class TokenizerBackend:
             rust.get_added_tokens_decoder(), has_normalizer=_has_normalizer(spec), split_special=split_special
         )
         self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
-        self._check_every = max(1, check_every)
         self._results = itertools.count()
         self._engine: IdsEngine | None = None
         self.choice_report = "forced" if engine is not None else ""
@@ -332,8 +336,10 @@ class TokenizerBackend:
             self._engine = engine
         spec_json = json.dumps(spec)
         self._spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
+        engine_to_reference = DEFAULT_ENGINE_TO_REFERENCE
         if engine is None and choice != "tokenizers":
-            self._engine, self.choice_report = self._choose_engine(spec_json, split_special, choice)
+            self._engine, self.choice_report, engine_to_reference = self._choose_engine(spec_json, split_special, choice)
+        self._check_budget = fast_backends.CheckBudget(check_share * engine_to_reference)
         logger.info("tokenizer backend for %s: %s (%s)", self.name, self.engine_name, self.choice_report or choice)
 
     # -- the fast engine ---------------------------------------------------------
@@ -380,15 +386,17 @@ class TokenizerBackend:
         ``text`` if this result is sampled; only fast results are checked."""
         if self._engine is None:
             return
-        n = next(self._results)
-        if n >= FIRST_CHECKS and n % self._check_every:
+        if next(self._results) >= FIRST_CHECKS and not self._check_budget.allows(len(text)):
             return
         if isinstance(ids, list):
             ids = list(ids)  # the caller owns the list it was given and may change it
-        if VERIFIER.submit(self, text, ids):
-            _counters.add("backend_checks")
-        else:
-            _counters.add("backend_checks_dropped")
+        self.submit_check(self, text, ids)
+
+    @staticmethod
+    def submit_check(check: fast_backends.Checked, text: str, ids: Any) -> None:
+        """Queue ``check.verify(text, ids)`` on the background thread, counted
+        (``backend_checks``, or ``backend_checks_dropped`` if the queue is full)."""
+        _counters.add("backend_checks" if VERIFIER.submit(check, text, ids) else "backend_checks_dropped")
 
     def verify(self, text: str, ids: Any) -> None:
         """Compare ``ids`` with the Rust tokenizer's; on a difference switch
@@ -421,7 +429,11 @@ class TokenizerBackend:
             next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))),
         )
 
-    def _choose_engine(self, spec_json: str, split_special: bool, choice: str) -> tuple[IdsEngine | None, str]:
+    def _choose_engine(
+        self, spec_json: str, split_special: bool, choice: str
+    ) -> tuple[IdsEngine | None, str, float]:
+        """The engine to use (None: `tokenizers`), why, and its CPU per
+        character against the reference's."""
         names = ENGINES if choice == "auto" else (choice,)
         texts = fast_backends.self_check_texts(self._added_contents())
         expected: dict[str, list[int] | None] = {}
@@ -442,7 +454,7 @@ class TokenizerBackend:
             # tokenizers matches non-normalized added tokens before normalized
             # ones; both engines match them in one pass, and so does the
             # segment splice's proof. Where the two kinds overlap they differ.
-            return None, f"added tokens {two_pass} overlap across the normalized and raw passes"
+            return None, f"added tokens {two_pass} overlap across the normalized and raw passes", DEFAULT_ENGINE_TO_REFERENCE
         for name in names:
             if (self._spec_digest, name) in _distrusted:
                 notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
@@ -462,15 +474,16 @@ class TokenizerBackend:
         if choice != "auto" and not candidates:
             logger.warning("tokenizer backend %s refused for %s (%s); using tokenizers", choice, self.name, notes[0])
         if not candidates:
-            return None, "; ".join(notes)
+            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
         # `tokenizers` is linear in the text and ~30x slower: timed on a tenth.
         tenth = fast_backends.cost_of(lambda t: self.encode(t).ids, [t[: len(t) // 10] for t in timing])
         reference_cost = fast_backends.Cost(tenth.cpu_seconds * 10, tenth.wall_seconds * 10)
         notes.append(f"tokenizers: {reference_cost.cpu_seconds * 1e3:.2f} ms CPU")
         cpu, engine = min(candidates, key=lambda c: c[0])
         if choice == "auto" and cpu >= reference_cost.cpu_seconds:
-            return None, "; ".join(notes)
-        return engine, f"{len(timing[0])} characters: " + "; ".join(notes)
+            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
+        ratio = cpu / reference_cost.cpu_seconds if reference_cost.cpu_seconds > 0 else DEFAULT_ENGINE_TO_REFERENCE
+        return engine, f"{len(timing[0])} characters: " + "; ".join(notes), ratio
 
     def _added_contents(self) -> list[str]:
         return [t.content for t in self._full.get_added_tokens_decoder().values()]

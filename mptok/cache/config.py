@@ -81,6 +81,11 @@ class CacheConfig:
         kept one before that window is tokenized in full.
     max_seam_attempts: how many candidate seams are re-tokenized and checked
         before the prompt is tokenized in full.
+    max_reference_chars: with a fast engine (ids only), the longest text
+        the cache tokenizes with the reference tokenizer (`tokenizers`, with
+        offsets) so that a kept prompt can be spliced onto anywhere: the
+        turn after a first turn, and the tail after a segment seam. Longer
+        texts go to the engine and are spliced onto at added tokens only.
     tokenizer_backend: what tokenizes prompts in full: "auto" (the cheapest
         of fastokens, gigatoken and `tokenizers` that gives identical ids on
         the start-up check), "tokenizers", "fastokens" or "gigatoken"
@@ -95,6 +100,7 @@ class CacheConfig:
     min_chars: int = 256
     seam_window_tokens: int = 4096
     max_seam_attempts: int = 4
+    max_reference_chars: int = 65536
     # MPTOK_CACHE_TOKENIZER_BACKEND, else "auto" (load_tokenizer builds that one).
     tokenizer_backend: str = dataclasses.field(
         default_factory=lambda: os.environ.get(ENV_PREFIX + "TOKENIZER_BACKEND", "").strip() or "auto"
@@ -109,6 +115,7 @@ class CacheConfig:
             "min_chars": 0,
             "seam_window_tokens": 16,
             "max_seam_attempts": 1,
+            "max_reference_chars": 0,
         }
         if self.tokenizer_backend not in CHOICES:
             raise ValueError(

@@ -27,9 +27,15 @@ order:
    strings alone, doubled and inside words), the places where
    implementations have diverged before. One difference and the engine is not
    used for that tokenizer.
-3. While serving, the first ``FIRST_CHECKS`` results and then one in
-   ``check_every`` are re-tokenized by `tokenizers` on one background thread
-   (``SampledVerifier``). One difference switches that tokenizer back to
+3. While serving, the first ``FIRST_CHECKS`` results, and then as many as
+   a CPU budget allows (``CheckBudget``: the checks cost at most a share,
+   5% by default, of what the engine itself spends), are re-tokenized by
+   `tokenizers` on one background thread (``SampledVerifier``). What is
+   checked is what the engine produced: a full tokenization, or the tail it
+   tokenized after a seam. A conversation that goes on past a fast full
+   tokenization has it re-tokenized by `tokenizers` anyway, for the offsets
+   its later splices are proven with, and the ids are compared then too
+   (``mptok.cache.prefix_cache``). One difference switches that tokenizer back to
    `tokenizers`, with a WARNING, and the engine is not trusted for it again
    in this process; the cache forgets every prompt the engine tokenized for
    it. That bounds how long an engine that diverges on real traffic goes on
@@ -253,6 +259,35 @@ def cost_of(encode: Callable[[str], object], texts: Sequence[str]) -> Cost:
 # -- the tripwire -----------------------------------------------------------------
 
 
+class CheckBudget:
+    """Which results to re-check so that the checks cost a bounded share of
+    the engine's CPU, without a clock on the hot path.
+
+    Both the engine and the reference tokenizer are linear in the text, so
+    costs are counted in characters: each result earns ``share`` (the check
+    share times the engine's CPU per character against the reference's,
+    measured when the engine was chosen) of its length as credit, and a
+    result is checked when the credit covers re-tokenizing it whole. Safe to
+    share between threads.
+    """
+
+    def __init__(self, share: float):
+        self._share = share
+        self._credit = 0.0
+        self._lock = threading.Lock()
+
+    def allows(self, chars: int) -> bool:
+        """Earn credit for a result of ``chars`` characters; whether it is to be
+        checked (its cost is then spent)."""
+        with self._lock:
+            self._credit += self._share * chars
+            if self._credit < chars:
+                return False
+            self._credit -= chars
+            return True
+
+
+
 class Checked(Protocol):
     """What the verifier checks: a backend that can tell right from wrong."""
 
@@ -314,6 +349,8 @@ class SampledVerifier:
             except Exception:
                 logger.exception("tokenizer backend check failed to run")
             finally:
+                # Not kept while waiting for the next check: a prompt may be large.
+                del backend, text, ids
                 self._queue.task_done()
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from mptok.core.counting import Counters
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
-from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
+from mptok.core.ids import IdPieces, as_id_array, common_prefix_length, held_bytes
 from mptok.core.protocol import PeerReply
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ MAX_BRANCHES = 4
 # generation prompt, a few characters, every turn; a client resends an
 # earlier turn); one that parts earlier starts a branch of its own.
 BRANCH_SLACK_CHARS = 256
+
+# Later turns a background offsets window catches up with (``_WindowCheck``).
+MAX_CATCH_UP = 8
 
 # What an entry costs beyond its text, ids, offsets and fingerprint chain,
 # which are counted by size: the entry, prompt and IdPieces objects, the id
@@ -119,6 +122,56 @@ class TokenCache(Encoder, Protocol):
     def stats(self) -> dict[str, int]:
         """Counters and sizes, for /metrics."""
         ...
+
+
+class _WindowCheck:
+    """The reference tokenizer's pass over a kept prompt that a fast engine
+    tokenized (ids only) and its conversation went on from: a check of the
+    engine's ids, and the offsets window the prompt's next splices are
+    proven with. Runs on the background checker's thread
+    (``TokenizerBackend.submit_check``).
+
+    Turns that arrive meanwhile replace the prompt with later ones, also
+    without offsets; each is then spliced onto the prompt just given its
+    window, by the reference tokenizer from a proven seam (a short tail),
+    and checked against the engine's ids the same way, up to
+    ``MAX_CATCH_UP`` of them.
+    """
+
+    def __init__(self, cache: PrefixTokenCache, backend: TokenizerBackend, holder: Hashable, entry: _Entry):
+        self._cache, self._backend, self._holder, self._entry = cache, backend, holder, entry
+
+    def verify(self, text: str, ids: IdPieces) -> None:
+        cache, backend, entry = self._cache, self._backend, self._entry
+        config = cache.config
+        try:
+            windowed = tokenize_prompt(backend, text, config.seam_window_tokens)
+        except TokenizerRefused:
+            return
+        for _ in range(MAX_CATCH_UP):
+            if not _same_ids(windowed.ids, entry.prompt.ids):
+                backend.verify(entry.prompt.text, entry.prompt.ids.array())  # switches the engine off, loudly
+                return
+            current = cache._attach_window(self._holder, entry, windowed)
+            if current is None or len(current.prompt.starts):
+                return
+            later = current.prompt.text
+            windowed = extend_prompt(
+                backend,
+                windowed,
+                later,
+                common_prefix_length(windowed.text, later),
+                window_tokens=config.seam_window_tokens,
+                max_attempts=config.max_seam_attempts,
+                max_reference_chars=config.max_reference_chars,
+            )
+            if windowed is None or not len(windowed.starts):
+                return
+            entry = current
+
+
+def _same_ids(a: IdPieces, b: IdPieces) -> bool:
+    return a.length == b.length and a.common_prefix(b) == a.length
 
 
 class PrefixTokenCache:
@@ -365,6 +418,8 @@ class PrefixTokenCache:
                     self._counters.add("tokens_reused", known.prompt.ids.length)
                     return known
         prompt = None
+        # Whether this is a conversation's next turn (not its first, nor a restart).
+        continues = known is not None and shared > 0
         if known is not None:
             prompt = extend_prompt(
                 backend,
@@ -373,11 +428,17 @@ class PrefixTokenCache:
                 shared,
                 window_tokens=config.seam_window_tokens,
                 max_attempts=config.max_seam_attempts,
+                max_reference_chars=config.max_reference_chars,
             )
             if prompt is None:
                 self._count("resync_failures")
         if prompt is None:
-            prompt = tokenize_prompt(backend, text, config.seam_window_tokens)
+            # A conversation's next turn is tokenized with offsets (by the
+            # reference tokenizer, where a fast engine gives ids only), so
+            # that its turns after can splice anywhere; a first turn goes to
+            # the fastest engine.
+            with_window = continues and len(text) <= config.max_reference_chars
+            prompt = tokenize_prompt(backend, text, config.seam_window_tokens, with_window=with_window)
             self._count("misses")
         else:
             self._count("hits")
@@ -389,7 +450,30 @@ class PrefixTokenCache:
             chain = extend_chain(text, reused)
         entry = _Entry(prompt, next(self._versions), chain, entry_bytes(holder, prompt, chain))
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
+        if continues and not len(prompt.starts):
+            # A conversation going on past a fast engine's ids, too long to
+            # re-tokenize now: its offsets come in the background.
+            backend.submit_check(_WindowCheck(self, backend, holder, entry), text, prompt.ids)
         return entry
+
+    def _attach_window(self, holder: Hashable, entry: _Entry, windowed: CachedPrompt) -> _Entry | None:
+        """Keep ``windowed`` (``entry``'s prompt with an offsets window) in
+        its place if ``holder`` still keeps ``entry``, evicting to stay
+        within the limits (the window costs bytes); else what ``holder``
+        keeps now (None if nothing: nothing was attached)."""
+        prompt = entry.prompt
+        prompt = CachedPrompt(
+            prompt.text, prompt.ids, windowed.window_first, windowed.starts, windowed.ends, windowed.word_starts, prompt.reused
+        )
+        replacement = _Entry(prompt, entry.version, entry.chain, entry_bytes(holder, prompt, entry.chain))
+        with self._lock:
+            current = self._entries.get(holder)
+            if current is not entry:
+                return current
+            self._entries[holder] = replacement  # in place: its LRU position stays
+            self._cached_bytes += replacement.nbytes - entry.nbytes
+            self._evict_over_limits()
+        return None
 
     def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:
         """For a keyless prompt: the holder to keep it under, the kept prompt
@@ -460,12 +544,17 @@ class PrefixTokenCache:
                 branches.append(holder)
                 if len(branches) > MAX_BRANCHES:
                     self._drop(branches[0])
-            while (
-                len(self._entries) > config.max_entries
-                or self._cached_bytes > config.max_bytes
-                or (config.max_cached_chars is not None and self._cached_chars > config.max_cached_chars)
-            ):
-                self._drop(next(iter(self._entries)))
+            self._evict_over_limits()
+
+    def _evict_over_limits(self) -> None:
+        """Drop the least recently used until every limit holds; the caller holds the lock."""
+        config = self.config
+        while (
+            len(self._entries) > config.max_entries
+            or self._cached_bytes > config.max_bytes
+            or (config.max_cached_chars is not None and self._cached_chars > config.max_cached_chars)
+        ):
+            self._drop(next(iter(self._entries)))
 
     def _fits(self, holder: Hashable, entry: _Entry) -> bool:
         """Whether ``entry`` in place of what ``holder`` keeps (if anything)

@@ -87,22 +87,33 @@ class CachedPrompt:
     reused: int = 0
 
 
-def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int) -> CachedPrompt:
-    """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens
-    (none with a fast engine: its splices need no offsets)."""
-    if backend.fast:
+def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int, *, with_window: bool = True) -> CachedPrompt:
+    """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens'
+    offsets. A fast engine gives ids only: with it, ``with_window=False``
+    keeps no offsets (the prompt is then spliced onto only at an added token)
+    and ``with_window=True`` tokenizes with the reference tokenizer instead."""
+    if backend.fast and not with_window:
         return _without_window(text, IdPieces.of(backend.encode_id_array(text)))
-    encoding = backend.encode(text)
+    return _windowed(backend, backend.encode(text), text, window_tokens)
+
+
+def _windowed(backend: TokenizerBackend, encoding, text: str, window_tokens: int, seam: int = 0, kept: IdPieces | None = None, first: int = 0) -> CachedPrompt:
+    """A prompt whose ids are ``kept``'s first ``first`` ids followed by
+    ``encoding`` (the reference tokenization of ``text[seam:]``), with the
+    offsets of its last ``window_tokens`` tokens taken from ``encoding``."""
     ids = encoding.ids
-    first = max(0, len(ids) - window_tokens)
-    spans = backend.spans(encoding, first, len(ids))
+    begin = max(0, len(ids) - window_tokens)
+    spans = backend.spans(encoding, begin, len(ids))
+    offsets = _offset_type(text)
+    all_ids = IdPieces.of(ids) if kept is None else kept.spliced(first, ids)
     return CachedPrompt(
         text,
-        IdPieces.of(ids),
-        first,
-        array(_offset_type(text), spans.starts),
-        array(_offset_type(text), spans.ends),
+        all_ids,
+        first + begin,
+        array(offsets, [s + seam for s in spans.starts]),
+        array(offsets, [e + seam for e in spans.ends]),
         bytes(spans.word_starts),
+        first,
     )
 
 
@@ -118,16 +129,48 @@ def extend_prompt(
     *,
     window_tokens: int,
     max_attempts: int,
+    max_reference_chars: int,
 ) -> CachedPrompt | None:
     """``text`` tokenized by splicing onto ``cached``, or None if no seam is proven.
 
     ``shared`` is ``common_prefix_length(cached.text, text)``. The returned
-    prompt's ids equal ``backend.encode(text).ids``.
+    prompt's ids equal ``backend.encode(text).ids``. A seam inside the kept
+    prompt's offsets window is tried first, then one at a segment-opening
+    added token; a tail of at most ``max_reference_chars`` characters from
+    a segment seam is tokenized by the reference tokenizer, so that the new
+    prompt has offsets for its own next splice.
     """
     if shared == len(text) == len(cached.text):
         return cached
-    if backend.fast:
-        return _extend_at_segment(backend, cached, text, shared, max_attempts)
+    if len(cached.starts):
+        return _extend_in_window(backend, cached, text, shared, window_tokens, max_attempts) or _extend_at_segment(
+            backend, cached, text, shared, max_attempts, window_tokens, max_reference_chars
+        )
+    spliced = _extend_at_segment(backend, cached, text, shared, max_attempts, window_tokens, max_reference_chars)
+    if spliced is None and len(cached.text) <= max_reference_chars:
+        # Kept from a fast engine's full tokenization, with no added token to
+        # splice at: its offsets come from the reference tokenizer, once.
+        windowed = _with_window(backend, cached, window_tokens)
+        if windowed is not None:
+            spliced = _extend_in_window(backend, windowed, text, shared, window_tokens, max_attempts)
+    return spliced
+
+
+def _with_window(backend: TokenizerBackend, cached: CachedPrompt, window_tokens: int) -> CachedPrompt | None:
+    """``cached`` with the offsets window of its reference tokenization, or
+    None if that differs from the kept ids (which the engine gave: the
+    backend is told, and stops trusting it)."""
+    windowed = tokenize_prompt(backend, cached.text, window_tokens)
+    if windowed.ids.length != cached.ids.length or windowed.ids.common_prefix(cached.ids) != cached.ids.length:
+        backend.verify(cached.text, cached.ids.array())
+        return None
+    return windowed
+
+
+def _extend_in_window(
+    backend: TokenizerBackend, cached: CachedPrompt, text: str, shared: int, window_tokens: int, max_attempts: int
+) -> CachedPrompt | None:
+    """Splice at a pre-token start inside the kept offsets window (checks 1-5)."""
     # Local indices (into the window) of pre-token starts before `shared`,
     # nearest first. The two nearest may change with the new text.
     before_shared = bisect.bisect_left(cached.starts, shared)
@@ -232,7 +275,13 @@ def _without_window(text: str, ids: IdPieces, reused: int = 0) -> CachedPrompt:
 
 
 def _extend_at_segment(
-    backend: TokenizerBackend, cached: CachedPrompt, text: str, shared: int, max_attempts: int
+    backend: TokenizerBackend,
+    cached: CachedPrompt,
+    text: str,
+    shared: int,
+    max_attempts: int,
+    window_tokens: int,
+    max_reference_chars: int,
 ) -> CachedPrompt | None:
     """Splice at the nearest segment opener that proves itself (module docstring)."""
     openers = backend.segment_openers
@@ -250,7 +299,9 @@ def _extend_at_segment(
             continue
         if cached.ids.slice(first, kept) != old_tail:
             continue
-        ids = cached.ids.spliced(first, backend.encode_ids(text[seam:]))
-        backend.spot_check(text, ids)
-        return _without_window(text, ids, first)
+        tail = text[seam:]
+        if not backend.fast or len(tail) <= max_reference_chars:
+            return _windowed(backend, backend.encode(tail), text, window_tokens, seam, cached.ids, first)
+        tail_ids = backend.encode_ids(tail)
+        return _without_window(text, cached.ids.spliced(first, tail_ids), first)
     return None
