@@ -1,4 +1,4 @@
-"""Admission control of ``mptok serve`` (issue 11, item 1), against a real server.
+"""Admission control of ``mptok serve``, against a real server.
 
 One frontend with one tokenizing thread and room for two requests: a third
 is refused at once (503, Retry-After, the error shape); work that waits
@@ -23,15 +23,21 @@ from mptok_harness.serve import Server, request, scrape, total, wait_for_snapsho
 
 MAX_IN_FLIGHT = 2
 QUEUE_TIMEOUT_S = 0.5
-# Long enough (about a second or more here) that requests sent meanwhile
-# find the only thread busy; each test uses its own text, so never a cache hit.
+# Long enough (about a second or more here, on `tokenizers`) that requests
+# sent meanwhile find the only thread busy; each test uses its own text, so
+# never a cache hit.
 LONG_PROMPT_CHARS = 1_500_000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("admission") / "serve.log"
-    args = ["--frontends", "1", "--threads", "1", "--max-in-flight", str(MAX_IN_FLIGHT), "--queue-timeout", str(QUEUE_TIMEOUT_S)]
+    # The tokenizers backend: a fast engine tokenizes even the long prompt in
+    # milliseconds, and the queue timeout needs a thread busy for longer.
+    args = [
+        "--frontends", "1", "--threads", "1", "--max-in-flight", str(MAX_IN_FLIGHT),
+        "--queue-timeout", str(QUEUE_TIMEOUT_S), "--tokenizer-backend", "tokenizers",
+    ]
     with Server(log, *args) as s:
         yield s
 

@@ -160,6 +160,12 @@ _backends: OrderedDict[tuple[int, str], tuple[Any, TokenizerBackend | SlowTokeni
 _backends_lock = threading.Lock()
 _building: dict[tuple[int, str], threading.Lock] = {}
 
+# Texts at least this long use the engine that was cheapest on texts this
+# long (about 100k tokens), when two engines pass the start-up check.
+LONG_TEXT_CHARS = 400_000
+# An engine is preferred to the first one only when it is cheaper by more than this share.
+CHOICE_MARGIN = 0.15
+
 # After the first results, the background re-checks of a fast engine's
 # results may cost this share of the CPU the engine itself spends.
 DEFAULT_CHECK_SHARE = 0.05
@@ -331,6 +337,8 @@ class TokenizerBackend:
         self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         self._results = itertools.count()
         self._engine: IdsEngine | None = None
+        # Set by _choose_engine when another engine is cheaper on long texts.
+        self._long_engine: IdsEngine | None = None
         self.choice_report = "forced" if engine is not None else ""
         if engine is not None:
             self._engine = engine
@@ -361,14 +369,18 @@ class TokenizerBackend:
         Raises ``TokenizerRefused`` for text the Rust tokenizer rejects; text
         a fast engine rejects goes to the Rust tokenizer.
         """
-        engine = self._engine
+        engine = self._engine_for(text)
         return self._by_engine(engine.encode_ids, text) if engine is not None else self.encode(text).ids
+
+    def _engine_for(self, text: str) -> IdsEngine | None:
+        engine, longer = self._engine, self._long_engine
+        return longer if longer is not None and engine is not None and len(text) >= LONG_TEXT_CHARS else engine
 
     def encode_id_array(self, text: str) -> Any:
         """``encode_ids`` as an int array where the engine gives one (the
         cache stores int32 arrays: a list of 200k Python ints is built and
         read again for nothing), else the list. Raises as ``encode_ids``."""
-        to_array = getattr(self._engine, "encode_id_array", None)
+        to_array = getattr(self._engine_for(text), "encode_id_array", None)
         return self._by_engine(to_array, text) if to_array is not None else self.encode_ids(text)
 
     def _by_engine(self, encode: Any, text: str) -> Any:
@@ -403,7 +415,7 @@ class TokenizerBackend:
         to the Rust tokenizer, with a WARNING; a new ``serial`` makes every
         cache forget what the engine tokenized, and the engine is not
         trusted for this tokenizer again in this process."""
-        engine = self._engine
+        engine = self._engine_for(text)
         if engine is None:
             return
         got = ids.to_list() if hasattr(ids, "to_list") else ids.tolist() if hasattr(ids, "tolist") else list(ids)
@@ -413,7 +425,7 @@ class TokenizerBackend:
             return
         if got == expected:
             return
-        self._engine = None
+        self._engine = self._long_engine = None
         _distrusted.add((self._spec_digest, engine.name))
         # The cache keys what it keeps by the serial: a new one forgets every
         # prompt the engine tokenized, so none of them is answered or spliced
@@ -479,11 +491,22 @@ class TokenizerBackend:
         tenth = fast_backends.cost_of(lambda t: self.encode(t).ids, [t[: len(t) // 10] for t in timing])
         reference_cost = fast_backends.Cost(tenth.cpu_seconds * 10, tenth.wall_seconds * 10)
         notes.append(f"tokenizers: {reference_cost.cpu_seconds * 1e3:.2f} ms CPU")
-        cpu, engine = min(candidates, key=lambda c: c[0])
+        cpu, engine = _cheapest(candidates)
         if choice == "auto" and cpu >= reference_cost.cpu_seconds:
             return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
         ratio = cpu / reference_cost.cpu_seconds if reference_cost.cpu_seconds > 0 else DEFAULT_ENGINE_TO_REFERENCE
-        return engine, f"{len(timing[0])} characters: " + "; ".join(notes), ratio
+        report = f"{len(timing[0])} characters: " + "; ".join(notes)
+        if len(candidates) > 1:
+            # Which engine is cheaper changes with the length (fastokens
+            # spreads a long text over threads): long texts are timed apart.
+            long_timing = fast_backends.timing_texts(texts[-1], chars=LONG_TEXT_CHARS * 2, count=2)
+            if len(long_timing[0]) >= LONG_TEXT_CHARS:
+                costs = [(fast_backends.cost_of(e.encode_ids, long_timing).cpu_seconds, e) for _, e in candidates]
+                self._long_engine = _cheapest(costs)[1]
+                report += f"; {len(long_timing[0])} characters: " + "; ".join(
+                    f"{e.name}: {c * 1e3:.2f} ms CPU" for c, e in costs
+                )
+        return engine, report, ratio
 
     def _added_contents(self) -> list[str]:
         return [t.content for t in self._full.get_added_tokens_decoder().values()]
@@ -546,16 +569,22 @@ class TokenizerBackend:
         """
         all_ids = encoding.ids
         ids = all_ids[begin:end]
-        starts: list[int] = []
-        ends: list[int] = []
-        word_starts: list[bool] = []
+        if 2 * (end - begin) >= len(all_ids):
+            # Most of it: the whole lists cost less than a call per token.
+            offsets, words = encoding.offsets[begin:end], encoding.word_ids[begin:end]
+            starts = [start for start, _ in offsets]
+            ends = [stop for _, stop in offsets]
+        else:
+            words = [encoding.token_to_word(i) for i in range(begin, end)]
+            starts, ends = [], []
+            for i in range(begin, end):
+                start, stop = encoding.token_to_chars(i)
+                starts.append(start)
+                ends.append(stop)
         previous_word = encoding.token_to_word(begin - 1) if begin > 0 else None
         opens, closes = self._opens_word, self._closes_word
-        for i in range(begin, end):
-            start, stop = encoding.token_to_chars(i)
-            word = encoding.token_to_word(i)
-            starts.append(start)
-            ends.append(stop)
+        word_starts: list[bool] = []
+        for i, word in enumerate(words, begin):
             word_starts.append(
                 i == 0
                 or word is None
@@ -578,6 +607,15 @@ class TokenizerBackend:
         head = self._full_normalizer.normalize_str(left)
         tail = self._continuation_normalizer.normalize_str(right)
         return whole == head + tail
+
+
+def _cheapest(costs: list[tuple[float, IdsEngine]]) -> tuple[float, IdsEngine]:
+    """The cheapest engine, unless the first (in ``ENGINES`` order) is within
+    ``CHOICE_MARGIN`` of it: timings on a busy machine are noisy, and a
+    choice that flips from start to start makes every start differ."""
+    cheapest = min(costs, key=lambda c: c[0])
+    first = costs[0]
+    return first if first[0] <= cheapest[0] * (1 + CHOICE_MARGIN) else cheapest
 
 
 # (tokenizer spec digest, engine) pairs that gave a wrong result in this

@@ -222,6 +222,15 @@ class Cost:
     wall_seconds: float
 
 
+# Standard-library modules whose sources are the timing texts (every Python
+# has them; about 0.5M characters, and 1.9M with the second set).
+_TIMING_MODULES = ("argparse", "difflib", "inspect", "pathlib", "textwrap", "typing")
+_MORE_TIMING_MODULES = (
+    "pydoc", "_pydecimal", "tarfile", "subprocess", "unittest.mock", "email._header_value_parser",
+    "logging", "zipfile", "ssl", "shutil", "collections", "threading", "ast", "enum", "dataclasses", "datetime",
+)
+
+
 def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[str]:
     """``count`` different texts of ``chars`` characters (about 50k tokens,
     where fastokens' threads start to cost CPU) to time engines on: real
@@ -229,17 +238,12 @@ def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[st
     has), never seen by an engine before, since fastokens and gigatoken cache
     the words they have tokenized. ``fallback`` (cut in pieces) where the
     sources cannot be read."""
-    import argparse
-    import difflib
-    import inspect
-    import pathlib
-    import textwrap
-    import typing
+    import importlib
 
-    modules = (argparse, difflib, inspect, pathlib, textwrap, typing)
+    names = _TIMING_MODULES if chars * count <= 480_000 else _TIMING_MODULES + _MORE_TIMING_MODULES
     try:
-        source = "".join(open(m.__file__, encoding="utf-8").read() for m in modules)
-    except (OSError, TypeError):
+        source = "".join(open(importlib.import_module(m).__file__, encoding="utf-8").read() for m in names)
+    except (OSError, TypeError, ImportError):
         source = fallback
     size = min(chars, len(source) // count)
     return [source[i * size : (i + 1) * size] for i in range(count)]

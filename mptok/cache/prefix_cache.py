@@ -432,7 +432,8 @@ class PrefixTokenCache:
             )
             if prompt is None:
                 self._count("resync_failures")
-        if prompt is None:
+        missed = prompt is None
+        if missed:
             # A conversation's next turn is tokenized with offsets (by the
             # reference tokenizer, where a fast engine gives ids only), so
             # that its turns after can splice anywhere; a first turn goes to
@@ -450,7 +451,7 @@ class PrefixTokenCache:
             chain = extend_chain(text, reused)
         entry = _Entry(prompt, next(self._versions), chain, entry_bytes(holder, prompt, chain))
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
-        if continues and not len(prompt.starts):
+        if continues and missed and not len(prompt.starts):
             # A conversation going on past a fast engine's ids, too long to
             # re-tokenize now: its offsets come in the background.
             backend.submit_check(_WindowCheck(self, backend, holder, entry), text, prompt.ids)

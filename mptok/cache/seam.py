@@ -30,20 +30,25 @@ agree on everything after it; check 4 establishes such a boundary and that
 the missing left context changed nothing up to it. A prompt with no seam
 that passes is tokenized in full.
 
-A backend with a fast engine gives ids only, and reading pre-token
-boundaries from the Rust tokenizer costs about what tokenizing the tail with
-it does, which is about what the fast engine takes for the whole prompt. So
-with a fast engine the cache keeps no offsets and splices only where no
-offsets are needed: at an added token that opens a segment in both prompts
-(``mptok.cache.segments``). The seam ``s`` passes when the kept prompt's
-text from ``s`` on, tokenized whole, gives exactly the kept prompt's last
-ids and begins with an added token: then the kept tokenization matched an
-added token at ``s`` (the ids tile the same text from the end), the new
-prompt matches it there too (``s`` plus that token's reach lies inside the
-shared prefix, ``mptok.cache.segments``), and every segment before ``s`` is the same text in both.
-The new ids are the kept ones before ``s`` and ``text[s:]`` tokenized whole.
-A splice that would re-tokenize more than half the prompt is not tried: a
-full tokenization costs less.
+A fast engine (``mptok.cache.fast_backends``) gives ids only, so the
+offsets and pre-token boundaries of checks 1-4 come from the reference
+tokenizer, `tokenizers`, and only where a prompt needs them: a
+conversation's first prompt is the engine's (ids, no offsets); its next turn
+gets offsets (the reference tokenizer re-tokenizes the kept prompt, or, for
+a long one, does it on the background checker's thread, comparing the
+engine's ids on the way: ``mptok.cache.prefix_cache``), and a splice inside
+the window re-tokenizes its tail with the reference tokenizer, which gives
+the new prompt's window. Where an added token opens a segment near the
+point the prompts part, the engine is cheaper still, and is tried first:
+the seam ``s`` passes when the kept prompt's text from ``s`` on, tokenized
+whole, gives exactly the kept prompt's last ids and begins with an added
+token; then the kept tokenization matched an added token at ``s`` (the ids
+tile the same text from the end), the new prompt matches it there too
+(``s`` plus that token's reach lies inside the shared prefix,
+``mptok.cache.segments``), and every segment before ``s`` is the same text
+in both. The new ids are the kept ones before ``s`` and ``text[s:]``
+tokenized whole. A segment splice that would re-tokenize more than half the
+prompt is not tried: a full tokenization costs less.
 """
 
 from __future__ import annotations
@@ -142,18 +147,22 @@ def extend_prompt(
     """
     if shared == len(text) == len(cached.text):
         return cached
-    if len(cached.starts):
-        return _extend_in_window(backend, cached, text, shared, window_tokens, max_attempts) or _extend_at_segment(
-            backend, cached, text, shared, max_attempts, window_tokens, max_reference_chars
-        )
-    spliced = _extend_at_segment(backend, cached, text, shared, max_attempts, window_tokens, max_reference_chars)
-    if spliced is None and len(cached.text) <= max_reference_chars:
-        # Kept from a fast engine's full tokenization, with no added token to
-        # splice at: its offsets come from the reference tokenizer, once.
-        windowed = _with_window(backend, cached, window_tokens)
-        if windowed is not None:
-            spliced = _extend_in_window(backend, windowed, text, shared, window_tokens, max_attempts)
-    return spliced
+    # A fast engine re-tokenizes a segment for a fraction of what the
+    # reference tokenizer takes for a window's tail: segment seams first.
+    if backend.fast:
+        spliced = _extend_at_segment(backend, cached, text, shared, max_attempts, window_tokens)
+        if spliced is None and len(cached.starts):
+            spliced = _extend_in_window(backend, cached, text, shared, window_tokens, max_attempts)
+        if spliced is None and not len(cached.starts) and len(cached.text) <= max_reference_chars:
+            # Kept from a fast engine's ids, with no added token to splice
+            # at: the reference tokenizer gives it offsets.
+            windowed = _with_window(backend, cached, window_tokens)
+            if windowed is not None:
+                spliced = _extend_in_window(backend, windowed, text, shared, window_tokens, max_attempts)
+        return spliced
+    return _extend_in_window(backend, cached, text, shared, window_tokens, max_attempts) or _extend_at_segment(
+        backend, cached, text, shared, max_attempts, window_tokens
+    )
 
 
 def _with_window(backend: TokenizerBackend, cached: CachedPrompt, window_tokens: int) -> CachedPrompt | None:
@@ -281,9 +290,10 @@ def _extend_at_segment(
     shared: int,
     max_attempts: int,
     window_tokens: int,
-    max_reference_chars: int,
 ) -> CachedPrompt | None:
-    """Splice at the nearest segment opener that proves itself (module docstring)."""
+    """Splice at the nearest segment opener that proves itself (module
+    docstring). The tail is a fast engine's (ids only), else the reference
+    tokenizer's, with the offsets window it gives."""
     openers = backend.segment_openers
     kept = cached.ids.length
     # Re-tokenizing len(cached.text) - s plus len(text) - s characters must
@@ -300,8 +310,7 @@ def _extend_at_segment(
         if cached.ids.slice(first, kept) != old_tail:
             continue
         tail = text[seam:]
-        if not backend.fast or len(tail) <= max_reference_chars:
+        if not backend.fast:
             return _windowed(backend, backend.encode(tail), text, window_tokens, seam, cached.ids, first)
-        tail_ids = backend.encode_ids(tail)
-        return _without_window(text, cached.ids.spliced(first, tail_ids), first)
+        return _without_window(text, cached.ids.spliced(first, backend.encode_id_array(tail)), first)
     return None

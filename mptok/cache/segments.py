@@ -85,16 +85,32 @@ class SegmentOpeners:
         highest = end - self._least_reach
         if highest < lowest or not self._reach_of_content:
             return
-        previous = {c: text.rfind(c, lowest, highest + 1) for c in self._first_chars}
-        reach_of_content, lengths = self._reach_of_content, self._lengths
+        reach_of_content, lengths, first_chars = self._reach_of_content, self._lengths, self._first_chars
+        position = highest + 1
         for _ in range(MAX_SCANNED):
-            char, position = max(previous.items(), key=lambda item: item[1])
+            position = _last_of(text, first_chars, lowest, position)
             if position < 0:
                 return
             reach = next((reach_of_content[c] for n in lengths if (c := text[position : position + n]) in reach_of_content), None)
             if reach is not None and position + reach <= end:
                 yield position
-            previous[char] = text.rfind(char, lowest, position)
+
+
+def _last_of(text: str, chars: frozenset[str], lowest: int, end: int) -> int:
+    """The last position in ``[lowest, end)`` that holds one of ``chars``, or -1.
+
+    Searches windows doubling back from ``end``: a seam is usually near the
+    end of a long prompt, and one search of the whole range per character
+    would cost what the prompt's length costs, for every turn.
+    """
+    window, high = 1024, end
+    while high > lowest:
+        low = max(lowest, high - window)
+        found = max(text.rfind(char, low, high) for char in chars)
+        if found >= 0:
+            return found
+        high, window = low, 2 * window
+    return -1
 
 
 class _Reaches:
