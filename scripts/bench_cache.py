@@ -48,44 +48,17 @@ import json
 import os
 import statistics
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mptok
 from mptok.cache import fast_backends
 from mptok.cache.backend import DEFAULT_CHECK_EVERY, backend_for, rust_tokenizer_of
+from mptok_harness.growing_chats import TOKENS_PER_TURN, growing_chat
+from mptok_harness.texts import stdlib_sources
 from scripts.report import write_report
 
-TOKENS_PER_TURN = 300
 EMBEDDED = "embedded (deepseek)"
-
-
-def corpus() -> str:
-    """Real text: the standard library's sources, in a fixed order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py"))
-    return "".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
-
-
-def chat_conversation(text: str, rust, markers: tuple[str, str], target_tokens: int, turns: int) -> tuple[list[str], str]:
-    """The last ``turns`` prompts of a chat growing by about TOKENS_PER_TURN
-    tokens a turn up to ``target_tokens``, and unrelated text as long as the last."""
-    start, end = markers
-    sample = text[:100_000]
-    chars_per_token = len(sample) / len(rust.encode(sample, add_special_tokens=False).ids)
-    step = int(TOKENS_PER_TURN * chars_per_token) // 2  # a user message and an answer per turn
-    total = int(target_tokens * chars_per_token)
-    history, cursor, prompts = f"{start}system\nYou are a helpful assistant.{end}\n", 0, []
-    while len(history) < total:
-        user, answer = text[cursor : cursor + step], text[cursor + step : cursor + 2 * step]
-        cursor += 2 * step
-        history += f"{start}user\n{user}{end}\n"
-        prompts.append(history + f"{start}assistant\n<think>\n")
-        history += f"{start}assistant\n{answer}{end}\n"
-    unrelated = text[cursor : cursor + len(prompts[-1])]
-    return prompts[-(turns + 1) :], unrelated
 
 
 def timed(function, *args) -> tuple[float, float, object]:
@@ -129,7 +102,9 @@ def engines_for(rust) -> tuple[dict[str, object], dict[str, str]]:
 
 def bench(tokenizer, label: str, markers: tuple[str, str], text: str, target: int, turns: int) -> dict:
     rust = rust_tokenizer_of(tokenizer)
-    prompts, unrelated = chat_conversation(text, rust, markers, target, turns)
+    # The first prompt fills the caches; the other ``turns`` are measured.
+    chat = growing_chat(text, lambda t: len(rust.encode(t, add_special_tokens=False).ids), markers, target, turns + 1)
+    prompts, unrelated = chat.prompts, chat.unrelated
     engines, refused = engines_for(rust)
     full = {"tokenizers": Samples(), **{name: Samples() for name in engines}}
     differs: set[str] = set()
@@ -278,7 +253,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    text = corpus()
+    text = stdlib_sources()
     tokenizers = [(EMBEDDED, mptok.load_tokenizer(), ("<｜User｜>", "<｜end▁of▁sentence｜>"))]
     if args.families:
         from mptok_harness.families import CHAT_MARKERS, FAMILIES, load_family

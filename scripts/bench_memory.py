@@ -48,7 +48,7 @@ from pathlib import Path
 
 import mptok
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
-from scripts.bench_cache import corpus
+from mptok_harness.texts import stdlib_sources
 from scripts.report import script_command, write_report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,16 +202,18 @@ def serve_flood(text: str, rng: random.Random, budget: int, frontends: int, requ
 
 
 # One worker measures hits in the checkout on its PYTHONPATH: it prints, per
-# prompt size, the median CPU seconds of each way of getting a hit's ids.
+# prompt size, the median CPU seconds of each way of getting a hit's ids. It
+# reads the text from a file this process wrote, so that every checkout
+# measures the same text whatever its own code.
 HIT_WORKER = r"""
 import gc, json, sys, time
 import orjson
 import mptok
-from bench_cache import corpus
 
 sizes, reps = json.loads(sys.argv[1]), int(sys.argv[2])
 tokenizer = mptok.load_tokenizer()
-text = corpus()
+with open(sys.argv[3], encoding="utf-8") as f:
+    text = f.read()
 scratch = bytearray(64 << 20)
 unrelated = text[len(text) // 2 : len(text) // 2 + 120_000]
 out = {}
@@ -242,10 +244,10 @@ print(json.dumps(out))
 """
 
 
-def hit_workers(repo: Path, sizes: list[tuple[int, int]], reps: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(repo), str(REPO / "scripts"))), TOKENIZERS_PARALLELISM="false")
+def hit_workers(repo: Path, sizes: list[tuple[int, int]], reps: int, text_path: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(repo), TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(
-        [sys.executable, "-c", HIT_WORKER, json.dumps(sizes), str(reps)],
+        [sys.executable, "-c", HIT_WORKER, json.dumps(sizes), str(reps), str(text_path)],
         env=env, capture_output=True, text=True, timeout=900, check=True,
         cwd=repo,  # "-c" puts the working directory first on sys.path: the checkout measured
     )
@@ -283,11 +285,14 @@ def hit_cpu(tokenizer, text: str, reps: int, rounds: int, baseline: Path | None)
     runs: dict[str, list[dict]] = {"this checkout": [], "fastokens": []}
     if baseline is not None:
         runs["baseline"] = []
-    for _ in range(rounds):  # interleaved: each round runs every side once
-        runs["this checkout"].append(hit_workers(REPO, sizes, reps))
-        if baseline is not None:
-            runs["baseline"].append(hit_workers(baseline, sizes, reps))
-        runs["fastokens"].append(fastokens_cpu(text, sizes, reps, tokenizer))
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        text_path = Path(tmp) / "text.txt"
+        text_path.write_text(text, encoding="utf-8")
+        for _ in range(rounds):  # interleaved: each round runs every side once
+            runs["this checkout"].append(hit_workers(REPO, sizes, reps, text_path))
+            if baseline is not None:
+                runs["baseline"].append(hit_workers(baseline, sizes, reps, text_path))
+            runs["fastokens"].append(fastokens_cpu(text, sizes, reps, tokenizer))
     merged: dict[str, dict] = {}
     for side, results in runs.items():
         for result in results:
@@ -325,7 +330,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = mptok.load_tokenizer()
     mptok.PrefixTokenCache().encode(tokenizer, "warm up")
-    text = corpus()
+    text = stdlib_sources()
     rng = random.Random(0)
     failed = False
     lines: list[str] = []

@@ -9,9 +9,11 @@ request slower than the route timeout + 100 ms. This script measures that.
 
 It starts `mptok serve --frontends F` (scripts/supervise.py, in its own
 process group, always stopped at exit, Ctrl-C included), waits for the
-ready line, and runs K client threads. Each runs multi-turn conversations
-(prompts of about 2k growing to 8k tokens of the standard library's
-sources, an X-Session-Id header, a new HTTP connection per request). During
+ready line, and runs K client threads. Each runs multi-turn chats
+(mptok_harness.growing_chats: the standard library's sources between the
+embedded tokenizer's chat markers, about 2k growing to 8k tokens, each
+prompt ending in a generation prompt the next turn replaces; an
+X-Session-Id header, a new HTTP connection per request). During
 the load it SIGKILLs one frontend (pids: the supervisor's psutil children,
 named by its frontend_ready log lines), lets the supervisor restart it, then
 SIGSTOPs another for --stop-seconds and SIGCONTs it. Every answer is
@@ -72,15 +74,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import mptok  # noqa: E402
 from mptok.routing.liveness import FALLBACK_REASONS  # noqa: E402
 from mptok.serve.supervisor import ServeOptions  # noqa: E402
+from mptok_harness.families import CHAT_MARKERS  # noqa: E402
+from mptok_harness.growing_chats import growing_chat  # noqa: E402
 from mptok_harness.serve import Server, request, scrape, total  # noqa: E402
 from mptok_harness.texts import stdlib_sources as corpus  # noqa: E402
-from scripts.bench_cache import conversation  # noqa: E402
 from scripts.drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
 from scripts.percentiles import percentile  # noqa: E402
 from scripts.report import REPO, write_report  # noqa: E402
 
 MIN_TOKENS, MAX_TOKENS = 2_000, 8_000
-TURNS = 21  # bench_cache grows a conversation by about 300 tokens a turn
+TURNS = 21  # a growing chat adds about 300 tokens a turn
+EMBEDDED_MARKERS = CHAT_MARKERS["deepseek"]  # the embedded tokenizer is DeepSeek's
 TARGET_MARGIN_S = 0.1  # the target: no request slower than the route timeout + 100 ms
 KILL_AT, STOP_AT = 0.25, 0.6  # fractions of --duration
 GONE_TIMEOUT_S = 5.0  # the supervisor sees a SIGKILLed frontend exit within this
@@ -114,19 +118,23 @@ class Prompt:
 
 
 def build_conversations(tokenizer: Any, count: int, seed: int) -> list[list[Prompt]]:
-    """``count`` conversations of TURNS prompts from random places in the stdlib sources,
+    """``count`` chats of TURNS prompts from random places in the stdlib sources,
     growing from about MIN_TOKENS to MAX_TOKENS; half send add_special_tokens=false."""
     text = corpus()
-    lengths = [len(p) for p in conversation(text, tokenizer, MAX_TOKENS, TURNS)]
     rng = random.Random(seed)
+
+    def count_tokens(sample: str) -> int:
+        return len(tokenizer(sample, add_special_tokens=False)["input_ids"])
+
     conversations = []
     for index in range(count):
-        start = rng.randrange(len(text) - lengths[-1])
+        start = rng.randrange(len(text) // 2)  # the second half leaves room for any chat here
+        chat = growing_chat(text[start:], count_tokens, EMBEDDED_MARKERS, MAX_TOKENS, TURNS)
         special = index % 2 == 0
         conversations.append(
             [
                 Prompt(prompt, tokenizer(prompt, add_special_tokens=special)["input_ids"], special, turn)
-                for turn, prompt in enumerate(text[start : start + n] for n in lengths)
+                for turn, prompt in enumerate(chat.prompts)
             ]
         )
     return conversations
