@@ -33,6 +33,7 @@ written to docs/results/bench_cache.md (``scripts.report``).
     .venv/bin/python -m scripts.bench_cache              # embedded tokenizer, a few minutes
     .venv/bin/python -m scripts.bench_cache --families   # also every test family
     .venv/bin/python -m scripts.bench_cache --hit-rates  # also hit rates per family and backend
+    .venv/bin/python -m scripts.bench_cache --families --smoke  # 4k tokens, 2 turns, no report
 
 Hit rates (``--hit-rates``): 40-turn conversations per family and backend,
 of three kinds: adversarial seams (each turn appends 60 hard pieces:
@@ -57,6 +58,7 @@ from mptok.cache.backend import DEFAULT_CHECK_EVERY, backend_for, rust_tokenizer
 from mptok_harness.growing_chats import TOKENS_PER_TURN, growing_chat
 from mptok_harness.texts import stdlib_sources
 from scripts.report import write_report
+from scripts.smoke import parse_args_with_smoke
 
 EMBEDDED = "embedded (deepseek)"
 
@@ -250,7 +252,7 @@ def main() -> int:
     parser.add_argument("--families", action="store_true", help="also every test family")
     parser.add_argument("--hit-rates", action="store_true", help="also hit rates per family and backend (40-turn conversations)")
     parser.add_argument("--no-report", action="store_true", help="print only; do not write docs/results/bench_cache.md")
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, {"sizes": "4000", "turns": 2, "no_report": True})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     text = stdlib_sources()

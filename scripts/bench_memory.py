@@ -27,6 +27,10 @@ Writes docs/results/bench_memory.md (scripts/report.py).
 
     .venv/bin/python -m scripts.bench_memory                # ~8 min on 2 busy cores
     .venv/bin/python -m scripts.bench_memory --skip-serve   # 1, 2 and 4
+    .venv/bin/python -m scripts.bench_memory --smoke        # all four on a small workload, no report
+
+Exit status 1 when a cached prompt's ids differ from full tokenization, the
+bytes per token are over 9.3 or the flood's peak is over its budget.
 """
 
 from __future__ import annotations
@@ -44,16 +48,32 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 
 import mptok
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
 from mptok_harness.texts import stdlib_sources
 from scripts.report import script_command, write_report
+from scripts.smoke import parse_args_with_smoke
 
 REPO = Path(__file__).resolve().parent.parent
 
 MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How much each in-process measurement does."""
+
+    traced_conversations: int = 24  # measurement 1
+    flood_conversations: int = 300  # measurement 2: two turns each
+    one_key_prompts: int = 100  # measurement 2: unrelated prompts under one key
+    longest_keys: int = 200  # measurement 2: conversations under the longest key allowed
+    hit_tokens: tuple[int, ...] = (50_000, 200_000)  # measurement 4: prompt sizes
+
+
+SMOKE = Workload(traced_conversations=2, flood_conversations=10, one_key_prompts=5, longest_keys=5, hit_tokens=(4_000,))
 
 
 def traced() -> int:
@@ -69,10 +89,11 @@ def with_utf8(text: str) -> str:
     return text
 
 
-def bytes_per_token(tokenizer, text: str, rng: random.Random) -> dict:
-    """24 conversations of 40k-160k characters, two turns each."""
+def bytes_per_token(tokenizer, text: str, rng: random.Random, count: int) -> dict:
+    """``count`` conversations of 40k-160k characters, two turns each; then each
+    second turn again, its ids checked against full tokenization."""
     conversations = []
-    for i in range(24):
+    for i in range(count):
         start = rng.randrange(0, len(text) - 200_000)
         length = rng.randrange(40_000, 160_000)
         first = text[start : start + length]
@@ -91,9 +112,13 @@ def bytes_per_token(tokenizer, text: str, rng: random.Random) -> dict:
     finally:
         tracemalloc.stop()
     stats = cache.stats()
-    tokens = sum(len(tokenizer(second, add_special_tokens=False)["input_ids"]) for _, _, second in conversations)
+    expected = [tokenizer(second, add_special_tokens=False)["input_ids"] for _, _, second in conversations]
+    wrong = sum(cache.encode(tokenizer, second, key) != ids for (key, _, second), ids in zip(conversations, expected))
     text_bytes = sum(sys.getsizeof(second) for _, _, second in conversations)
+    tokens = sum(len(ids) for ids in expected)
     return {
+        "conversations": count,
+        "wrong": wrong,
         "tokens": tokens,
         "text_mib": text_bytes / MiB,
         "traced_mib": held / MiB,
@@ -103,7 +128,7 @@ def bytes_per_token(tokenizer, text: str, rng: random.Random) -> dict:
     }
 
 
-def flood(tokenizer, text: str, rng: random.Random, budget: int) -> dict:
+def flood(tokenizer, text: str, rng: random.Random, budget: int, workload: Workload) -> dict:
     """Traced memory of a cache under a flood, sampled after every request."""
     cache = mptok.PrefixTokenCache(mptok.CacheConfig(max_bytes=budget))
     refused = requests = 0
@@ -122,17 +147,17 @@ def flood(tokenizer, text: str, rng: random.Random, budget: int) -> dict:
 
     try:
         before = traced()
-        for i in range(300):  # conversations, two turns each
+        for i in range(workload.flood_conversations):  # two turns each
             first = piece(rng.randrange(5_000, 60_000))
             for prompt in (first, first + piece(1_000)):
                 cache.encode(tokenizer, prompt, f"conversation-{i}")
                 requests += 1
             sample()
-        for _ in range(100):  # unrelated prompts under one key
+        for _ in range(workload.one_key_prompts):
             cache.encode(tokenizer, piece(rng.randrange(5_000, 40_000)), "one-key")
             requests += 1
             sample()
-        for i in range(200):  # the longest ids allowed, and ids far over it
+        for i in range(workload.longest_keys):  # the longest ids allowed, and ids far over it
             key = f"{i:08d}".ljust(MAX_KEY_BYTES, "k")
             cache.encode(tokenizer, piece(2_000), key)
             try:
@@ -278,10 +303,10 @@ def fastokens_cpu(text: str, sizes: list[tuple[int, int]], reps: int, tokenizer)
     return out
 
 
-def hit_cpu(tokenizer, text: str, reps: int, rounds: int, baseline: Path | None) -> dict:
+def hit_cpu(tokenizer, text: str, hit_tokens: tuple[int, ...], reps: int, rounds: int, baseline: Path | None) -> dict:
     sample = text[:200_000]
     chars_per_token = len(sample) / len(tokenizer(sample, add_special_tokens=False)["input_ids"])
-    sizes = [(tokens, int(tokens * chars_per_token)) for tokens in (50_000, 200_000)]
+    sizes = [(tokens, int(tokens * chars_per_token)) for tokens in hit_tokens]
     runs: dict[str, list[dict]] = {"this checkout": [], "fastokens": []}
     if baseline is not None:
         runs["baseline"] = []
@@ -326,7 +351,10 @@ def main() -> int:
     parser.add_argument("--baseline-repo", type=Path, help="another checkout whose hits run interleaved with these")
     parser.add_argument("--hit-reps", type=int, default=7, help="hits timed per way, size and round (default 7)")
     parser.add_argument("--hit-rounds", type=int, default=3, help="interleaved rounds of measurement 4 (default 3)")
-    args = parser.parse_args()
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/results/bench_memory.md")
+    parser.set_defaults(workload=Workload())
+    smoke = {"workload": SMOKE, "requests": 20, "hit_reps": 1, "hit_rounds": 1, "no_write": True}
+    args = parse_args_with_smoke(parser, smoke)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = mptok.load_tokenizer()
     mptok.PrefixTokenCache().encode(tokenizer, "warm up")
@@ -339,18 +367,20 @@ def main() -> int:
         print(line)
         lines.append(line)
 
-    row = bytes_per_token(tokenizer, text, rng)
+    row = bytes_per_token(tokenizer, text, rng, args.workload.traced_conversations)
     say("## Bytes per cached token beyond the prompt text (tracemalloc)\n")
     say("| conversations | cached tokens | prompt text MiB | traced beyond text MiB | bytes per token | counted by the cache MiB |")
     say("|---:|---:|---:|---:|---:|---:|")
     say(
-        f"| 24 x 2 turns | {row['tokens']:,} | {row['text_mib']:.1f} | {row['traced_mib']:.1f} "
+        f"| {row['conversations']} x 2 turns | {row['tokens']:,} | {row['text_mib']:.1f} | {row['traced_mib']:.1f} "
         f"| {row['per_token']:.2f} | {row['counted_mib']:.1f} |"
     )
-    failed |= row["per_token"] > 9.3
+    if row["wrong"]:
+        say(f"\n**{row['wrong']} cached prompts tokenized wrong**")
+    failed |= row["per_token"] > 9.3 or row["wrong"] > 0
 
     budget = parse_bytes(args.budget)
-    row = flood(tokenizer, text, rng, budget)
+    row = flood(tokenizer, text, rng, budget, args.workload)
     say("\n## A flood against a small budget (tracemalloc, sampled after every request)\n")
     say("| budget MiB | requests | ids refused (too long) | peak traced MiB | traced at the end MiB | counted MiB | entries |")
     say("|---:|---:|---:|---:|---:|---:|---:|")
@@ -378,7 +408,7 @@ def main() -> int:
             say("\n(measurement 4 skipped: fastokens is not installed; pip install -e '.[bench]')")
         args.skip_hits = True
     if not args.skip_hits:
-        medians = hit_cpu(tokenizer, text, args.hit_reps, args.hit_rounds, args.baseline_repo)
+        medians = hit_cpu(tokenizer, text, args.workload.hit_tokens, args.hit_reps, args.hit_rounds, args.baseline_repo)
         say("\n## CPU of a cache hit after other work, against fastokens' full tokenization (medians, ms)\n")
         say("`same`: the kept prompt again; `turn`: the kept prompt plus ~300 tokens (its tail tokenized by the")
         say("cache's backend, `tokenizers` here). `array`: `encode_array`; `+json`: and orjson writes the ids;")
@@ -390,8 +420,9 @@ def main() -> int:
             for way, seconds in sorted(ways.items()):
                 say(f"| {int(tokens):,} | {way} | {seconds * 1e3:.3f} | {seconds / fast:.2f} |")
 
-    command = script_command([sys.argv[0], *_shown_args(args)])
-    write_report("bench_memory", "What the cache's memory costs, and a hit's ids", "\n".join(lines), command=command, packages=("mptok", "tokenizers", "transformers", "numpy", "fastokens"))
+    if not args.no_write:
+        command = script_command([sys.argv[0], *_shown_args(args)])
+        write_report("bench_memory", "What the cache's memory costs, and a hit's ids", "\n".join(lines), command=command, packages=("mptok", "tokenizers", "transformers", "numpy", "fastokens"))
     return 1 if failed else 0
 
 

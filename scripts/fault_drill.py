@@ -25,6 +25,7 @@ exits 1 on any wrong id or any failure the kill does not explain, 2 if the
 drill itself could not run. Run from the repository's root:
 
     make drill                                         # F=4, 8 clients, 40 s, then the other phases
+    .venv/bin/python -m scripts.fault_drill --smoke    # every phase, F=2, a few seconds each, no report
     .venv/bin/python -m scripts.fault_drill --help
 
 A failure is put down to the kill (kind a) when the connection was lost
@@ -81,6 +82,7 @@ from mptok_harness.texts import stdlib_sources as corpus  # noqa: E402
 from scripts.drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
 from scripts.percentiles import percentile  # noqa: E402
 from scripts.report import REPO, write_report  # noqa: E402
+from scripts.smoke import parse_args_with_smoke  # noqa: E402
 
 MIN_TOKENS, MAX_TOKENS = 2_000, 8_000
 TURNS = 21  # a growing chat adds about 300 tokens a turn
@@ -760,6 +762,14 @@ def abuse_report(abuse: Abuse, args: argparse.Namespace) -> tuple[str, bool]:
 # -- the command -----------------------------------------------------------------
 
 
+# Every phase, a few seconds each, on the smallest server that has one
+# frontend to kill and another to stop.
+SMOKE = {
+    "frontends": 2, "clients": 2, "duration": 8.0, "stop_seconds": 1.0, "conversations": 2,
+    "burst": 4, "burst_chars": 50_000, "good_clients": 1, "attackers": 2, "flood_seconds": 2.0, "no_write": True,
+}  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Exit status: 0 passed, 1 wrong ids or failures of kind b, 2 the drill could not run.")
     parser.add_argument("--frontends", type=int, default=4, help="frontends of mptok serve (default: %(default)s)")
@@ -778,7 +788,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attackers", type=int, default=8, help="attacker threads of the flood (default: %(default)s)")
     parser.add_argument("--flood-seconds", type=float, default=15.0, help="seconds without the flood, then with it (default: %(default)s)")
     parser.add_argument("--no-write", action="store_true", help="print the report only, do not write docs/results/fault_drill.md")
-    args = parser.parse_args(argv)
+    args = parse_args_with_smoke(parser, SMOKE, argv)
     args.phases = set(args.phases.split(","))
     if not args.phases or not args.phases <= {"kill", "overload", "hostile"}:
         parser.error("--phases takes kill, overload and hostile, comma-separated")
