@@ -66,7 +66,7 @@ drill: $(BIN)/.installed-test
 # Every README command above in a short form, as real processes
 # (tests/smoke/: `make run` answers exactly and stops on Ctrl-C, each
 # benchmark with --smoke writes no report, examples/owners.py); about
-# 5 minutes on 2 cores. `make smoke ARGS="-k drill"` runs one.
+# 8 minutes on 2 cores busy with other work. `make smoke ARGS="-k drill"` runs one.
 smoke: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q tests/smoke $(ARGS)

@@ -40,7 +40,7 @@ from mptok_harness.serve import Server, tokenize
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ".venv/bin/"  # the Makefile's
 RESULTS = ROOT / "docs" / "results"
-SMOKE_TIMEOUT_S = 300.0  # a guard: every smoke form takes about a minute or less
+SMOKE_TIMEOUT_S = 300.0  # a guard: the longest smoke form, the replay, takes about 2 minutes on busy cores
 # The README's first conversation: a system prompt long enough to be cached, then two turns.
 SYSTEM = "You are a careful assistant who answers in short sentences. " * 6
 README_TURNS = (
