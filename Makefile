@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
+.PHONY: test-vllm test-vllm-render run bench bench-memory replay replay-capacity drill smoke test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -63,7 +63,16 @@ replay-capacity: $(BIN)/.installed-bench
 drill: $(BIN)/.installed-test
 	$(BIN)/python -m scripts.fault_drill $(ARGS)
 
-# Every test, the soak runs included (nginx is installed for the multi-host test).
+# Every README command above in a short form, as real processes
+# (tests/smoke/: `make run` answers exactly and stops on Ctrl-C, each
+# benchmark with --smoke writes no report, examples/owners.py); about
+# 8 minutes on 2 cores busy with other work. `make smoke ARGS="-k drill"` runs one.
+smoke: $(BIN)/.installed-bench
+	scripts/ensure_nginx.sh
+	$(BIN)/python -m pytest -q tests/smoke $(ARGS)
+
+# Every test, the soak runs included (nginx is installed for the multi-host
+# test); tests/smoke is left out (pyproject.toml's addopts).
 test: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q
@@ -104,7 +113,7 @@ test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
 test-versions:
 	scripts/test_versions.sh
 
-ci: test test-versions
+ci: test smoke test-versions
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .venv-3.* .cache .pytest_cache .hypothesis

@@ -27,13 +27,15 @@ WAIT_S = 120.0  # bound on every wait for the other processes
 
 def conversation(turns: int) -> list[str]:
     """The prompts of one chat, each the last plus a turn (long enough to be
-    cached: prompts under ``CacheConfig.min_chars``, 256, are not)."""
-    prompt = "System: you are a careful assistant who answers in full sentences. " * 5
+    cached: prompts under ``CacheConfig.min_chars``, 256, are not). Each turn
+    opens with the embedded tokenizer's chat markers, added tokens, where the
+    cache splices whatever engine it tokenizes with (docs/CACHE.md)."""
+    prompt = "<｜begin▁of▁sentence｜>" + "You are a careful assistant who answers in full sentences. " * 5
     prompts = []
     for turn in range(turns):
-        prompt += f"\nUser: tell me about step {turn} of the plan, with reasons.\nAssistant:"
+        prompt += f"<｜User｜>Tell me about step {turn} of the plan, with reasons.<｜Assistant｜>"
         prompts.append(prompt)
-        prompt += f" Step {turn} is to measure before changing anything, then change one thing at a time."
+        prompt += f"Step {turn} is to measure before changing anything, then change one thing at a time.<｜end▁of▁sentence｜>"
     return prompts
 
 

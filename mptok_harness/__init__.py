@@ -4,7 +4,8 @@ it (``serve``), HTTP written by hand for malformed requests (``raw_http``),
 real frontend processes driving ``TokenizationOwners`` directly
 (``frontends``), a real nginx in front (``nginx``), the tokenizer families
 built offline (``families``, ``chat_tokenizers``), the conversations they
-tokenize (``conversations``, ``prompts``) and fixed source texts (``texts``).
+tokenize (``conversations``, ``prompts``, ``growing_chats``) and fixed source
+texts (``texts``).
 
 Why a package of its own: tests and benchmarks must measure the same thing
 with the same helpers. It lives in the checkout beside ``mptok`` and is not

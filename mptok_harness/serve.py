@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +97,24 @@ def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels:
 
 
 class Server:
-    """One ``mptok serve`` subprocess; use as a context manager."""
+    """One ``mptok serve`` subprocess; use as a context manager.
 
-    def __init__(self, log_path: Path, *args: str, wait_ready: bool = True, env: dict[str, str] | None = None):
+    ``command`` is what starts it (default: this interpreter on
+    scripts/supervise.py); ``--port`` and ``args`` follow it."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        *args: str,
+        wait_ready: bool = True,
+        env: dict[str, str] | None = None,
+        command: Sequence[str] = (sys.executable, SUPERVISE),
+    ):
         self.log_path = log_path
         self.port = free_port()
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, SUPERVISE, "--port", str(self.port), *args],
+            [*command, "--port", str(self.port), *args],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

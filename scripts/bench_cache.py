@@ -34,6 +34,7 @@ written to docs/results/bench_cache.md (``scripts.report``).
     .venv/bin/python -m scripts.bench_cache              # embedded tokenizer, a few minutes
     .venv/bin/python -m scripts.bench_cache --families   # also every test family
     .venv/bin/python -m scripts.bench_cache --hit-rates  # also hit rates per family and backend
+    .venv/bin/python -m scripts.bench_cache --families --smoke  # 4k tokens, 2 turns, no report
 
 Hit rates (``--hit-rates``): 40-turn conversations per family and backend,
 of three kinds: adversarial seams (each turn appends 60 hard pieces:
@@ -49,57 +50,18 @@ import json
 import os
 import statistics
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mptok
 from mptok.cache import fast_backends
 from mptok.cache.backend import DEFAULT_CHECK_SHARE, backend_for, rust_tokenizer_of
+from mptok_harness.growing_chats import TOKENS_PER_TURN, growing_chat, growing_plain
+from mptok_harness.texts import stdlib_sources
 from scripts.report import write_report
+from scripts.smoke import parse_args_with_smoke
 
-TOKENS_PER_TURN = 300
 EMBEDDED = "embedded (deepseek)"
-
-
-def corpus() -> str:
-    """Real text: the standard library's sources, in a fixed order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py"))
-    return "".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
-
-
-def chat_conversation(text: str, rust, markers: tuple[str, str], target_tokens: int, turns: int) -> tuple[list[str], str]:
-    """The last ``turns`` prompts of a chat growing by about TOKENS_PER_TURN
-    tokens a turn up to ``target_tokens``, and unrelated text as long as the last."""
-    start, end = markers
-    sample = text[:100_000]
-    chars_per_token = len(sample) / len(rust.encode(sample, add_special_tokens=False).ids)
-    step = int(TOKENS_PER_TURN * chars_per_token) // 2  # a user message and an answer per turn
-    total = int(target_tokens * chars_per_token)
-    history, cursor, prompts = f"{start}system\nYou are a helpful assistant.{end}\n", 0, []
-    while len(history) < total:
-        user, answer = text[cursor : cursor + step], text[cursor + step : cursor + 2 * step]
-        cursor += 2 * step
-        history += f"{start}user\n{user}{end}\n"
-        prompts.append(history + f"{start}assistant\n<think>\n")
-        history += f"{start}assistant\n{answer}{end}\n"
-    unrelated = text[cursor : cursor + len(prompts[-1])]
-    return prompts[-(turns + 1) :], unrelated
-
-
-def plain_conversation(text: str, rust, target_tokens: int, turns: int) -> tuple[list[str], str]:
-    """The last ``turns`` prompts of a plain text growing by about
-    TOKENS_PER_TURN tokens a turn up to ``target_tokens`` (no added token:
-    a completions prompt, or a template with none between messages), and
-    unrelated text as long as the last."""
-    sample = text[:100_000]
-    chars_per_token = len(sample) / len(rust.encode(sample, add_special_tokens=False).ids)
-    step = int(TOKENS_PER_TURN * chars_per_token)
-    last = int(target_tokens * chars_per_token)
-    prompts = [text[: last - (turns - i) * step] for i in range(turns + 1)]
-    return prompts, text[last : 2 * last]
 
 
 def timed(function, *args) -> tuple[float, float, object]:
@@ -145,10 +107,12 @@ def bench(tokenizer, label: str, markers: tuple[str, str], text: str, target: in
     rust = rust_tokenizer_of(tokenizer)
     # One turn more than measured: a conversation's second turn is where a
     # fast engine's prompt gets its offsets (docs/CACHE.md), not a steady state.
+    count_tokens = lambda t: len(rust.encode(t, add_special_tokens=False).ids)  # noqa: E731
     if kind == "chat":
-        prompts, unrelated = chat_conversation(text, rust, markers, target, turns + 1)
+        grown = growing_chat(text, count_tokens, markers, target, turns + 2)
     else:
-        prompts, unrelated = plain_conversation(text, rust, target, turns + 1)
+        grown = growing_plain(text, count_tokens, target, turns + 2)
+    prompts, unrelated = grown.prompts, grown.unrelated
     engines, refused = engines_for(rust)
     full = {"tokenizers": Samples(), **{name: Samples() for name in engines}}
     differs: set[str] = set()
@@ -221,7 +185,7 @@ def bench(tokenizer, label: str, markers: tuple[str, str], text: str, target: in
         "compact": compact,
         "listing": listing,
         # Of the conversation's turns (the new keys are misses by design).
-        "hit_rate": stats["hits"] / (len(prompts) - 1),
+        "hit_rate": stats["hits"] / len(prompts),
         "wrong": wrong,
     }
 
@@ -298,10 +262,10 @@ def main() -> int:
     parser.add_argument("--families", action="store_true", help="also every test family")
     parser.add_argument("--hit-rates", action="store_true", help="also hit rates per family and backend (40-turn conversations)")
     parser.add_argument("--no-report", action="store_true", help="print only; do not write docs/results/bench_cache.md")
-    args = parser.parse_args()
+    args = parse_args_with_smoke(parser, {"sizes": "4000", "turns": 2, "no_report": True})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    text = corpus()
+    text = stdlib_sources()
     tokenizers = [(EMBEDDED, mptok.load_tokenizer(), ("<｜User｜>", "<｜end▁of▁sentence｜>"))]
     if args.families:
         from mptok_harness.families import CHAT_MARKERS, FAMILIES, load_family

@@ -27,6 +27,10 @@ Writes docs/results/bench_memory.md (scripts/report.py).
 
     .venv/bin/python -m scripts.bench_memory                # ~8 min on 2 busy cores
     .venv/bin/python -m scripts.bench_memory --skip-serve   # 1, 2 and 4
+    .venv/bin/python -m scripts.bench_memory --smoke        # all four on a small workload, no report
+
+Exit status 1 when a cached prompt's ids differ from full tokenization, the
+bytes per token are over 9.3 or the flood's peak is over its budget.
 """
 
 from __future__ import annotations
@@ -44,16 +48,32 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 
 import mptok
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
-from scripts.bench_cache import corpus
+from mptok_harness.texts import stdlib_sources
 from scripts.report import script_command, write_report
+from scripts.smoke import parse_args_with_smoke
 
 REPO = Path(__file__).resolve().parent.parent
 
 MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How much each in-process measurement does."""
+
+    traced_conversations: int = 24  # measurement 1
+    flood_conversations: int = 300  # measurement 2: two turns each
+    one_key_prompts: int = 100  # measurement 2: unrelated prompts under one key
+    longest_keys: int = 200  # measurement 2: conversations under the longest key allowed
+    hit_tokens: tuple[int, ...] = (50_000, 200_000)  # measurement 4: prompt sizes
+
+
+SMOKE = Workload(traced_conversations=2, flood_conversations=10, one_key_prompts=5, longest_keys=5, hit_tokens=(4_000,))
 
 
 def traced() -> int:
@@ -69,10 +89,11 @@ def with_utf8(text: str) -> str:
     return text
 
 
-def bytes_per_token(tokenizer, text: str, rng: random.Random) -> dict:
-    """24 conversations of 40k-160k characters, two turns each."""
+def bytes_per_token(tokenizer, text: str, rng: random.Random, count: int) -> dict:
+    """``count`` conversations of 40k-160k characters, two turns each; then each
+    second turn again, its ids checked against full tokenization."""
     conversations = []
-    for i in range(24):
+    for i in range(count):
         start = rng.randrange(0, len(text) - 200_000)
         length = rng.randrange(40_000, 160_000)
         first = text[start : start + length]
@@ -91,9 +112,13 @@ def bytes_per_token(tokenizer, text: str, rng: random.Random) -> dict:
     finally:
         tracemalloc.stop()
     stats = cache.stats()
-    tokens = sum(len(tokenizer(second, add_special_tokens=False)["input_ids"]) for _, _, second in conversations)
+    expected = [tokenizer(second, add_special_tokens=False)["input_ids"] for _, _, second in conversations]
+    wrong = sum(cache.encode(tokenizer, second, key) != ids for (key, _, second), ids in zip(conversations, expected))
     text_bytes = sum(sys.getsizeof(second) for _, _, second in conversations)
+    tokens = sum(len(ids) for ids in expected)
     return {
+        "conversations": count,
+        "wrong": wrong,
         "tokens": tokens,
         "text_mib": text_bytes / MiB,
         "traced_mib": held / MiB,
@@ -103,7 +128,7 @@ def bytes_per_token(tokenizer, text: str, rng: random.Random) -> dict:
     }
 
 
-def flood(tokenizer, text: str, rng: random.Random, budget: int) -> dict:
+def flood(tokenizer, text: str, rng: random.Random, budget: int, workload: Workload) -> dict:
     """Traced memory of a cache under a flood, sampled after every request."""
     cache = mptok.PrefixTokenCache(mptok.CacheConfig(max_bytes=budget))
     refused = requests = 0
@@ -122,17 +147,17 @@ def flood(tokenizer, text: str, rng: random.Random, budget: int) -> dict:
 
     try:
         before = traced()
-        for i in range(300):  # conversations, two turns each
+        for i in range(workload.flood_conversations):  # two turns each
             first = piece(rng.randrange(5_000, 60_000))
             for prompt in (first, first + piece(1_000)):
                 cache.encode(tokenizer, prompt, f"conversation-{i}")
                 requests += 1
             sample()
-        for _ in range(100):  # unrelated prompts under one key
+        for _ in range(workload.one_key_prompts):
             cache.encode(tokenizer, piece(rng.randrange(5_000, 40_000)), "one-key")
             requests += 1
             sample()
-        for i in range(200):  # the longest ids allowed, and ids far over it
+        for i in range(workload.longest_keys):  # the longest ids allowed, and ids far over it
             key = f"{i:08d}".ljust(MAX_KEY_BYTES, "k")
             cache.encode(tokenizer, piece(2_000), key)
             try:
@@ -202,16 +227,18 @@ def serve_flood(text: str, rng: random.Random, budget: int, frontends: int, requ
 
 
 # One worker measures hits in the checkout on its PYTHONPATH: it prints, per
-# prompt size, the median CPU seconds of each way of getting a hit's ids.
+# prompt size, the median CPU seconds of each way of getting a hit's ids. It
+# reads the text from a file this process wrote, so that every checkout
+# measures the same text whatever its own code.
 HIT_WORKER = r"""
 import gc, json, sys, time
 import orjson
 import mptok
-from bench_cache import corpus
 
 sizes, reps = json.loads(sys.argv[1]), int(sys.argv[2])
 tokenizer = mptok.load_tokenizer()
-text = corpus()
+with open(sys.argv[3], encoding="utf-8") as f:
+    text = f.read()
 scratch = bytearray(64 << 20)
 unrelated = text[len(text) // 2 : len(text) // 2 + 120_000]
 out = {}
@@ -242,10 +269,10 @@ print(json.dumps(out))
 """
 
 
-def hit_workers(repo: Path, sizes: list[tuple[int, int]], reps: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(repo), str(REPO / "scripts"))), TOKENIZERS_PARALLELISM="false")
+def hit_workers(repo: Path, sizes: list[tuple[int, int]], reps: int, text_path: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(repo), TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(
-        [sys.executable, "-c", HIT_WORKER, json.dumps(sizes), str(reps)],
+        [sys.executable, "-c", HIT_WORKER, json.dumps(sizes), str(reps), str(text_path)],
         env=env, capture_output=True, text=True, timeout=900, check=True,
         cwd=repo,  # "-c" puts the working directory first on sys.path: the checkout measured
     )
@@ -276,18 +303,21 @@ def fastokens_cpu(text: str, sizes: list[tuple[int, int]], reps: int, tokenizer)
     return out
 
 
-def hit_cpu(tokenizer, text: str, reps: int, rounds: int, baseline: Path | None) -> dict:
+def hit_cpu(tokenizer, text: str, hit_tokens: tuple[int, ...], reps: int, rounds: int, baseline: Path | None) -> dict:
     sample = text[:200_000]
     chars_per_token = len(sample) / len(tokenizer(sample, add_special_tokens=False)["input_ids"])
-    sizes = [(tokens, int(tokens * chars_per_token)) for tokens in (50_000, 200_000)]
+    sizes = [(tokens, int(tokens * chars_per_token)) for tokens in hit_tokens]
     runs: dict[str, list[dict]] = {"this checkout": [], "fastokens": []}
     if baseline is not None:
         runs["baseline"] = []
-    for _ in range(rounds):  # interleaved: each round runs every side once
-        runs["this checkout"].append(hit_workers(REPO, sizes, reps))
-        if baseline is not None:
-            runs["baseline"].append(hit_workers(baseline, sizes, reps))
-        runs["fastokens"].append(fastokens_cpu(text, sizes, reps, tokenizer))
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        text_path = Path(tmp) / "text.txt"
+        text_path.write_text(text, encoding="utf-8")
+        for _ in range(rounds):  # interleaved: each round runs every side once
+            runs["this checkout"].append(hit_workers(REPO, sizes, reps, text_path))
+            if baseline is not None:
+                runs["baseline"].append(hit_workers(baseline, sizes, reps, text_path))
+            runs["fastokens"].append(fastokens_cpu(text, sizes, reps, tokenizer))
     merged: dict[str, dict] = {}
     for side, results in runs.items():
         for result in results:
@@ -321,11 +351,14 @@ def main() -> int:
     parser.add_argument("--baseline-repo", type=Path, help="another checkout whose hits run interleaved with these")
     parser.add_argument("--hit-reps", type=int, default=7, help="hits timed per way, size and round (default 7)")
     parser.add_argument("--hit-rounds", type=int, default=3, help="interleaved rounds of measurement 4 (default 3)")
-    args = parser.parse_args()
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/results/bench_memory.md")
+    parser.set_defaults(workload=Workload())
+    smoke = {"workload": SMOKE, "requests": 20, "hit_reps": 1, "hit_rounds": 1, "no_write": True}
+    args = parse_args_with_smoke(parser, smoke)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = mptok.load_tokenizer()
     mptok.PrefixTokenCache().encode(tokenizer, "warm up")
-    text = corpus()
+    text = stdlib_sources()
     rng = random.Random(0)
     failed = False
     lines: list[str] = []
@@ -334,18 +367,20 @@ def main() -> int:
         print(line)
         lines.append(line)
 
-    row = bytes_per_token(tokenizer, text, rng)
+    row = bytes_per_token(tokenizer, text, rng, args.workload.traced_conversations)
     say("## Bytes per cached token beyond the prompt text (tracemalloc)\n")
     say("| conversations | cached tokens | prompt text MiB | traced beyond text MiB | bytes per token | counted by the cache MiB |")
     say("|---:|---:|---:|---:|---:|---:|")
     say(
-        f"| 24 x 2 turns | {row['tokens']:,} | {row['text_mib']:.1f} | {row['traced_mib']:.1f} "
+        f"| {row['conversations']} x 2 turns | {row['tokens']:,} | {row['text_mib']:.1f} | {row['traced_mib']:.1f} "
         f"| {row['per_token']:.2f} | {row['counted_mib']:.1f} |"
     )
-    failed |= row["per_token"] > 9.3
+    if row["wrong"]:
+        say(f"\n**{row['wrong']} cached prompts tokenized wrong**")
+    failed |= row["per_token"] > 9.3 or row["wrong"] > 0
 
     budget = parse_bytes(args.budget)
-    row = flood(tokenizer, text, rng, budget)
+    row = flood(tokenizer, text, rng, budget, args.workload)
     say("\n## A flood against a small budget (tracemalloc, sampled after every request)\n")
     say("| budget MiB | requests | ids refused (too long) | peak traced MiB | traced at the end MiB | counted MiB | entries |")
     say("|---:|---:|---:|---:|---:|---:|---:|")
@@ -373,7 +408,7 @@ def main() -> int:
             say("\n(measurement 4 skipped: fastokens is not installed; pip install -e '.[bench]')")
         args.skip_hits = True
     if not args.skip_hits:
-        medians = hit_cpu(tokenizer, text, args.hit_reps, args.hit_rounds, args.baseline_repo)
+        medians = hit_cpu(tokenizer, text, args.workload.hit_tokens, args.hit_reps, args.hit_rounds, args.baseline_repo)
         say("\n## CPU of a cache hit after other work, against fastokens' full tokenization (medians, ms)\n")
         say("`same`: the kept prompt again; `turn`: the kept prompt plus ~300 tokens (its tail tokenized by the")
         say("cache's backend, `tokenizers` here). `array`: `encode_array`; `+json`: and orjson writes the ids;")
@@ -385,8 +420,9 @@ def main() -> int:
             for way, seconds in sorted(ways.items()):
                 say(f"| {int(tokens):,} | {way} | {seconds * 1e3:.3f} | {seconds / fast:.2f} |")
 
-    command = script_command([sys.argv[0], *_shown_args(args)])
-    write_report("bench_memory", "What the cache's memory costs, and a hit's ids", "\n".join(lines), command=command, packages=("mptok", "tokenizers", "transformers", "numpy", "fastokens"))
+    if not args.no_write:
+        command = script_command([sys.argv[0], *_shown_args(args)])
+        write_report("bench_memory", "What the cache's memory costs, and a hit's ids", "\n".join(lines), command=command, packages=("mptok", "tokenizers", "transformers", "numpy", "fastokens"))
     return 1 if failed else 0
 
 

@@ -34,6 +34,7 @@ Run from the repository's root:
     make replay-capacity                                     # the F = 4 table, the F = 8 table, the sweep
     .venv/bin/python -m scripts.capacity_replay --conversations 8 --target-tokens 6000 --no-write
     .venv/bin/python -m scripts.capacity_replay --sweep 0.25,0.5,1 --modes no-route,mptok
+    .venv/bin/python -m scripts.capacity_replay --smoke      # F = 2, no-route and mptok, 4 short conversations, no report
 
 --sweep runs the modes at each budget and plots hit rate against the budget
 (docs/results/capacity_hit_rate.png). Unless --no-write, the Markdown goes
@@ -60,6 +61,7 @@ from mptok.cache.prefix_cache import PrefixTokenCache
 from scripts import replay_bench as rb
 from scripts.percentiles import percentile
 from scripts.report import RESULTS_DIR, write_report
+from scripts.smoke import parse_args_with_smoke
 
 MODES = ("no-cache", "no-route", "mptok", "sticky")
 SWEEP_PLOT = RESULTS_DIR / "capacity_hit_rate.png"
@@ -266,7 +268,9 @@ def main() -> int:
     parser.add_argument("--sweep", default=None, help="comma-separated budgets (fractions of one copy): run the modes at each and plot hit rate against the budget")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/results/capacity_replay.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
-    args = parser.parse_args()
+    # The two modes the budget is about; the replay's smoke form runs every mode.
+    smoke = {"frontends": 2, "conversations": 4, "target_tokens": 3_000, "clients": 2, "modes": "no-route,mptok", "no_write": True, "quiet": True}
+    args = parse_args_with_smoke(parser, smoke)
     if args.held_bytes:
         try:
             parse_bytes(args.held_bytes)

@@ -9,9 +9,11 @@ request slower than the route timeout + 100 ms. This script measures that.
 
 It starts `mptok serve --frontends F` (scripts/supervise.py, in its own
 process group, always stopped at exit, Ctrl-C included), waits for the
-ready line, and runs K client threads. Each runs multi-turn conversations
-(prompts of about 2k growing to 8k tokens of the standard library's
-sources, an X-Session-Id header, a new HTTP connection per request). During
+ready line, and runs K client threads. Each runs multi-turn chats
+(mptok_harness.growing_chats: the standard library's sources between the
+embedded tokenizer's chat markers, about 2k growing to 8k tokens, each
+prompt ending in a generation prompt the next turn replaces; an
+X-Session-Id header, a new HTTP connection per request). During
 the load it SIGKILLs one frontend (pids: the supervisor's psutil children,
 named by its frontend_ready log lines), lets the supervisor restart it, then
 SIGSTOPs another for --stop-seconds and SIGCONTs it. Every answer is
@@ -23,6 +25,7 @@ exits 1 on any wrong id or any failure the kill does not explain, 2 if the
 drill itself could not run. Run from the repository's root:
 
     make drill                                         # F=4, 8 clients, 40 s, then the other phases
+    .venv/bin/python -m scripts.fault_drill --smoke    # every phase, F=2, a few seconds each, no report
     .venv/bin/python -m scripts.fault_drill --help
 
 A failure is put down to the kill (kind a) when the connection was lost
@@ -72,15 +75,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import mptok  # noqa: E402
 from mptok.routing.liveness import FALLBACK_REASONS  # noqa: E402
 from mptok.serve.supervisor import ServeOptions  # noqa: E402
+from mptok_harness.families import CHAT_MARKERS  # noqa: E402
+from mptok_harness.growing_chats import growing_chat  # noqa: E402
 from mptok_harness.serve import Server, request, scrape, total  # noqa: E402
 from mptok_harness.texts import stdlib_sources as corpus  # noqa: E402
-from scripts.bench_cache import conversation  # noqa: E402
 from scripts.drill_overload import Answer, Flood, HealthProbe, frontends_rss, run_burst, server_errors, summarize_statuses  # noqa: E402
 from scripts.percentiles import percentile  # noqa: E402
 from scripts.report import REPO, write_report  # noqa: E402
+from scripts.smoke import parse_args_with_smoke  # noqa: E402
 
 MIN_TOKENS, MAX_TOKENS = 2_000, 8_000
-TURNS = 21  # bench_cache grows a conversation by about 300 tokens a turn
+TURNS = 21  # a growing chat adds about 300 tokens a turn
+EMBEDDED_MARKERS = CHAT_MARKERS["deepseek"]  # the embedded tokenizer is DeepSeek's
 TARGET_MARGIN_S = 0.1  # the target: no request slower than the route timeout + 100 ms
 KILL_AT, STOP_AT = 0.25, 0.6  # fractions of --duration
 GONE_TIMEOUT_S = 5.0  # the supervisor sees a SIGKILLed frontend exit within this
@@ -114,19 +120,23 @@ class Prompt:
 
 
 def build_conversations(tokenizer: Any, count: int, seed: int) -> list[list[Prompt]]:
-    """``count`` conversations of TURNS prompts from random places in the stdlib sources,
+    """``count`` chats of TURNS prompts from random places in the stdlib sources,
     growing from about MIN_TOKENS to MAX_TOKENS; half send add_special_tokens=false."""
     text = corpus()
-    lengths = [len(p) for p in conversation(text, tokenizer, MAX_TOKENS, TURNS)]
     rng = random.Random(seed)
+
+    def count_tokens(sample: str) -> int:
+        return len(tokenizer(sample, add_special_tokens=False)["input_ids"])
+
     conversations = []
     for index in range(count):
-        start = rng.randrange(len(text) - lengths[-1])
+        start = rng.randrange(len(text) // 2)  # the second half leaves room for any chat here
+        chat = growing_chat(text[start:], count_tokens, EMBEDDED_MARKERS, MAX_TOKENS, TURNS)
         special = index % 2 == 0
         conversations.append(
             [
                 Prompt(prompt, tokenizer(prompt, add_special_tokens=special)["input_ids"], special, turn)
-                for turn, prompt in enumerate(text[start : start + n] for n in lengths)
+                for turn, prompt in enumerate(chat.prompts)
             ]
         )
     return conversations
@@ -752,6 +762,14 @@ def abuse_report(abuse: Abuse, args: argparse.Namespace) -> tuple[str, bool]:
 # -- the command -----------------------------------------------------------------
 
 
+# Every phase, a few seconds each, on the smallest server that has one
+# frontend to kill and another to stop.
+SMOKE = {
+    "frontends": 2, "clients": 2, "duration": 8.0, "stop_seconds": 1.0, "conversations": 2,
+    "burst": 4, "burst_chars": 50_000, "good_clients": 1, "attackers": 2, "flood_seconds": 2.0, "no_write": True,
+}  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Exit status: 0 passed, 1 wrong ids or failures of kind b, 2 the drill could not run.")
     parser.add_argument("--frontends", type=int, default=4, help="frontends of mptok serve (default: %(default)s)")
@@ -770,7 +788,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attackers", type=int, default=8, help="attacker threads of the flood (default: %(default)s)")
     parser.add_argument("--flood-seconds", type=float, default=15.0, help="seconds without the flood, then with it (default: %(default)s)")
     parser.add_argument("--no-write", action="store_true", help="print the report only, do not write docs/results/fault_drill.md")
-    args = parser.parse_args(argv)
+    args = parse_args_with_smoke(parser, SMOKE, argv)
     args.phases = set(args.phases.split(","))
     if not args.phases or not args.phases <= {"kill", "overload", "hostile"}:
         parser.error("--phases takes kill, overload and hostile, comma-separated")

@@ -71,6 +71,7 @@ Run from the repository's root:
     make replay                                              # about 7 minutes on 2 cores
     .venv/bin/python -m scripts.replay_bench --modes mptok,sticky --repeat 1 --no-write
     .venv/bin/python -m scripts.replay_bench --conversations 16 --clients 8 --target-tokens 60000
+    .venv/bin/python -m scripts.replay_bench --smoke         # every mode, F = 2, 2 short conversations, no report
 
 Writes the Markdown to stdout and (unless --no-write) the report
 docs/results/replay_bench.md and a PNG beside it (server tokenize ms and
@@ -116,6 +117,7 @@ from mptok_harness.serve import Server, free_port, request, scrape, total, wait_
 from mptok_harness.texts import license_texts, package_descriptions, package_file_lists, stdlib_sources  # noqa: E402
 from scripts.percentiles import percentile  # noqa: E402
 from scripts.report import REPO, RESULTS_DIR, write_report  # noqa: E402
+from scripts.smoke import parse_args_with_smoke  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 PLOT = RESULTS_DIR / "replay_bench.png"
@@ -944,7 +946,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/results/replay_bench.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
-    args = parser.parse_args()
+    smoke = {"frontends": 2, "conversations": 2, "target_tokens": 3_000, "clients": 2, "repeat": 1, "no_write": True, "quiet": True}
+    args = parse_args_with_smoke(parser, smoke)
     modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
