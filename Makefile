@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
+.PHONY: test-vllm test-vllm-render bench-render run bench bench-memory replay replay-capacity drill test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -101,6 +101,14 @@ $(VLLM_RENDER_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 
 test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
 	$(VLLM_RENDER_VENV)/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_render_tier.py tests/vllm/test_compat.py $(ARGS)
+
+# `mptok render --frontends 2` beside `vllm launch render`, the same with
+# fastokens, and two of those behind an nginx round robin, on keyless agentic
+# chats at concurrency 1, 4 and 8 (docs/results/bench_render.md; about 10
+# minutes on 2 cores).
+bench-render: $(VLLM_RENDER_VENV)/bin/.installed
+	scripts/ensure_nginx.sh
+	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render $(ARGS)
 
 # The transport's tests on the other declared Python versions.
 test-versions:
