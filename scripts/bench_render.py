@@ -176,13 +176,13 @@ def main() -> int:
         model = write_model_dir(Path(tmp) / "model")
         started: list[Any] = []
         try:
-            plain = VllmServer(model, Path(tmp) / "vllm.log", mptok=False, api_servers=1, command=RENDER, max_model_len=262144)
-            fast = VllmServer(model, Path(tmp) / "fastokens.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=262144)
+            plain = VllmServer(model, Path(tmp) / "vllm.log", mptok=False, api_servers=1, command=RENDER, max_model_len=131072)
+            fast = VllmServer(model, Path(tmp) / "fastokens.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=131072)
             replicas = [
-                VllmServer(model, Path(tmp) / f"replica{i}.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=262144)
+                VllmServer(model, Path(tmp) / f"replica{i}.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=131072)
                 for i in range(2)
             ]
-            tier = MptokRender(model, Path(tmp) / "mptok-render.log", frontends=2, max_model_len=262144)
+            tier = MptokRender(model, Path(tmp) / "mptok-render.log", frontends=2, max_model_len=131072)
             for server in (plain, fast, *replicas, tier):
                 started.append(server.launch())
             for server in started:
