@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render run bench bench-memory replay replay-capacity drill smoke test test-quick test-versions ci clean
+.PHONY: test-vllm test-vllm-render bench-render run bench bench-memory replay replay-capacity drill smoke test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -97,17 +97,27 @@ test-vllm: $(VLLM_VENV)/bin/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --ignore=tests/vllm/test_render_server.py $(ARGS)
 
 # vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
-# render server (`vllm launch render`) with and without the switch, and the
-# version check. Its own venv (scripts/vllm_venv.sh render; about 5 minutes,
-# 4 GB of wheels, 9.5 GB); the tests start four render servers one after
-# another (about 2 minutes of CPU; 3-6 minutes on 2 shared cores).
+# render server (`vllm launch render`) with and without the switch, `mptok
+# render` with two render processes (exact ids, /metrics, 503s, a SIGKILLed
+# and a SIGSTOPped process restarted, SIGTERM), and the version check. Its
+# own venv (scripts/vllm_venv.sh render; about 5 minutes, 4 GB of wheels,
+# 9.5 GB); the tests start four render servers and one `mptok render` one
+# after another (7-10 minutes on 2 shared cores).
 VLLM_RENDER_VENV := .venv-vllm33
 $(VLLM_RENDER_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 	scripts/vllm_venv.sh $(VLLM_RENDER_VENV) render
 	touch $@
 
 test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
-	$(VLLM_RENDER_VENV)/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_compat.py $(ARGS)
+	$(VLLM_RENDER_VENV)/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_render_tier.py tests/vllm/test_compat.py $(ARGS)
+
+# `mptok render --frontends 2` beside `vllm launch render`, the same with
+# fastokens, and two of those behind an nginx round robin, on keyless agentic
+# chats at concurrency 1, 4 and 8 (docs/results/bench_render.md; about 10
+# minutes on 2 cores).
+bench-render: $(VLLM_RENDER_VENV)/bin/.installed
+	scripts/ensure_nginx.sh
+	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render $(ARGS)
 
 # The transport's tests on the other declared Python versions.
 test-versions:

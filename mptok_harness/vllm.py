@@ -10,7 +10,8 @@ waits (bounded) until every API server has started, and on ``stop()``
 SIGTERMs it, then SIGKILLs the whole group, so a failing test leaves no
 process behind. With ``command=RENDER`` it is ``vllm launch render`` instead:
 vLLM's GPU-less render server, one process, no engine, the serve command's
-flags. Needs the ``make test-vllm`` environment (``.venv-vllm``), or for the
+flags. ``MptokRender`` is ``mptok render`` on the same model: N render
+processes under mptok's supervisor, answering as ``VllmServer`` does. Needs the ``make test-vllm`` environment (``.venv-vllm``), or for the
 render server ``make test-vllm-render``'s (``.venv-vllm33``).
 """
 
@@ -191,12 +192,16 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.log().count("Application startup complete") >= self.api_servers:
+                raise RuntimeError(f"{self.args[1:4]} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if self.started():
                 return self
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"vllm serve did not start in {timeout_s} s:\n{self.log_tail()}")
+
+    def started(self) -> bool:
+        """Whether its log says every API server has started."""
+        return self.log().count("Application startup complete") >= self.api_servers
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
@@ -259,3 +264,36 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class MptokRender(VllmServer):
+    """``mptok render MODEL_DIR --frontends N`` (its other mptok options in ``mptok_args``), started
+    and stopped as ``VllmServer`` is; ``vllm_args`` reach each ``vllm launch render``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        frontends: int = 2,
+        max_model_len: int = 65536,
+        mptok_args: tuple[str, ...] = (),
+        vllm_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
+        super().__init__(model_dir, log_path, mptok=True, api_servers=frontends, command=RENDER, env=env)
+        self.args = [
+            sys.executable, "-m", "mptok.render.cli", "render", self.model,
+            "--frontends", str(frontends), "--port", str(self.port), *mptok_args,
+            "--max-model-len", str(max_model_len), *vllm_args,
+        ]
+
+    def started(self) -> bool:
+        return "event=ready " in self.log()
+
+    def frontend_pids(self) -> dict[int, int]:
+        """Frontend id -> pid of its ready process, from the supervisor's log (the latest of each)."""
+        pids = {}
+        for frontend, pid in re.findall(r"event=frontend_ready frontend=(\d+) pid=(\d+)", self.log()):
+            pids[int(frontend)] = int(pid)
+        return pids

@@ -14,13 +14,20 @@ import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from mptok.cache.config import ENV_PREFIX, CacheConfig
 from mptok.serve.logfmt import configure_logging, log_event
 from mptok.serve.options import ServeOptions, add_arguments
 
+if TYPE_CHECKING:
+    from mptok.serve.supervisor import FrontendKind
+
 logger = logging.getLogger("mptok.cli")
+
+# Adds one more command to the ``mptok`` parser's subcommands (``mptok render``).
+AddCommand = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
 def _version() -> str:
@@ -30,8 +37,8 @@ def _version() -> str:
         return "(version unknown: not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mptok`` argument parser (``serve`` is its only command)."""
+def build_parser(*more_commands: AddCommand) -> argparse.ArgumentParser:
+    """The ``mptok`` argument parser: ``serve``, and the commands ``more_commands`` add."""
     parser = argparse.ArgumentParser(prog="mptok", description="Exact prefix-cached tokenization for LLM frontends.")
     parser.add_argument("--version", action="version", version=f"mptok {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_environment_help(),
     )
     add_arguments(serve)
+    for add in more_commands:
+        add(commands)
     return parser
 
 
@@ -78,8 +87,10 @@ def parse_serve_options(argv: Sequence[str] | None = None) -> ServeOptions:
     return ServeOptions(**{k: v for k, v in vars(args).items() if k != "command"})
 
 
-def serve(options: ServeOptions) -> int:
+def serve(options: ServeOptions, kind: FrontendKind | None = None, command: str = "serve") -> int:
     """Run ``mptok serve`` in this process until SIGTERM/SIGINT; 2 with a one-line message if it cannot start.
+
+    ``kind`` and ``command``: another server on the same supervisor (``mptok render``).
 
     Sets what is process-wide here, not in the supervisor: logging, the
     environment the frontends inherit, and the SIGTERM/SIGINT handlers
@@ -94,10 +105,10 @@ def serve(options: ServeOptions) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         with StopSignals() as signals:
-            return Supervisor(options, signals).run()
+            return Supervisor(options, signals, kind).run()
     except StartupError as e:
         log_event(logger, logging.CRITICAL, "cannot_start", error=str(e))
-        print(f"mptok serve: cannot start: {e}", file=sys.stderr)
+        print(f"mptok {command}: cannot start: {e}", file=sys.stderr)
         return EXIT_CANNOT_START
 
 

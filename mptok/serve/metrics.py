@@ -223,10 +223,18 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
             _samples(out, metric, snap, {"frontend": frontend})
     supervisor = snapshots.get(SUPERVISOR_SNAPSHOT)
     if supervisor is not None:
-        for metric in SUPERVISOR_METRICS:
-            _header(out, metric)
-            _samples(out, metric, supervisor, {})
+        out.append(render_supervisor(supervisor))
     return "\n".join(out) + "\n"
+
+
+def render_supervisor(snapshot: Mapping[str, Any]) -> str:
+    """``SUPERVISOR_METRICS`` of the supervisor's snapshot, without a trailing newline
+    (also what ``mptok render`` adds to vLLM's own /metrics)."""
+    out: list[str] = []
+    for metric in SUPERVISOR_METRICS:
+        _header(out, metric)
+        _samples(out, metric, snapshot, {})
+    return "\n".join(out)
 
 
 def audit(snapshots: Mapping[str, Mapping[str, Any]]) -> list[str]:

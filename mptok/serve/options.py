@@ -17,7 +17,7 @@ import dataclasses
 import enum
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,10 +303,13 @@ def declared_options() -> list[tuple[dataclasses.Field, Option]]:
     return [(f, f.metadata["option"]) for f in dataclasses.fields(ServeOptions) if "option" in f.metadata]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One argument of ``parser`` per option; ``ServeOptions(**vars(parsed))`` then holds them."""
+def add_arguments(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+    """One argument of ``parser`` per option (per option whose field is in ``only``, when given:
+    another server's command that shares the supervisor's); ``ServeOptions(**vars(parsed))`` then holds them."""
     defaults = ServeOptions()
     for field, declared in declared_options():
+        if only is not None and field.name not in only:
+            continue
         default = getattr(defaults, field.name)
         if declared.parse is None:
             parser.add_argument(declared.flag, dest=field.name, action="store_true", default=default, help=declared.help)

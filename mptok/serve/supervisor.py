@@ -17,7 +17,13 @@ exit. More than ``max_restarts`` exits within ``restart_window_s`` is a crash
 loop: that frontend id is given up, loudly, and the others keep serving
 (its conversations move to the next frontend in their order); it is tried
 again, as loudly, after ``given_up_retry_s``. When every frontend is given
-up at once the supervisor exits with status 3.
+up at once the supervisor exits with status 3. Frontends that beat
+(``FrontendKind.hang_timeout_s``, ``mptok.serve.heartbeat``) and stop beating
+for that long while ready are hung: killed, and restarted as any exit.
+
+What runs in each slot is a ``FrontendKind``: ``mptok serve``'s tokenizing
+frontends by default (``TokenizeFrontends``), or another server's
+(``mptok render``'s vLLM render processes).
 
 SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
 its in-flight requests and stops within ``graceful_timeout_s`` in all;
@@ -42,16 +48,21 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from mptok.api.chat_template import ChatTemplateError, check_template_source
+from mptok.serve import heartbeat
 from mptok.serve.frontend import FrontendSettings, frontend_main, tcp_socket
 from mptok.serve.logfmt import log_event
 from mptok.serve.options import ServeOptions
 from mptok.serve.run_dir import RunDir, sweep_stale
 from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 
-__all__ = ["EXIT_ALL_GIVEN_UP", "EXIT_CANNOT_START", "EXIT_OK", "ServeOptions", "StartupError", "StopSignals", "Supervisor"]
+__all__ = [
+    "EXIT_ALL_GIVEN_UP", "EXIT_CANNOT_START", "EXIT_OK", "FrontendKind", "ServeOptions", "StartupError", "StopSignals",
+    "Supervisor", "TokenizeFrontends",
+]
 
 logger = logging.getLogger("mptok.supervisor")
 
@@ -99,6 +110,54 @@ class RestartPolicy:
     @property
     def recent_exits(self) -> int:
         return len(self._exits)
+
+
+class FrontendKind(Protocol):
+    """What the supervisor runs in each slot.
+
+    ``check`` runs before anything starts and raises ``StartupError`` with
+    one line for the operator. ``target(frontend_id, ipc_dir, options)``
+    is the spawn target and its first argument (picklable); the process is
+    called as ``target(settings, authkey, ready)`` and sends ``("ready",
+    pid)`` or ``("failed", reason)`` on ``ready``. ``exited(pid)`` runs after
+    a process of this kind has exited and been reaped. ``hang_timeout_s``:
+    None for frontends that do not beat; else how long a ready one may go
+    without a beat (``mptok.serve.heartbeat``).
+    """
+
+    hang_timeout_s: float | None
+
+    def check(self, options: ServeOptions) -> None: ...
+
+    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]: ...
+
+    def exited(self, pid: int, ipc_dir: str) -> None: ...
+
+
+class TokenizeFrontends:
+    """``mptok serve``'s frontends (``mptok.serve.frontend``): a tokenizer path that exists, a template that parses."""
+
+    hang_timeout_s: float | None = None
+
+    def __init__(self) -> None:
+        self._template_source: str | None = None
+
+    def check(self, options: ServeOptions) -> None:
+        if options.tokenizer is not None and not os.path.exists(options.tokenizer):
+            raise StartupError(f"--tokenizer {options.tokenizer}: no such file or directory")
+        if options.chat_template_file is not None:
+            try:
+                with open(options.chat_template_file, encoding="utf-8") as f:
+                    self._template_source = f.read()
+                check_template_source(self._template_source)
+            except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
+                raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
+
+    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
+        return frontend_main, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
+
+    def exited(self, pid: int, ipc_dir: str) -> None:
+        pass
 
 
 @dataclass
@@ -168,9 +227,11 @@ class StopSignals:
 class Supervisor:
     """Runs one ``mptok serve``: ``run()`` returns the process exit status."""
 
-    def __init__(self, options: ServeOptions, signals: StopSignals):
-        """``signals`` must be entered (installed) for as long as ``run()`` runs."""
+    def __init__(self, options: ServeOptions, signals: StopSignals, kind: FrontendKind | None = None):
+        """``signals`` must be entered (installed) for as long as ``run()`` runs;
+        ``kind`` is what each slot runs (``mptok serve``'s frontends by default)."""
         self.options = options
+        self._kind: FrontendKind = kind if kind is not None else TokenizeFrontends()
         self._ctx = multiprocessing.get_context("spawn")
         self._authkey = secrets.token_bytes(32)
         self._slots = [
@@ -180,7 +241,6 @@ class Supervisor:
         self._ipc_dir: str | None = None
         self._snapshots: SnapshotDir | None = None
         self._signals = signals
-        self._template_source: str | None = None
         self._serving = False  # after start-up: exits are restarted, not fatal
 
     def run(self) -> int:
@@ -215,15 +275,7 @@ class Supervisor:
         options = self.options
         if options.frontends < 1:
             raise StartupError(f"--frontends must be at least 1, got {options.frontends}")
-        if options.tokenizer is not None and not os.path.exists(options.tokenizer):
-            raise StartupError(f"--tokenizer {options.tokenizer}: no such file or directory")
-        if options.chat_template_file is not None:
-            try:
-                with open(options.chat_template_file, encoding="utf-8") as f:
-                    self._template_source = f.read()
-                check_template_source(self._template_source)
-            except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
-                raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
+        self._kind.check(options)
         try:
             probe = tcp_socket(options.host, options.port, reuse_port=False)
         except OSError as e:
@@ -262,10 +314,11 @@ class Supervisor:
         )
 
     def _spawn(self, slot: _Slot) -> None:
-        settings = FrontendSettings(slot.frontend_id, self._ipc_dir, self._template_source, self.options)
+        assert self._ipc_dir is not None
+        target, settings = self._kind.target(slot.frontend_id, self._ipc_dir, self.options)
         parent_conn, child_conn = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
-            target=frontend_main,
+            target=target,
             args=(settings, self._authkey, child_conn),
             name=f"mptok-frontend-{slot.frontend_id}",
         )
@@ -293,6 +346,8 @@ class Supervisor:
                     self._spawn(slot)
                 elif slot.process is not None and not slot.ready:
                     self._kill_if_late(slot, now)
+                elif slot.ready:
+                    self._kill_if_hung(slot)
             pending = [s.restart_at for s in self._slots if s.restart_at is not None]
             self._wait(min([1.0, *(max(0.0, t - now) for t in pending)]))
         log_event(logger, logging.INFO, "stopping", signal=signal.Signals(self._signals.received[0]).name)
@@ -302,13 +357,23 @@ class Supervisor:
         """A restarted frontend gets ``startup_timeout_s`` to be ready, as at start-up."""
         if now - slot.started_at < self.options.startup_timeout_s:
             return
+        self._kill(slot, "frontend_start_timeout", f"not ready after --startup-timeout {self.options.startup_timeout_s:g} s")
+
+    def _kill_if_hung(self, slot: _Slot) -> None:
+        timeout_s = self._kind.hang_timeout_s
+        if timeout_s is None or slot.process is None or self._ipc_dir is None:
+            return
+        age = heartbeat.age_s(self._ipc_dir, slot.frontend_id)
+        if age is None or age < timeout_s:
+            return
+        reason = f"no heartbeat for {age:.1f} s (--hang-timeout {timeout_s:g} s): stopped, or its event loop stuck"
+        self._kill(slot, "frontend_hung", reason)
+        slot.ready = False  # down until its restart is ready
+        self._publish()
+
+    def _kill(self, slot: _Slot, event: str, reason: str) -> None:
         log_event(
-            logger,
-            logging.ERROR,
-            "frontend_start_timeout",
-            frontend=slot.frontend_id,
-            pid=slot.pid,
-            reason=f"not ready after --startup-timeout {self.options.startup_timeout_s:g} s",
+            logger, logging.ERROR, event, frontend=slot.frontend_id, pid=slot.pid, reason=reason,
             action="killing it; its exit counts as a crash",
         )
         with contextlib.suppress(ProcessLookupError, ValueError):
@@ -376,6 +441,8 @@ class Supervisor:
                 slot.conn.close()
         process.close()
         slot.process, slot.conn, slot.ready = None, None, False
+        if slot.pid is not None and self._ipc_dir is not None:
+            self._kind.exited(slot.pid, self._ipc_dir)
         slot.exits.append(exitcode)
         self._publish()
         if self._signals.received or not self._serving:
@@ -427,6 +494,8 @@ class Supervisor:
                 slot.conn.close()
             if exitcode is not None:
                 slot.process.close()
+            if slot.pid is not None and self._ipc_dir is not None:
+                self._kind.exited(slot.pid, self._ipc_dir)
             slot.process, slot.conn, slot.ready = None, None, False
         log_event(logger, logging.INFO, "stopped")
 

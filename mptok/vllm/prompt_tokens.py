@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from mptok.api.affinity import ConversationIdentity, IdentityKind
@@ -43,6 +44,30 @@ CLOSE_TIMEOUT_S = 2.0
 
 _lock = threading.Lock()
 _of_process: PromptTokens | None = None
+
+
+@dataclass(frozen=True)
+class Seat:
+    """This process's place among the N processes of an outside supervisor (``mptok render``)."""
+
+    frontend_id: int
+    count: int
+    ipc_dir: str
+    authkey: bytes = field(repr=False)
+    # Keyword arguments of TokenizationOwners (timeouts, back-off, patience).
+    routing: dict[str, Any] = field(default_factory=dict)
+
+
+_seat: Seat | None = None
+
+
+def take_seat(seat: Seat) -> None:
+    """Route this process's prompts as ``seat`` says; before vLLM builds its renderer."""
+    global _seat
+    with _lock:
+        if _of_process is not None:
+            raise RuntimeError("take_seat after the renderer was built: the seat would be ignored")
+        _seat = seat
 
 
 class PromptTokens:
@@ -84,6 +109,8 @@ class PromptTokens:
         global _of_process
         with _lock:
             if _of_process is None:
+                if _seat is not None:
+                    rank, count = _seat.frontend_id, _seat.count
                 _of_process = cls(tokenizer, rank, count)
             elif _of_process.name != getattr(tokenizer, "name_or_path", None):
                 logger.warning("mptok: a second tokenizer in this process (%r) is tokenized by vLLM alone", tokenizer)
@@ -133,20 +160,23 @@ class PromptTokens:
             self._ipc_dir.close()
 
     def _start_routing(self, rank: int, count: int) -> str:
+        seat = _seat
         try:
-            self._ipc_dir = SharedIpcDir()
+            if seat is None:
+                self._ipc_dir = SharedIpcDir()
+                path, authkey, options = self._ipc_dir.path, self._ipc_dir.authkey, {}
+            else:
+                path, authkey, options = seat.ipc_dir, seat.authkey, seat.routing
             # Peers' calls wait for this process's GIL: about 1 ms instead of 5.
             lower_switch_interval()
-            self._owners = TokenizationOwners(
-                self._ipc_dir.path, rank, count, self._cache, self._tokenizer, authkey=self._ipc_dir.authkey
-            )
+            self._owners = TokenizationOwners(path, rank, count, self._cache, self._tokenizer, authkey=authkey, **options)
         except Exception as e:
             logger.warning("mptok: routing between API servers is off (%s); this API server uses its cache alone", e)
             if self._ipc_dir is not None:
                 self._ipc_dir.close()
                 self._ipc_dir = None
             return f"off: {e}"
-        return f"on: API server {rank} of {count}, ipc dir {self._ipc_dir.path}"
+        return f"on: API server {rank} of {count}, ipc dir {path}"
 
     def _warm_backend(self) -> None:
         # Building it copies the Rust tokenizer (1.5 s for 128k ids): at start, not on a request.

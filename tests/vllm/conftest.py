@@ -17,7 +17,7 @@ from mptok_harness.vllm import write_model_dir
 try:
     import vllm.renderers.hf  # noqa: F401
 except ImportError:  # not make test-vllm's environment: only what needs no vLLM runs
-    collect_ignore = ["test_plugin.py", "test_teardown.py", "test_render_server.py"]
+    collect_ignore = ["test_plugin.py", "test_teardown.py", "test_render_server.py", "test_render_tier.py"]
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +28,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="session")
+def render_plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
+    """Every render case's ids from ``vllm launch render`` without the switch (``render_cases.py``)."""
+    from render_cases import plain_render_ids
+
+    return plain_render_ids(model_dir, logs_dir)

@@ -19,100 +19,24 @@ must agree too. Expected ids always come from vLLM without the switch.
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from mptok.vllm.compat import supported_range
-from mptok_harness.vllm import RENDER, VllmServer
 
-from test_plugin import AGENTS, CASES, TURNS, _ids, _scraped
-from vllm_requests import TOOLS, agent_turns
+from render_cases import API_CASES, LATER_TURNS, WITHOUT_OFFSETS, answer_every_format, render_server
+from test_plugin import CASES, _scraped
 
 FAILED_START_TIMEOUT_S = 240.0
-# fastokens has no token offsets (vLLM answers 501 with it).
-WITHOUT_OFFSETS = {name: case for name, case in CASES.items() if not case[1].get("return_token_offsets")}
-
-
-def _anthropic_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """An OpenAI chat of ``agent_turns`` as an Anthropic Messages request: tool calls
-    as ``tool_use`` blocks, their results as ``tool_result`` blocks of a user turn."""
-    system, *rest = messages
-    converted: list[dict[str, Any]] = []
-    for message in rest:
-        if message["role"] == "tool":
-            block = {"type": "tool_result", "tool_use_id": message["tool_call_id"], "content": message["content"]}
-            converted.append({"role": "user", "content": [block]})
-        elif message.get("tool_calls"):
-            blocks = [
-                {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
-                for call in message["tool_calls"]
-            ]
-            converted.append({"role": "assistant", "content": blocks})
-        else:
-            converted.append({"role": message["role"], "content": message["content"]})
-    tools = [
-        {"name": tool["function"]["name"], "description": tool["function"].get("description", ""), "input_schema": tool["function"]["parameters"]}
-        for tool in TOOLS
-    ]
-    return {"max_tokens": 16, "system": system["content"], "messages": converted, "tools": tools, "tool_choice": {"type": "none"}}
-
-
-def _responses_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The same chat as an OpenAI Responses request: ``function_call`` and ``function_call_output`` items."""
-    system, *rest = messages
-    items: list[dict[str, Any]] = []
-    for message in rest:
-        if message["role"] == "tool":
-            items.append({"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]})
-        elif message.get("tool_calls"):
-            items += [
-                {"type": "function_call", "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
-                for call in message["tool_calls"]
-            ]
-        else:
-            items.append({"type": "message", "role": message["role"], "content": message["content"]})
-    tools = [{"type": "function", **{k: tool["function"].get(k) for k in ("name", "description", "parameters")}} for tool in TOOLS]
-    return {"instructions": system["content"], "input": items, "tools": tools, "tool_choice": "none"}
-
-
-# Render endpoints of the render server beyond test_plugin's: name -> (path, body).
-# Agents of their own, so that no two formats of one chat share the cache.
-API_TURNS = 5
-API_CASES = {
-    f"{label}-turn{turn}": (path, body(messages))
-    for label, path, body, seed in (
-        ("messages-render", "/v1/messages/render", _anthropic_body, 10),
-        ("responses-render", "/v1/responses/render", _responses_body, 11),
-    )
-    for turn, messages in enumerate(agent_turns(seed, API_TURNS))
-}
-# The agents' turns after their first two, in every format: each extends a
-# prompt the cache holds (the second may land before a provable seam exists).
-LATER_TURNS = AGENTS * (TURNS - 2) + 2 * (API_TURNS - 2)
-
-
-def _answer_every_format(server: VllmServer, cases: dict[str, tuple[str, dict[str, Any]]] = CASES) -> dict[str, list[int]]:
-    """The ids of ``cases`` (test_plugin's kinds) and of ``API_CASES``."""
-    ids = {name: _ids(server, kind, body) for name, (kind, body) in cases.items()}
-    for name, (path, body) in API_CASES.items():
-        ids[name] = server.post(path, body)["token_ids"]  # type: ignore[call-overload]
-    return ids
-
-
-def _render_server(model_dir: Path, log_path: Path, *, mptok: bool, env: dict[str, str] | None = None) -> VllmServer:
-    return VllmServer(model_dir, log_path, mptok=mptok, api_servers=1, command=RENDER, env=env)
 
 
 @pytest.fixture(scope="module")
-def plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
-    with _render_server(model_dir, logs_dir / "render-plain.log", mptok=False) as server:
-        return _answer_every_format(server)
+def plain_ids(render_plain_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+    return render_plain_ids
 
 
 @dataclass(frozen=True)
@@ -126,8 +50,8 @@ class Switched:
 
 @pytest.fixture(scope="module")
 def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]) -> Switched:
-    with _render_server(model_dir, logs_dir / "render-mptok.log", mptok=True) as server:
-        ids = _answer_every_format(server)
+    with render_server(model_dir, logs_dir / "render-mptok.log", mptok=True) as server:
+        ids = answer_every_format(server)
         # The counters are copied to /metrics one series after another every
         # 0.5 s; mptok_vllm_prompts after the others (metrics.SERIES).
         _scraped(server, "mptok_cache_hits_total", LATER_TURNS)
@@ -144,8 +68,8 @@ def fastokens_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
     if not _fastokens_installed():
         pytest.skip("needs fastokens and a vLLM with VLLM_USE_FASTOKENS")
     log_path = logs_dir / "render-fastokens.log"
-    with _render_server(model_dir, log_path, mptok=False, env={"VLLM_USE_FASTOKENS": "1"}) as server:
-        return _answer_every_format(server, WITHOUT_OFFSETS)
+    with render_server(model_dir, log_path, mptok=False, env={"VLLM_USE_FASTOKENS": "1"}) as server:
+        return answer_every_format(server, WITHOUT_OFFSETS)
 
 
 @pytest.mark.parametrize("name", [*CASES, *API_CASES])
@@ -185,7 +109,7 @@ _AS_VERSION = (
 
 def test_a_vllm_outside_the_tested_range_refuses_to_start_with_the_switch(model_dir, logs_dir):
     """The render server is one process, so the version it reports is the one the plugin checks."""
-    server = _render_server(model_dir, logs_dir / "render-unsupported.log", mptok=True)
+    server = render_server(model_dir, logs_dir / "render-unsupported.log", mptok=True)
     server.args = [sys.executable, "-c", _AS_VERSION, server.args[1], "0.34.0", *server.args[2:]]
     server.launch()
     assert server.process is not None

@@ -1,0 +1,52 @@
+"""The ``mptok`` command: ``mptok serve`` and ``mptok render``.
+
+``mptok serve``'s parser and process set-up are ``mptok.serve.cli``'s; this
+adds the ``render`` command (``mptok.render.options``) and runs it on the
+same supervisor with the render processes as its ``FrontendKind``. The
+arguments ``mptok render`` does not know are vLLM's, passed on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mptok.render.options import RenderArgumentError, add_render_arguments, render_options
+from mptok.serve.cli import build_parser, parse_serve_options, serve
+
+
+def add_render_command(commands: argparse._SubParsersAction) -> None:
+    render = commands.add_parser(
+        "render",
+        help="run vLLM's render server in N processes on one port",
+        usage="mptok render MODEL [options] [vLLM's render arguments]",
+        description=(
+            "Run N processes of vLLM's own render server (vllm launch render: every endpoint, vLLM's answers "
+            "and errors) on one port with SO_REUSEPORT, with --tokenizer-mode mptok routing each conversation "
+            "to the process whose prefix cache holds it. Restarts processes that die or hang; answers 503 "
+            "with Retry-After when a process holds --max-in-flight requests; one /metrics for all of them. "
+            "Any argument not listed here is vLLM's and is passed to vllm launch render. "
+            "Exit status: 0 after a signal, 2 if it cannot start, 3 if every process crash-looped."
+        ),
+    )
+    add_render_arguments(render)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mptok``; returns the exit status."""
+    parser = build_parser(add_render_command)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "render":
+        return serve(parse_serve_options(argv))
+    try:
+        options = render_options(args, unknown)
+    except RenderArgumentError as e:
+        parser.exit(2, f"mptok render: {e}\n")
+    from mptok.render.frontends import RenderFrontends
+
+    return serve(options.serve, RenderFrontends(options), command="render")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

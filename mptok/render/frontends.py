@@ -1,0 +1,67 @@
+"""What ``mptok serve``'s supervisor runs in each slot for ``mptok render``, and what it cleans up after one.
+
+The supervisor (``mptok.serve.supervisor``) is the same one ``mptok serve``
+uses: this is its ``FrontendKind`` for vLLM render processes. Each process
+gets its frontend id, the ipc directory (with a ``prometheus`` directory in
+it, prometheus_client's multiprocess directory, so that one ``/metrics``
+shows every process) and, as its own spawn argument, the authkey. When a
+process has exited, its live gauges are removed from that directory
+(``mark_process_dead``); its counters stay, so totals never go down.
+
+The supervisor itself never imports vLLM: a missing vLLM is found here
+with a lookup, and every render process imports it on its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mptok.render.options import RenderOptions
+from mptok.serve.options import ServeOptions
+from mptok.serve.supervisor import StartupError
+
+PROMETHEUS_DIR = "prometheus"
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """What one render process needs to start; picklable (it crosses the spawn pipe). The authkey is not in here."""
+
+    frontend_id: int
+    ipc_dir: str
+    options: RenderOptions
+
+    @property
+    def prometheus_dir(self) -> str:
+        return prometheus_dir(self.ipc_dir)
+
+
+def prometheus_dir(ipc_dir: str) -> str:
+    return os.path.join(ipc_dir, PROMETHEUS_DIR)
+
+
+class RenderFrontends:
+    """``FrontendKind`` of ``mptok render``: vLLM render processes that beat (``--hang-timeout``)."""
+
+    def __init__(self, options: RenderOptions) -> None:
+        self._options = options
+        self.hang_timeout_s: float | None = options.hang_timeout_s
+
+    def check(self, options: ServeOptions) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise StartupError("mptok render runs vLLM's render server, and vLLM is not installed: pip install 'mptok[vllm]'")
+
+    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
+        from mptok.render.worker import render_main
+
+        os.makedirs(prometheus_dir(ipc_dir), mode=0o700, exist_ok=True)
+        return render_main, RenderSettings(frontend_id, ipc_dir, self._options.with_port(options.port))
+
+    def exited(self, pid: int, ipc_dir: str) -> None:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, prometheus_dir(ipc_dir))

@@ -1,0 +1,104 @@
+"""What ``mptok serve`` does around each request, added around vLLM's own render app.
+
+vLLM's render app answers every request it gets, however many wait: behind
+one port, a full process keeps taking connections while its peers idle, and
+its clients wait without knowing why. ``RenderGate`` is an ASGI middleware,
+the outermost one of each render process's app, that adds what ``mptok
+serve``'s frontends do and nothing else:
+
+- admission: a POST (every render, tokenize and derender endpoint) holds a
+  place of ``mptok.serve.service.Admission`` from its first byte to its last
+  answer byte; with ``--max-in-flight`` places held, the next gets 503 with
+  ``Retry-After`` at once, in vLLM's error shape;
+- ``GET /metrics``: vLLM's own answer (every render process's series, vLLM's
+  and mptok's, summed by prometheus_client's multiprocess mode), followed by
+  the supervisor's series (``mptok_frontend_up``, restarts, given up) from its
+  snapshot in the ipc directory. vLLM's answer is asked for uncompressed, so
+  that it can be extended.
+
+Everything else reaches vLLM untouched, and vLLM answers it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from mptok.api.tokenize_request import RequestError, error_body
+from mptok.serve.metrics import render_supervisor
+from mptok.serve.service import Admission
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+METRICS_PATH = "/metrics"
+
+
+class RenderGate:
+    """ASGI middleware: admission for POSTs, the supervisor's series on ``/metrics``."""
+
+    def __init__(self, app: Any, admission: Admission, snapshots: SnapshotDir) -> None:
+        self.app = app
+        self._admission = admission
+        self._snapshots = snapshots
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+        elif scope.get("method") == "POST":
+            await self._admitted(scope, receive, send)
+        elif scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
+            await self._metrics(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.ExitStack() as place:
+            try:
+                place.enter_context(self._admission.place())
+            except RequestError as e:
+                await _send_error(send, e)
+                return
+            await self.app(scope, receive, send)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"accept-encoding"]}
+        start: Message | None = None
+        body: list[bytes] = []
+
+        async def collect(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    await self._send_metrics(send, start, b"".join(body))
+            else:
+                await send(message)
+
+        await self.app(scope, receive, collect)
+
+    async def _send_metrics(self, send: Send, start: Message | None, text: bytes) -> None:
+        assert start is not None, "a body before the response's start"
+        if start["status"] == 200:
+            supervisor = self._snapshots.read_all().get(SUPERVISOR_SNAPSHOT)
+            if supervisor is not None:
+                text += render_supervisor(supervisor).encode() + b"\n"
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(text)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": text})
+
+
+async def _send_error(send: Send, error: RequestError) -> None:
+    body = error_body(error.status, error.message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if error.retry_after_s is not None:
+        headers.append((b"retry-after", str(error.retry_after_s).encode()))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

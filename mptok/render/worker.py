@@ -1,0 +1,180 @@
+"""One render process of ``mptok render``: vLLM's own ``vllm launch render``, on a port it shares.
+
+The process runs vLLM's command line as ``vllm launch render MODEL --host H
+--port P --tokenizer-mode mptok [vLLM's arguments]``: vLLM parses and checks
+the arguments, loads its plugins, builds its render app (every endpoint,
+its request models, templates, answers and errors) and serves it. Two names
+of vLLM's render entry module are wrapped for the time of the call
+(``VllmRenderHooks``), nothing else:
+
+- ``setup_server``: vLLM's own socket set-up, asked for SO_REUSEPORT (vLLM
+  passes ``reuse_port=False``), so the N processes share one port;
+- ``serve_http``: vLLM's own server, after ``RenderGate`` is put around its
+  app; once uvicorn listens, the heartbeat starts on its event loop and the
+  supervisor is told ``("ready", pid)``.
+
+Before vLLM builds its renderer, the process takes its seat
+(``mptok.vllm.prompt_tokens.take_seat``): its frontend id of N, the ipc
+directory and the authkey from the supervisor, so the plugin's renderer
+routes each conversation to the process whose cache holds it, exactly as
+``mptok serve``'s frontends do. It stops when vLLM does: on SIGTERM (from
+the supervisor, or from the kernel when the supervisor dies:
+``mptok.serve.lifeline``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from mptok.render.frontends import RenderSettings
+from mptok.render.gate import RenderGate
+from mptok.render.options import MODE
+from mptok.serve.heartbeat import Heartbeat
+from mptok.serve.lifeline import stop_with_parent
+from mptok.serve.options import Use
+from mptok.serve.service import Admission
+from mptok.serve.snapshots import SnapshotDir
+
+logger = logging.getLogger("mptok.render")
+
+SESSION_MIDDLEWARE = "mptok.vllm.session.SessionHeaders"
+_STARTED_POLL_S = 0.05
+
+
+def vllm_command(settings: RenderSettings) -> list[str]:
+    """The ``vllm`` command line this process runs (without the program name)."""
+    options = settings.options
+    args = list(options.vllm_args)
+    if SESSION_MIDDLEWARE not in args:
+        args += ["--middleware", SESSION_MIDDLEWARE]
+    if "--tokenizer-mode" not in {arg.partition("=")[0] for arg in args}:
+        args += ["--tokenizer-mode", MODE]
+    return ["launch", "render", options.model, "--host", options.serve.host, "--port", str(options.serve.port), *args]
+
+
+class VllmRenderHooks:
+    """vLLM's render entry with its socket shared and its app gated, while ``installed()``.
+
+    ``ready_sent`` is True once the supervisor was told the process serves.
+    """
+
+    def __init__(self, settings: RenderSettings, ready: Any) -> None:
+        self._settings = settings
+        self._ready = ready
+        self.ready_sent = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from vllm.entrypoints.launchers.render import entry
+
+        setup_server, serve_http = entry.setup_server, entry.serve_http
+
+        def shared_setup_server(args: Any, *, reuse_port: bool) -> Any:
+            return setup_server(args, reuse_port=True)
+
+        async def gated_serve_http(app: Any, sock: Any, **kwargs: Any) -> Any:
+            return await self._serve(serve_http, app, sock, **kwargs)
+
+        entry.setup_server, entry.serve_http = shared_setup_server, gated_serve_http
+        try:
+            yield
+        finally:
+            entry.setup_server, entry.serve_http = setup_server, serve_http
+
+    async def _serve(self, serve_http: Any, app: Any, sock: Any, **kwargs: Any) -> Any:
+        options = self._settings.options.serve
+        # vLLM has built its middleware stack already (add_middleware would refuse): the gate goes around it.
+        stack = app.middleware_stack or app.build_middleware_stack()
+        app.middleware_stack = RenderGate(stack, Admission(options.max_in_flight), SnapshotDir(self._settings.ipc_dir))
+        serving = asyncio.ensure_future(serve_http(app, sock, **kwargs))
+        heartbeat = Heartbeat(self._settings.ipc_dir, self._settings.frontend_id)
+        try:
+            while not serving.done():
+                server = getattr(app.state, "server", None)
+                if server is not None and server.started:
+                    heartbeat.start()
+                    self._ready.send(("ready", os.getpid()))
+                    self.ready_sent = True
+                    break
+                await asyncio.sleep(_STARTED_POLL_S)
+            return await serving
+        finally:
+            heartbeat.stop()
+
+
+def render_main(settings: RenderSettings, authkey: bytes, ready: Any) -> None:
+    """Body of a render process (the supervisor's spawn target).
+
+    Sends ``("ready", pid)`` once it serves, or ``("failed", reason)`` and
+    exits 1 if vLLM does not start.
+    """
+    # Read by prometheus_client when it is first imported (vLLM imports it).
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_dir
+    parent = multiprocessing.parent_process()
+    stop_with_parent(parent.pid if parent is not None else os.getppid())
+    from mptok.vllm.prompt_tokens import Seat, take_seat
+
+    options = settings.options.serve
+    take_seat(
+        Seat(settings.frontend_id, options.frontends, settings.ipc_dir, authkey, routing=options.arguments_for(Use.ROUTING))
+    )
+    hooks = VllmRenderHooks(settings, ready)
+    try:
+        status = _run_vllm(vllm_command(settings), hooks)
+    except BaseException as e:
+        if hooks.ready_sent:
+            raise
+        reason = f"{type(e).__name__}: {e}"
+        status = reason
+    if hooks.ready_sent:
+        raise SystemExit(0 if status in (None, 0) else 1)
+    with contextlib.suppress(OSError):
+        ready.send(("failed", f"vllm launch render did not start: {status}"))
+    raise SystemExit(1)
+
+
+def _run_vllm(argv: list[str], hooks: VllmRenderHooks) -> int | str | None:
+    """vLLM's CLI on ``argv``; its exit status, or for an argument error argparse's message."""
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    errors = _Tee(sys.stderr)
+    with hooks.installed(), contextlib.redirect_stderr(errors):
+        try:
+            main()
+        except SystemExit as e:
+            if e.code not in (None, 0) and not hooks.ready_sent:
+                return errors.last_line() or f"exit status {e.code}"
+            return e.code if isinstance(e.code, int) or e.code is None else str(e.code)
+    return None
+
+
+class _Tee(io.TextIOBase):
+    """Writes through to ``stream``, remembering the last line (argparse's error)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._last = ""
+
+    def write(self, text: str) -> int:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if lines:
+            self._last = lines[-1]
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def last_line(self) -> str:
+        return self._last

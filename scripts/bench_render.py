@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Benchmark: a render tier beside its anchors, on keyless agentic chats, at several concurrencies.
+
+Four render services of one model directory (``mptok_harness.vllm``), all
+running at once (each idle while another is measured):
+
+- ``vllm``: ``vllm launch render``, one process, as it is;
+- ``fastokens``: the same with ``VLLM_USE_FASTOKENS=1``;
+- ``nginx-2x-fastokens``: two of those behind an nginx round robin (a
+  Service of replicas);
+- ``mptok-render``: ``mptok render --frontends 2``.
+
+The chats are agentic (a shared system prompt, tool calls and their outputs,
+no session id) and grow to about ``--target-tokens``. At each concurrency C,
+C client threads each run their own chats turn after turn (fresh chats per
+C, the same for every service), every request ``/v1/chat/completions/render``
+on a new connection. Reported per service and C: render p50/p99 (all turns
+and later turns: each chat's last half), requests/s over the run's wall
+time, CPU seconds per request of the service's processes (nginx included),
+mptok's hits from its ``/metrics`` over the turns that can hit, and every
+answer's ids against ``vllm``'s for the same request. The clients share the
+machine with the services. Writes ``docs/results/bench_render.md``.
+
+    .venv-vllm33/bin/python -m scripts.bench_render              # about 10 minutes on 2 cores
+    .venv-vllm33/bin/python -m scripts.bench_render --target-tokens 70000 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mptok_harness.nginx import Nginx, render_nginx
+from mptok_harness.serve import free_port, request, scrape
+from mptok_harness.vllm import RENDER, MptokRender, VllmServer, write_model_dir
+from scripts.percentiles import percentile
+from scripts.report import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT = REPO / "docs" / "results" / "bench_render.md"
+NGINX_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
+SERVICES = ("vllm", "fastokens", "nginx-2x-fastokens", "mptok-render")
+CHARS_PER_TOKEN = 3.3  # the embedded tokenizer on source code, roughly
+FASTOKENS = {"VLLM_USE_FASTOKENS": "1"}
+PATH = "/v1/chat/completions/render"
+
+
+def agent_chat(seed: int, target_tokens: int, turn_chars: int, system: str) -> list[bytes]:
+    """One keyless agent's request bodies, turn by turn (JSON), growing to about ``target_tokens``."""
+    from tests.vllm.vllm_requests import TOOLS, agent_turns
+
+    turns = max(2, int(target_tokens * CHARS_PER_TOKEN / turn_chars))
+    bodies = []
+    for messages in agent_turns(seed, turns, turn_chars):
+        messages[0] = {"role": "system", "content": system}
+        bodies.append(json.dumps({"messages": messages, "tools": TOOLS, "tool_choice": "none"}).encode())
+    return bodies
+
+
+@dataclass
+class Service:
+    """One render service: the port clients use and the processes whose CPU it costs."""
+
+    name: str
+    port: int
+    model: str
+    roots: list[int] = field(default_factory=list)  # pids whose trees are the service
+
+    def processes(self) -> list[psutil.Process]:
+        found = []
+        for pid in self.roots:
+            try:
+                root = psutil.Process(pid)
+                found += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for process in self.processes():
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system + times.children_user + times.children_system
+        return total
+
+
+@dataclass
+class Run:
+    """One service at one concurrency."""
+
+    seconds: list[float] = field(default_factory=list)
+    later: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    wrong: int = 0
+    failed: int = 0
+    hits: float = float("nan")
+
+
+def drive(service: Service, chats: list[list[bytes]], concurrency: int, expected: dict[tuple[int, int], list[int]], record: bool) -> Run:
+    """Chats ``chats`` split over ``concurrency`` threads, each turn after turn."""
+    run = Run()
+    lock = threading.Lock()
+    model = json.dumps(service.model)
+
+    def client(worker: int) -> None:
+        for chat in range(worker, len(chats), concurrency):
+            turns = chats[chat]
+            for turn, body in enumerate(turns):
+                payload = b'{"model": ' + model.encode() + b", " + body[1:]
+                started = time.perf_counter()
+                status, answer, _ = request(service.port, "POST", PATH, payload, timeout_s=300)
+                elapsed = time.perf_counter() - started
+                ids = json.loads(answer)["token_ids"] if status == 200 else None
+                with lock:
+                    if ids is None:
+                        run.failed += 1
+                        continue
+                    run.seconds.append(elapsed)
+                    if turn >= len(turns) // 2:
+                        run.later.append(elapsed)
+                    if record:
+                        expected[(chat, turn)] = ids
+                    elif ids != expected[(chat, turn)]:
+                        run.wrong += 1
+
+    cpu_before = service.cpu_s()
+    began = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    run.wall_s = time.perf_counter() - began
+    run.cpu_s = service.cpu_s() - cpu_before
+    return run
+
+
+def mptok_hits(service: Service) -> float:
+    return sum(value for name, _, value in scrape(service.port) if name == "mptok_cache_hits_total")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target-tokens", type=int, default=40_000)
+    parser.add_argument("--turn-chars", type=int, default=4000)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--chats-per-client", type=int, default=1)
+    parser.add_argument("--report-dir", type=Path, default=REPORT.parent)
+    args = parser.parse_args()
+
+    from tests.vllm.vllm_requests import text_source
+
+    system = "You are a coding agent. " + text_source(1)(3000)
+    workloads = {
+        c: [agent_chat(1000 * c + n, args.target_tokens, args.turn_chars, system) for n in range(c * args.chats_per_client)]
+        for c in args.concurrency
+    }
+    results: dict[str, dict[int, Run]] = defaultdict(dict)
+    tokens: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_model_dir(Path(tmp) / "model")
+        started: list[Any] = []
+        try:
+            plain = VllmServer(model, Path(tmp) / "vllm.log", mptok=False, api_servers=1, command=RENDER, max_model_len=131072)
+            fast = VllmServer(model, Path(tmp) / "fastokens.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=131072)
+            replicas = [
+                VllmServer(model, Path(tmp) / f"replica{i}.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=131072)
+                for i in range(2)
+            ]
+            tier = MptokRender(model, Path(tmp) / "mptok-render.log", frontends=2, max_model_len=131072)
+            for server in (plain, fast, *replicas, tier):
+                started.append(server.launch())
+            for server in started:
+                server.wait_started(900)
+            nginx_port = free_port()
+            config = render_nginx(NGINX_TEMPLATE, f"127.0.0.1:{nginx_port}", [f"127.0.0.1:{r.port}" for r in replicas], round_robin=True)
+            nginx = Nginx(Path(tmp) / "nginx", config, nginx_port)
+            started.append(nginx)
+            services = {
+                "vllm": Service("vllm", plain.port, plain.model, [plain.process.pid]),
+                "fastokens": Service("fastokens", fast.port, fast.model, [fast.process.pid]),
+                "nginx-2x-fastokens": Service(
+                    "nginx-2x-fastokens", nginx_port, plain.model, [nginx.process.pid, *(r.process.pid for r in replicas)]
+                ),
+                "mptok-render": Service("mptok-render", tier.port, tier.model, [tier.process.pid]),
+            }
+            for concurrency, chats in workloads.items():
+                expected: dict[tuple[int, int], list[int]] = {}
+                for name in SERVICES:
+                    service = services[name]
+                    before = mptok_hits(service) if name == "mptok-render" else 0.0
+                    run = drive(service, chats, concurrency, expected, record=name == "vllm")
+                    if name == "mptok-render":
+                        time.sleep(1.0)  # the counters reach /metrics every 0.5 s
+                        run.hits = mptok_hits(service) - before
+                    results[name][concurrency] = run
+                    print(f"C={concurrency} {name}: p50 {percentile(run.seconds, 0.5) * 1000:.1f} ms, "
+                          f"{len(run.seconds) / run.wall_s:.1f} req/s, wrong {run.wrong}, failed {run.failed}", flush=True)
+                tokens += [len(ids) for ids in expected.values()]
+        finally:
+            for server in reversed(started):
+                server.stop()
+    body = _report(results, workloads, tokens, args)
+    command = shlex.join([".venv-vllm33/bin/python", "-m", "scripts.bench_render", *sys.argv[1:]])
+    report = write_report(
+        "bench_render",
+        "A render tier beside its anchors: vllm launch render, with fastokens, two behind nginx, mptok render",
+        body,
+        command=command,
+        packages=("mptok", "vllm", "transformers", "tokenizers", "fastokens", "gigatoken"),
+        directory=args.report_dir,
+    )
+    print(report.read_text())
+    return 1 if any(run.wrong or run.failed for runs in results.values() for run in runs.values()) else 0
+
+
+def _report(results: dict[str, dict[int, Run]], workloads: dict[int, list[list[bytes]]], tokens: list[int], args: Any) -> str:
+    rows = []
+    for concurrency, chats in workloads.items():
+        turns = sum(len(chat) for chat in chats)
+        can_hit = turns - len(chats)
+        for name in SERVICES:
+            run = results[name][concurrency]
+            hits = "" if name != "mptok-render" else f"{run.hits:.0f} of {can_hit} ({run.hits / can_hit:.0%})"
+            rows.append(
+                f"| {concurrency} | {name} | {percentile(run.seconds, 0.5) * 1000:.1f} | {percentile(run.seconds, 0.99) * 1000:.1f} "
+                f"| {percentile(run.later, 0.5) * 1000:.1f} | {len(run.seconds) / run.wall_s:.1f} "
+                f"| {run.cpu_s / max(1, len(run.seconds)) * 1000:.1f} | {hits} | {run.wrong} | {run.failed} |"
+            )
+    ratios = []
+    for concurrency in workloads:
+        rate = {name: len(results[name][concurrency].seconds) / results[name][concurrency].wall_s for name in SERVICES}
+        ratios.append(
+            f"- C={concurrency}: mptok render {rate['mptok-render'] / rate['fastokens']:.2f}x the requests/s of vLLM with "
+            f"fastokens, {rate['mptok-render'] / rate['nginx-2x-fastokens']:.2f}x two of them behind nginx, "
+            f"{rate['mptok-render'] / rate['vllm']:.2f}x vLLM without fastokens."
+        )
+    chats_per_c = ", ".join(f"{len(chats)} at C={c}" for c, chats in workloads.items())
+    return "\n".join(
+        [
+            f"Keyless agentic chats (shared system prompt, tool calls and outputs, no session id) of "
+            f"{len(next(iter(workloads.values()))[0])} turns growing to {max(tokens):,} prompt tokens "
+            f"({min(tokens):,} at the first turn); {chats_per_c}, each client thread running its chats turn after turn, "
+            f"every request `{PATH}` on a new connection. Every service runs while another is measured (idle). "
+            "CPU per request: user + system seconds of the service's processes (nginx included) over the run, per request; "
+            "the clients run on the same machine.",
+            "",
+            "| C | service | render p50 ms | p99 ms | later turns p50 ms | requests/s | CPU ms/request | mptok hits | ids unlike vLLM's | failed |",
+            "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|",
+            *rows,
+            "",
+            *ratios,
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""``mptok render``: vLLM's render server in two processes on one port, answering as one ``vllm launch render``.
+
+One ``mptok render MODEL --frontends 2`` answers every request the render
+server's tests send (``render_cases``: agentic chats with tools,
+``add_special_tokens`` both ways, ``continue_final_message``, completion and
+``/tokenize`` renders, ``/v1/messages/render`` and ``/v1/responses/render``),
+each on a new connection, so the kernel spreads them over both processes;
+every answer must carry the ids of ``vllm launch render`` without the
+switch. Its one ``/metrics`` must show both processes' counters, vLLM's and
+mptok's (the keyless agents' later turns hitting, conversations routed
+between the processes) and the supervisor's. Then, on the same server:
+admission under a burst (503 with Retry-After), a SIGKILLed and a SIGSTOPped process (the other
+keeps answering with the right ids; the supervisor brings it back), and a
+clean SIGTERM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mptok_harness.serve import request
+from mptok_harness.vllm import MptokRender
+
+from render_cases import API_CASES, LATER_TURNS, answer_every_format
+from test_plugin import CASES, _scraped
+from vllm_requests import text_source
+
+FRONTENDS = 2
+# Small, so that a burst fills it; the sequential cases never do.
+MAX_IN_FLIGHT = 2
+HANG_TIMEOUT_S = 5.0
+# A restarted process loads vLLM again: seconds of CPU on a busy machine.
+BACK_TIMEOUT_S = 180.0
+# The agents' chats, replayed as load while a process is killed.
+LOAD = [name for name in CASES if name.startswith("agent")]
+
+
+@pytest.fixture(scope="module")
+def tier(model_dir: Path, logs_dir: Path, render_plain_ids: dict[str, list[int]]):
+    mptok_args = ("--max-in-flight", str(MAX_IN_FLIGHT), "--hang-timeout", str(HANG_TIMEOUT_S))
+    with MptokRender(model_dir, logs_dir / "mptok-render.log", frontends=FRONTENDS, mptok_args=mptok_args) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def answered(tier: MptokRender) -> dict[str, list[int]]:
+    return answer_every_format(tier)
+
+
+@pytest.mark.parametrize("name", [*CASES, *API_CASES])
+def test_every_request_gets_the_ids_of_vllm_launch_render(render_plain_ids, answered, name):
+    assert answered[name] == render_plain_ids[name]
+
+
+def test_the_start_is_one_ready_line_and_every_process_routes(tier, answered):
+    log = tier.log()
+    assert log.count("event=ready ") == 1, tier.log_tail()
+    for frontend in range(FRONTENDS):
+        assert f"routing on: API server {frontend} of {FRONTENDS}" in log, tier.log_tail()
+
+
+def test_one_metrics_shows_every_process_vllms_series_and_mptoks_hits(tier, answered):
+    totals = _scraped(tier, "mptok_cache_hits_total", LATER_TURNS)
+    # Keyless agents' later turns hit, on whichever process holds them.
+    assert sum(totals["mptok_cache_hits_total"].values()) >= LATER_TURNS, totals
+    assert set(totals["mptok_prompts_total"]) == {str(i) for i in range(FRONTENDS)}, totals
+    assert sum(totals["mptok_routed_total"].values()) > 0, totals
+    assert sum(totals["mptok_served_total"].values()) == sum(totals["mptok_routed_total"].values()), totals
+    text = _metrics_text(tier)
+    # vLLM's own series, summed over the processes (prometheus_client's multiprocess mode).
+    assert re.search(r'^http_requests_total\{.*handler="/v1/chat/completions/render".*\} \d', text, re.M), text[:3000]
+    for frontend in range(FRONTENDS):
+        assert f'mptok_frontend_up{{frontend="{frontend}"}} 1' in text
+
+
+def test_a_full_process_answers_503_with_retry_after_at_once(tier):
+    piece = text_source(7)
+    # Fresh long prompts (nothing to hit), many at once: more than MAX_IN_FLIGHT per process.
+    bodies = [{"model": tier.model, "prompt": piece(200_000)} for _ in range(6 * FRONTENDS * MAX_IN_FLIGHT)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: request(tier.port, "POST", "/tokenize", body, timeout_s=120), bodies))
+    statuses = Counter(status for status, _, _ in answers)
+    assert set(statuses) <= {200, 503} and statuses[503] > 0 and statuses[200] > 0, statuses
+    for status, payload, headers in answers:
+        if status == 503:
+            assert headers["retry-after"] == "1"
+            assert json.loads(payload)["error"]["code"] == 503
+
+
+def _metrics_text(server: MptokRender) -> str:
+    status, payload, _ = request(server.port, "GET", "/metrics")
+    assert status == 200
+    return payload.decode()
+
+
+class _Load:
+    """Agents' turns sent over and over from two threads, each on a new connection, until ``stop()``;
+    every 200 answer's ids are checked against vLLM's own."""
+
+    def __init__(self, server: MptokRender, expected: dict[str, list[int]]):
+        self._server = server
+        self._expected = expected
+        self._stop = threading.Event()
+        self.answered: list[float] = []  # monotonic time of each right answer
+        self.wrong: list[str] = []
+        self.failed = Counter[str]()
+        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(2)]
+
+    def __enter__(self) -> _Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+    def _run(self, n: int) -> None:
+        turn = n
+        while not self._stop.is_set():
+            name = LOAD[turn % len(LOAD)]
+            turn += 2
+            _, body = CASES[name]
+            try:
+                status, payload, _ = request(
+                    self._server.port, "POST", "/v1/chat/completions/render", {"model": self._server.model, **body}, timeout_s=10
+                )
+            except OSError as e:  # a connection the killed or stopped process held
+                self.failed[type(e).__name__] += 1
+                continue
+            if status != 200:
+                self.failed[str(status)] += 1
+                continue
+            if json.loads(payload)["token_ids"] != self._expected[name]:
+                self.wrong.append(name)
+            self.answered.append(time.monotonic())
+
+    def answered_after(self, moment: float) -> int:
+        return sum(1 for t in self.answered if t > moment)
+
+
+def _wait_back(server: MptokRender, frontend: int, old_pid: int) -> float:
+    """Seconds until ``frontend`` has a new ready process."""
+    began = time.monotonic()
+    while time.monotonic() - began < BACK_TIMEOUT_S:
+        if server.frontend_pids().get(frontend, old_pid) != old_pid:
+            return time.monotonic() - began
+        time.sleep(0.5)
+    raise AssertionError(f"frontend {frontend} not back after {BACK_TIMEOUT_S} s:\n{server.log_tail()}")
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_killed_or_stopped_process_comes_back_and_the_other_keeps_answering(tier, render_plain_ids, answered, fault):
+    frontend = 0 if fault == "SIGKILL" else 1
+    pid = tier.frontend_pids()[frontend]
+    with _Load(tier, render_plain_ids) as load:
+        time.sleep(2)
+        os.kill(pid, getattr(signal, fault))
+        faulted = time.monotonic()
+        back_s = _wait_back(tier, frontend, pid)
+        time.sleep(2)
+    assert not load.wrong, load.wrong
+    # The other process answered while this one was down.
+    assert load.answered_after(faulted) >= 3, (load.failed, tier.log_tail())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    event = "frontend_exited" if fault == "SIGKILL" else "frontend_hung"
+    assert re.search(rf"event={event} frontend={frontend} pid={pid}\b", tier.log()), tier.log_tail()
+    print(f"{fault}: back after {back_s:.1f} s; failures while down: {dict(load.failed)}")
+
+
+def test_sigterm_stops_every_process_and_removes_the_ipc_dir(tier):
+    pids = list(tier.frontend_pids().values())
+    ipc_dir = re.search(r"event=ready .*ipc_dir=(\S+)", tier.log()).group(1)  # type: ignore[union-attr]
+    assert tier.process is not None
+    tier.process.send_signal(signal.SIGTERM)
+    assert tier.process.wait(60) == 0, tier.log_tail()
+    assert "event=stopped" in tier.log()
+    assert not any(psutil.pid_exists(pid) for pid in pids), pids
+    assert not os.path.exists(ipc_dir)
+    assert ipc_dir.startswith(tempfile.gettempdir())
