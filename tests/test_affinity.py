@@ -65,7 +65,9 @@ def test_what_has_no_stable_part_is_keyless():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("affinity") / "serve.log"
-    with Server(log, "--frontends", str(FRONTENDS)) as s:
+    # Every turn to its owner's cache, so that each later turn is a hit: what
+    # these tests are about (the default policy weighs each crossing).
+    with Server(log, "--frontends", str(FRONTENDS), "--routing", "always") as s:
         yield s
 
 

@@ -63,7 +63,10 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
     nginx = None
     try:
         for i, host in enumerate(HOSTS):
-            servers.append(Server(tmp_path / f"host-{i}.log", "--host", host, "--frontends", "2", wait_ready=False))
+            # Every turn to its owner's cache (the policy under test here; the
+            # default weighs each crossing: docs/ROUTING.md).
+            args = ("--host", host, "--frontends", "2", "--routing", "always")
+            servers.append(Server(tmp_path / f"host-{i}.log", *args, wait_ready=False))
         for server in servers:
             server.wait_for_log(r"event=ready ")
         port = free_port()

@@ -53,7 +53,10 @@ TURNS = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with Server(log, "--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS)) as s:
+    # Every turn to its owner's cache, so that each later turn is a hit (the
+    # default policy weighs each crossing: test_routing_policy_is_the_operators).
+    args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--routing", "always")
+    with Server(log, *args) as s:
         yield s
 
 
@@ -167,6 +170,24 @@ def test_metrics_cover_every_frontend_whichever_answers(server):
     assert buckets[-1][0] == "+Inf"
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
     assert total(samples, "mptok_frontend_up") == FRONTENDS
+
+
+def test_routing_policy_is_the_operators(tmp_path, tokenizer, monkeypatch):
+    """--routing never: each frontend a cache of its own (nothing crosses),
+    every answer exact; MPTOK_ROUTING is the default the flag overrides; the
+    policy is on /metrics and in each frontend's ready line."""
+    monkeypatch.setenv("MPTOK_ROUTING", "always")
+    with Server(tmp_path / "serve.log", "--frontends", "2", "--routing", "never") as server:
+        for turn, prompt in enumerate(conversation(31, 4)):
+            body = {"prompt": prompt, "conversation_id": "policy", "add_special_tokens": False}
+            assert tokenize(server.port, body)["tokens"] == expected(tokenizer, prompt), turn
+        wait_for_snapshots()
+        samples = scrape(server.port)
+        log = server.log()
+    assert total(samples, "mptok_routed_total") == 0
+    assert total(samples, "mptok_routing_policy", policy="never") == 2
+    assert total(samples, "mptok_routing_policy", policy="always") == 0
+    assert log.count("routing=never") == 2  # one ready line per frontend
 
 
 def test_every_declared_metric_has_a_value_and_every_value_a_metric(server):
@@ -578,8 +599,10 @@ def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_nex
 def test_a_frontends_stop_spends_the_graceful_timeout_once(tmp_path):
     # A tokenization longer than --graceful-timeout is in flight at SIGTERM.
     # uvicorn spends the budget waiting for its request; the pool must get
-    # what is left of it (nothing), not a second --graceful-timeout.
-    with Server(tmp_path / "serve.log", "--frontends", "1", "--graceful-timeout", "1") as server:
+    # what is left of it (nothing), not a second --graceful-timeout. On
+    # `tokenizers`: a fast engine tokenizes the prompt in milliseconds.
+    args = ("--frontends", "1", "--graceful-timeout", "1", "--tokenizer-backend", "tokenizers")
+    with Server(tmp_path / "serve.log", *args) as server:
         text = "".join(conversation(7, 1, first_chars=3_900_000))
         body = json.dumps({"prompt": text}).encode()
         client = socket.create_connection(("127.0.0.1", server.port), timeout=60)

@@ -68,6 +68,9 @@ ENGINES = ("fastokens", "gigatoken")
 # What CacheConfig.tokenizer_backend accepts: "auto" picks the cheapest exact one.
 CHOICES = ("auto", "tokenizers") + ENGINES
 
+# The process's one background checker thread (it outlives every cache and
+# TokenizationOwners, as the backends it checks do).
+VERIFIER_THREAD = "mptok-backend-verifier"
 # Results of a fast engine re-checked before sampling starts.
 FIRST_CHECKS = 8
 # Re-checks waiting for the background thread; more are dropped (counted).
@@ -342,7 +345,7 @@ class SampledVerifier:
             return
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mptok-backend-verifier", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=VERIFIER_THREAD, daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:

@@ -39,6 +39,7 @@ from mptok.core.protocol import PeerReply
 from mptok.routing.answer import PeerCache, answer_peer
 from mptok.routing.calibration import build_backend, seconds_per_char, typical_text
 from mptok.routing.crossing import CHOICES, LOCAL_CHEAPER, LOCAL_KEPT, CrossingCosts
+from mptok.routing.policy import ALWAYS, CHEAPER, NEVER, POLICIES, routing_policy
 from mptok.routing.deadline import PATIENCE_FACTOR, RouteDeadline
 from mptok.routing.held import BadReply, HeldReplies
 from mptok.routing.liveness import (
@@ -149,8 +150,10 @@ class TokenizationOwners:
     this process as the owner. ``close()`` (or leaving the ``with`` block)
     undoes it all within one time budget; it is idempotent. A process that
     serves peers should call ``lower_switch_interval()`` once at start.
-    ``weigh_crossing=False`` routes every prompt an owner can answer, cheaper
-    here or not.
+    ``routing`` is the policy (``mptok.routing.policy``): "cheaper" (the
+    default, or ``MPTOK_ROUTING``) weighs each crossing, "always" routes every
+    prompt an owner can answer, "never" none; ``weigh_crossing=False`` is
+    "always", as before there was a policy.
     """
 
     def __init__(
@@ -167,6 +170,7 @@ class TokenizationOwners:
         limits: ServerLimits | None = None,
         patience_factor: float = PATIENCE_FACTOR,
         weigh_crossing: bool = True,
+        routing: str | None = None,
     ):
         if not 0 <= frontend_id < num_frontends:
             raise ValueError(f"frontend_id {frontend_id} is not in range({num_frontends})")
@@ -177,7 +181,8 @@ class TokenizationOwners:
         self._ipc_dir = secure_ipc_dir(ipc_dir)
         self._cache = cache
         self._tokenizer = tokenizer
-        self._routing = True
+        self.policy = routing_policy(routing if routing is not None or weigh_crossing else ALWAYS)
+        self._routing = self.policy != NEVER
         self._timeout_s = timeout_s
         self._close_timeout_s = (limits if limits is not None else ServerLimits()).close_timeout_s
         self._counters = Counters(_ROUTE_COUNTERS)
@@ -203,7 +208,8 @@ class TokenizationOwners:
             patience_factor * worst_s_per_char if worst_s_per_char is not None and patience_factor > 0 else None
         )
         # Without weighing, every prompt an owner can answer is routed.
-        typical_s_per_char = seconds_per_char(backend, typical_text()) if calibrated and weigh_crossing else None
+        weighing = calibrated and self.policy == CHEAPER
+        typical_s_per_char = seconds_per_char(backend, typical_text()) if weighing else None
         self._crossing = CrossingCosts(typical_s_per_char)
         address = socket_path(self._ipc_dir, frontend_id)
         self._manager = serve_encode(
@@ -270,8 +276,10 @@ class TokenizationOwners:
         active_connections, accepted, refused, handshake_failures,
         refused_requests: this frontend as an owner. held_entries,
         held_bytes, held_max_bytes: the fingerprints of routed prompts held here.
+        policy_<name>: 1 for the routing policy in force (``self.policy``), else 0.
         """
-        return {**self._counters.snapshot(), **self._manager.stats(), **self._held.stats()}
+        policy = {f"policy_{name}": int(name == self.policy) for name in POLICIES}
+        return {**self._counters.snapshot(), **self._manager.stats(), **self._held.stats(), **policy}
 
     def timings(self) -> dict[str, dict[str, Any]]:
         """Histogram snapshots since start, for /metrics.

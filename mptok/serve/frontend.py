@@ -343,7 +343,9 @@ class Frontend:
             self._server.should_exit = True
         if self._server.started:
             ready.send(("ready", os.getpid()))
-            log_event(logger, logging.INFO, "frontend_ready", url=f"http://{options.host}:{options.port}")
+            log_event(
+                logger, logging.INFO, "frontend_ready", url=f"http://{options.host}:{options.port}", routing=self.owners.policy
+            )
         await serving
 
     def close(self) -> None:

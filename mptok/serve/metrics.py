@@ -26,6 +26,7 @@ from typing import Any
 from mptok.api.affinity import IdentityKind
 from mptok.routing.crossing import CHOICES as CROSSING_CHOICES
 from mptok.routing.liveness import FALLBACK_REASONS
+from mptok.routing.policy import POLICIES as ROUTING_POLICIES
 from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,8 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_owner_refused_requests_total", "routing", "refused_requests", "Authenticated peer connections that asked for something other than encode."),
     Metric("mptok_route_fallbacks_total", "counter", "Prompts not tokenized by their owner, by reason.",
            OnePerLabel("reason", {reason: ("routing", f"fallback_{reason}") for reason in FALLBACK_REASONS})),
+    Metric("mptok_routing_policy", "gauge", "1 for the routing policy this frontend follows (--routing, MPTOK_ROUTING): cheaper, always or never.",
+           OnePerLabel("policy", {policy: ("routing", f"policy_{policy}") for policy in ROUTING_POLICIES})),
     Metric("mptok_crossing_choices_total", "counter", "Prompts this frontend could send its owner as new characters, by choice: route_cheaper, route_unknown (no estimate yet), route_probe (refreshing the estimate), local_cheaper (tokenized here: cheaper than the crossing), local_kept (extending the version kept here).",
            OnePerLabel("choice", {choice: ("routing", f"crossing_{choice}") for choice in CROSSING_CHOICES})),
     Metric("mptok_prompts_total", "counter", "Prompts tokenized, by where their conversation key came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).",

@@ -24,6 +24,7 @@ from typing import Any
 from mptok.cache.config import parse_bytes
 from mptok.cache.fast_backends import CHOICES
 from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S
+from mptok.routing.policy import POLICIES
 from mptok.transport import CALL_TIMEOUT_S
 
 
@@ -191,6 +192,13 @@ class ServeOptions:
         "conversations: prompts sharing a longer prefix all go to one frontend. Chats without an id "
         "are always routed by their first messages (default: %(default)s)",
         use=Use.SERVICE, default=0,
+    )
+    # None: MPTOK_ROUTING, else "cheaper" (mptok.routing.policy).
+    routing: str | None = option(
+        "--routing", str, "POLICY",
+        "which prompts go to their conversation's owner: cheaper (when that costs less than tokenizing "
+        "here), always, or never (a cache per frontend); default: MPTOK_ROUTING, else cheaper",
+        use=Use.ROUTING, default=None, choices=POLICIES,
     )
     route_timeout_s: float = option(
         "--route-timeout", _seconds, "S",

@@ -1,0 +1,34 @@
+"""Which prompts a frontend sends to their conversation's owner: the operator's choice.
+
+``cheaper`` (the default) weighs each crossing (``mptok.routing.crossing``):
+a prompt goes to its owner when that is expected to cost less than
+tokenizing it here, and a conversation this frontend keeps a version of is
+extended here. ``always`` sends every prompt an owner can answer (one copy
+of each conversation, at its owner, whatever a crossing costs). ``never``
+sends none: each frontend is a cache of its own, as caches per instance
+are; it still answers peers that ask. Set by ``MPTOK_ROUTING``, by
+``mptok serve --routing`` and by ``TokenizationOwners(routing=...)``, in
+that order of precedence from last to first.
+"""
+
+from __future__ import annotations
+
+import os
+
+ALWAYS = "always"
+CHEAPER = "cheaper"
+NEVER = "never"
+POLICIES = (ALWAYS, CHEAPER, NEVER)
+ENV_VAR = "MPTOK_ROUTING"
+
+
+def routing_policy(explicit: str | None = None) -> str:
+    """``explicit`` if given, else ``MPTOK_ROUTING``, else ``cheaper``;
+    ``ValueError`` naming the source for anything not in ``POLICIES``."""
+    if explicit is not None:
+        value, source = explicit, "routing"
+    else:
+        value, source = os.environ.get(ENV_VAR, "").strip() or CHEAPER, ENV_VAR
+    if value not in POLICIES:
+        raise ValueError(f"{source} must be one of {', '.join(POLICIES)}, got {value!r}")
+    return value
