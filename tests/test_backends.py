@@ -15,12 +15,24 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from mptok import CacheConfig, PrefixTokenCache
+from mptok.cache import backend as backend_module
 from mptok.cache import fast_backends
 from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
 from mptok.cache.fast_backends import ENGINES, SampledVerifier, load_engine, self_check_texts
 from mptok_harness.conversations import adversarial_delta, chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
+
+
+@pytest.fixture(autouse=True)
+def engines_trusted_again_after_each_test():
+    """The tests below make real engines give wrong ids, and the process
+    then distrusts that engine for the tokenizer for good; the tests after
+    them (every family on every engine) must find them trusted."""
+    distrusted = set(backend_module._distrusted)
+    yield
+    backend_module._distrusted.clear()
+    backend_module._distrusted.update(distrusted)
 
 
 def reference_ids(tokenizer, text: str) -> list[int]:
