@@ -163,8 +163,6 @@ _building: dict[tuple[int, str], threading.Lock] = {}
 # Texts at least this long use the engine that was cheapest on texts this
 # long (about 100k tokens), when two engines pass the start-up check.
 LONG_TEXT_CHARS = 400_000
-# An engine is preferred to the first one only when it is cheaper by more than this share.
-CHOICE_MARGIN = 0.15
 
 # After the first results, the background re-checks of a fast engine's
 # results may cost this share of the CPU the engine itself spends.
@@ -610,12 +608,8 @@ class TokenizerBackend:
 
 
 def _cheapest(costs: list[tuple[float, IdsEngine]]) -> tuple[float, IdsEngine]:
-    """The cheapest engine, unless the first (in ``ENGINES`` order) is within
-    ``CHOICE_MARGIN`` of it: timings on a busy machine are noisy, and a
-    choice that flips from start to start makes every start differ."""
-    cheapest = min(costs, key=lambda c: c[0])
-    first = costs[0]
-    return first if first[0] <= cheapest[0] * (1 + CHOICE_MARGIN) else cheapest
+    """The engine with the least CPU time (the first on a tie)."""
+    return min(costs, key=lambda c: c[0])
 
 
 # (tokenizer spec digest, engine) pairs that gave a wrong result in this
