@@ -200,6 +200,8 @@ def test_config_names_the_backend(monkeypatch):
 def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "gigatoken", None)  # a real ImportError on import
     monkeypatch.setattr(fast_backends, "_import_failures", {})
+    # A process decides once per tokenizer; this one is a process in which gigatoken never imported.
+    monkeypatch.setattr(backend_module, "_verdicts", {})
     tokenizer = load_family("deepseek")
     with caplog.at_level(logging.INFO, logger="mptok.cache.fast_backends"):
         first = TokenizerBackend(tokenizer, "auto")
@@ -211,9 +213,8 @@ def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypat
 
 
 def test_serve_tokenizer_backend_reaches_every_frontend_and_its_metrics(tmp_path):
-    """`mptok serve --tokenizer-backend auto` (the test session pins
-    `tokenizers` in the environment): the frontends tokenize through a fast
-    engine, exactly, and say so on /metrics."""
+    """`mptok serve --tokenizer-backend auto`: the frontends tokenize
+    through a fast engine, exactly, and say so on /metrics."""
     tokenizer = load_family("deepseek")
     start, end = CHAT_MARKERS["deepseek"]
     with Server(tmp_path / "serve.log", "--frontends", "2", "--tokenizer-backend", "auto") as server:

@@ -344,7 +344,7 @@ class TokenizerBackend:
         self._spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
         engine_to_reference = DEFAULT_ENGINE_TO_REFERENCE
         if engine is None and choice != "tokenizers":
-            self._engine, self.choice_report, engine_to_reference = self._choose_engine(spec_json, split_special, choice)
+            self._engine, self.choice_report, engine_to_reference = self._chosen_engine(spec_json, split_special, choice)
         self._check_budget = fast_backends.CheckBudget(check_share * engine_to_reference)
         logger.info("tokenizer backend for %s: %s (%s)", self.name, self.engine_name, self.choice_report or choice)
 
@@ -438,6 +438,26 @@ class TokenizerBackend:
             len(text),
             next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))),
         )
+
+    def _chosen_engine(
+        self, spec_json: str, split_special: bool, choice: str
+    ) -> tuple[IdsEngine | None, str, float]:
+        """``_choose_engine``'s verdict, made once per process for a
+        specification (a tokenizer loaded again, or by another caller, has
+        the same one): its engines are shared, unless one was distrusted since."""
+        slot = (self._spec_digest, split_special, choice)
+        with _verdicts_lock:
+            verdict = _verdicts.get(slot)
+        if verdict is not None and not any(
+            (self._spec_digest, e.name) in _distrusted for e in verdict[:2] if e is not None
+        ):
+            engine, self._long_engine, report, ratio = verdict
+            return engine, report + " (decided earlier in this process)", ratio
+        engine, report, ratio = self._choose_engine(spec_json, split_special, choice)
+        if not any((self._spec_digest, name) in _distrusted for name in ENGINES):
+            with _verdicts_lock:
+                _verdicts[slot] = (engine, self._long_engine, report, ratio)
+        return engine, report, ratio
 
     def _choose_engine(
         self, spec_json: str, split_special: bool, choice: str
@@ -611,6 +631,12 @@ def _cheapest(costs: list[tuple[float, IdsEngine]]) -> tuple[float, IdsEngine]:
     """The engine with the least CPU time (the first on a tie)."""
     return min(costs, key=lambda c: c[0])
 
+
+# (spec digest, split_special, choice) -> (engine, long-text engine, report,
+# engine CPU per character against the reference's): the start-up check and
+# timing take seconds, and their verdict depends only on the specification.
+_verdicts: dict[tuple[str, bool, str], tuple[IdsEngine | None, IdsEngine | None, str, float]] = {}
+_verdicts_lock = threading.Lock()
 
 # (tokenizer spec digest, engine) pairs that gave a wrong result in this
 # process: never trusted again, even by a backend rebuilt after eviction.
