@@ -25,8 +25,10 @@ go through a faster engine, fastokens or gigatoken, loaded from the same
 specification (``mptok.cache.fast_backends``): when the backend is built,
 each engine that loads is checked id for id against the Rust tokenizer on an
 adversarial corpus and timed in CPU time, and the cheapest exact one is used
-(``choice="auto"``), or the one ``CacheConfig.tokenizer_backend`` names if it
-passes the check. Sampled results are re-checked in the background and one
+(``choice="auto"``; long prompts may go to the other engine, timed apart on
+long texts), or the one ``CacheConfig.tokenizer_backend`` names if it
+passes the check; a process decides once per tokenizer specification.
+Results are re-checked in the background within a CPU budget, and one
 difference switches the backend back to the Rust tokenizer, and the engine
 is not trusted for that tokenizer again in this process.
 """
