@@ -85,7 +85,7 @@ test-quick: $(BIN)/.installed-test
 # The vLLM plugin's tests against real vLLM (CPU build) in a venv of their
 # own, built on first use (scripts/vllm_venv.sh; about 5 minutes, 3.5 GB);
 # the tests start four `vllm serve` one after another (6-9 minutes on 2
-# shared cores). The render server's tests run on 0.33 (test-vllm-render;
+# shared cores). The render server's and mptok render's tests run on 0.33 (test-vllm-render;
 # `make test-vllm ARGS=tests/vllm/test_render_server.py` runs them on 0.32).
 # `make test` does not collect them.
 VLLM_VENV := .venv-vllm
@@ -94,7 +94,7 @@ $(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
 	touch $@
 
 test-vllm: $(VLLM_VENV)/bin/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --ignore=tests/vllm/test_render_server.py $(ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --ignore=tests/vllm/test_render_server.py --ignore=tests/vllm/test_render_tier.py $(ARGS)
 
 # vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
 # render server (`vllm launch render`) with and without the switch, `mptok
