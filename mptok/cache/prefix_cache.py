@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
-from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt
+from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt, with_window
 import numpy as np
 
 from mptok.core.counting import Counters
@@ -145,11 +145,13 @@ class _WindowCheck:
         cache, backend, entry = self._cache, self._backend, self._entry
         config = cache.config
         try:
-            windowed = tokenize_prompt(backend, text, config.seam_window_tokens)
+            windowed = with_window(backend, entry.prompt, config.seam_window_tokens)
         except TokenizerRefused:
             return
         for _ in range(MAX_CATCH_UP):
-            if not _same_ids(windowed.ids, entry.prompt.ids):
+            if windowed is None:
+                return
+            if not windowed.ids.same_as(entry.prompt.ids):
                 backend.verify(entry.prompt.text, entry.prompt.ids.array())  # switches the engine off, loudly
                 return
             current = cache._attach_window(self._holder, entry, windowed)
@@ -165,13 +167,9 @@ class _WindowCheck:
                 max_attempts=config.max_seam_attempts,
                 max_reference_chars=config.max_reference_chars,
             )
-            if windowed is None or not len(windowed.starts):
+            if windowed is not None and not len(windowed.starts):
                 return
             entry = current
-
-
-def _same_ids(a: IdPieces, b: IdPieces) -> bool:
-    return a.length == b.length and a.common_prefix(b) == a.length
 
 
 class PrefixTokenCache:
@@ -438,8 +436,8 @@ class PrefixTokenCache:
             # reference tokenizer, where a fast engine gives ids only), so
             # that its turns after can splice anywhere; a first turn goes to
             # the fastest engine.
-            with_window = continues and len(text) <= config.max_reference_chars
-            prompt = tokenize_prompt(backend, text, config.seam_window_tokens, with_window=with_window)
+            offsets_now = continues and len(text) <= config.max_reference_chars
+            prompt = tokenize_prompt(backend, text, config.seam_window_tokens, with_window=offsets_now)
             self._count("misses")
         else:
             self._count("hits")

@@ -58,10 +58,12 @@ import unicodedata
 from array import array
 from dataclasses import dataclass
 
+from tokenizers import Encoding
+
 from mptok.cache.backend import TokenizerBackend
 from mptok.core.ids import IdPieces
 
-__all__ = ["CachedPrompt", "extend_prompt", "tokenize_prompt"]
+__all__ = ["CachedPrompt", "extend_prompt", "tokenize_prompt", "with_window"]
 
 # Characters on each side of a seam handed to the normalizer check. Wider
 # than any normalizer rule seen in real tokenizers (NFC works on one
@@ -102,7 +104,15 @@ def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int, *,
     return _windowed(backend, backend.encode(text), text, window_tokens)
 
 
-def _windowed(backend: TokenizerBackend, encoding, text: str, window_tokens: int, seam: int = 0, kept: IdPieces | None = None, first: int = 0) -> CachedPrompt:
+def _windowed(
+    backend: TokenizerBackend,
+    encoding: Encoding,
+    text: str,
+    window_tokens: int,
+    seam: int = 0,
+    kept: IdPieces | None = None,
+    first: int = 0,
+) -> CachedPrompt:
     """A prompt whose ids are ``kept``'s first ``first`` ids followed by
     ``encoding`` (the reference tokenization of ``text[seam:]``), with the
     offsets of its last ``window_tokens`` tokens taken from ``encoding``."""
@@ -139,11 +149,12 @@ def extend_prompt(
     """``text`` tokenized by splicing onto ``cached``, or None if no seam is proven.
 
     ``shared`` is ``common_prefix_length(cached.text, text)``. The returned
-    prompt's ids equal ``backend.encode(text).ids``. A seam inside the kept
-    prompt's offsets window is tried first, then one at a segment-opening
-    added token; a tail of at most ``max_reference_chars`` characters from
-    a segment seam is tokenized by the reference tokenizer, so that the new
-    prompt has offsets for its own next splice.
+    prompt's ids equal ``backend.encode(text).ids``. With a fast engine a
+    seam at a segment-opening added token is tried first (the engine
+    tokenizes the tail), then one inside the kept offsets window (the
+    reference tokenizer does, and the new prompt gets its window); a kept
+    prompt of at most ``max_reference_chars`` characters with no window is
+    given one first. With `tokenizers`, the window first.
     """
     if shared == len(text) == len(cached.text):
         return cached
@@ -156,7 +167,7 @@ def extend_prompt(
         if spliced is None and not len(cached.starts) and len(cached.text) <= max_reference_chars:
             # Kept from a fast engine's ids, with no added token to splice
             # at: the reference tokenizer gives it offsets.
-            windowed = _with_window(backend, cached, window_tokens)
+            windowed = with_window(backend, cached, window_tokens)
             if windowed is not None:
                 spliced = _extend_in_window(backend, windowed, text, shared, window_tokens, max_attempts)
         return spliced
@@ -165,12 +176,12 @@ def extend_prompt(
     )
 
 
-def _with_window(backend: TokenizerBackend, cached: CachedPrompt, window_tokens: int) -> CachedPrompt | None:
+def with_window(backend: TokenizerBackend, cached: CachedPrompt, window_tokens: int) -> CachedPrompt | None:
     """``cached`` with the offsets window of its reference tokenization, or
     None if that differs from the kept ids (which the engine gave: the
     backend is told, and stops trusting it)."""
     windowed = tokenize_prompt(backend, cached.text, window_tokens)
-    if windowed.ids.length != cached.ids.length or windowed.ids.common_prefix(cached.ids) != cached.ids.length:
+    if not windowed.ids.same_as(cached.ids):
         backend.verify(cached.text, cached.ids.array())
         return None
     return windowed

@@ -134,6 +134,10 @@ class IdPieces:
         """Bytes this version pins: its whole buffer, spare room included."""
         return 0 if self.buffer is None else self.buffer.array.nbytes + _ARRAY_HEADER_BYTES
 
+    def same_as(self, other: IdPieces) -> bool:
+        """Whether both hold the same ids."""
+        return self.length == other.length and self.common_prefix(other) == self.length
+
     def common_prefix(self, other: IdPieces) -> int:
         """How many leading ids ``self`` and ``other`` share."""
         shortest = min(self.length, other.length)
