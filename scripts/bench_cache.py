@@ -290,7 +290,7 @@ def main() -> int:
                 failed |= wrong > 0
     preamble = "\n".join(
         [
-            f"Chat conversations growing by ~{TOKENS_PER_TURN} tokens a turn; medians of {args.turns} turns, every",
+            f"Chat conversations and plain text growing by ~{TOKENS_PER_TURN} tokens a turn; medians of {args.turns} turns, every",
             "timed call after unrelated work (the script's docstring says what it measures). Full",
             "tokenization cells: CPU / wall ms, \"refused\" where the engine does not load the layout,",
             "\"differs\" where its ids differ from `tokenizers`' on these prompts. \"auto picks\": the engine the",

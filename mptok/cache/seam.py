@@ -97,7 +97,7 @@ class CachedPrompt:
 def tokenize_prompt(backend: TokenizerBackend, text: str, window_tokens: int, *, with_window: bool = True) -> CachedPrompt:
     """Tokenize ``text`` in full and remember its last ``window_tokens`` tokens'
     offsets. A fast engine gives ids only: with it, ``with_window=False``
-    keeps no offsets (the prompt is then spliced onto only at an added token)
+    keeps no offsets (until a later turn gives it some: ``with_window``)
     and ``with_window=True`` tokenizes with the reference tokenizer instead."""
     if backend.fast and not with_window:
         return _without_window(text, IdPieces.of(backend.encode_id_array(text)))
