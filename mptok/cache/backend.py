@@ -511,7 +511,7 @@ class TokenizerBackend:
         tenth = fast_backends.cost_of(lambda t: self.encode(t).ids, [t[: len(t) // 10] for t in timing])
         reference_cost = fast_backends.Cost(tenth.cpu_seconds * 10, tenth.wall_seconds * 10)
         notes.append(f"tokenizers: {reference_cost.cpu_seconds * 1e3:.2f} ms CPU")
-        cpu, engine = _cheapest(candidates)
+        cpu, engine = min(candidates, key=lambda c: c[0])
         if choice == "auto" and cpu >= reference_cost.cpu_seconds:
             return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
         ratio = cpu / reference_cost.cpu_seconds if reference_cost.cpu_seconds > 0 else DEFAULT_ENGINE_TO_REFERENCE
@@ -522,7 +522,7 @@ class TokenizerBackend:
             long_timing = fast_backends.timing_texts(texts[-1], chars=LONG_TEXT_CHARS * 2, count=2)
             if len(long_timing[0]) >= LONG_TEXT_CHARS:
                 costs = [(fast_backends.cost_of(e.encode_ids, long_timing).cpu_seconds, e) for _, e in candidates]
-                self._long_engine = _cheapest(costs)[1]
+                self._long_engine = min(costs, key=lambda c: c[0])[1]
                 report += f"; {len(long_timing[0])} characters: " + "; ".join(
                     f"{e.name}: {c * 1e3:.2f} ms CPU" for c, e in costs
                 )
@@ -627,11 +627,6 @@ class TokenizerBackend:
         head = self._full_normalizer.normalize_str(left)
         tail = self._continuation_normalizer.normalize_str(right)
         return whole == head + tail
-
-
-def _cheapest(costs: list[tuple[float, IdsEngine]]) -> tuple[float, IdsEngine]:
-    """The engine with the least CPU time (the first on a tie)."""
-    return min(costs, key=lambda c: c[0])
 
 
 # (spec digest, split_special, choice) -> (engine, long-text engine, report,

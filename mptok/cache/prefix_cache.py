@@ -145,14 +145,12 @@ class _WindowCheck:
         cache, backend, entry = self._cache, self._backend, self._entry
         config = cache.config
         try:
+            # Compares the engine's ids with the reference's (and tells the backend).
             windowed = with_window(backend, entry.prompt, config.seam_window_tokens)
         except TokenizerRefused:
             return
         for _ in range(MAX_CATCH_UP):
             if windowed is None:
-                return
-            if not windowed.ids.same_as(entry.prompt.ids):
-                backend.verify(entry.prompt.text, entry.prompt.ids.array())  # switches the engine off, loudly
                 return
             current = cache._attach_window(self._holder, entry, windowed)
             if current is None or len(current.prompt.starts):
@@ -167,7 +165,10 @@ class _WindowCheck:
                 max_attempts=config.max_seam_attempts,
                 max_reference_chars=config.max_reference_chars,
             )
-            if windowed is not None and not len(windowed.starts):
+            if windowed is None or not len(windowed.starts):
+                return
+            if not windowed.ids.same_as(current.prompt.ids):
+                backend.verify(later, current.prompt.ids.array())  # switches the engine off, loudly
                 return
             entry = current
 
