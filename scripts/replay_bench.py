@@ -42,6 +42,10 @@ Modes (F = --frontends):
             its first user message (what an OpenAI SDK client gets)
   sticky    F x `mptok serve --frontends 1` behind nginx with
             `hash $http_x_session_id consistent;` (deploy/nginx-sticky.conf)
+  mptok-always, mptok-never
+            mptok with `--routing always` (every turn to its owner) or
+            `--routing never` (a cache per frontend on one port); only when
+            --modes names them
 
 Every mode but no-cache-tokenizers runs on --backend (default auto: each
 frontend takes the cheapest engine that passes its start-up check); the
@@ -122,7 +126,11 @@ from scripts.smoke import parse_args_with_smoke  # noqa: E402
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 PLOT = RESULTS_DIR / "replay_bench.png"
 BUILD_CACHE = REPO / ".cache" / "replay"
-MODES = ("no-cache-tokenizers", "no-cache", "no-route", "mptok", "keyless", "sticky")
+MODES = ("no-cache-tokenizers", "no-cache", "no-route", "mptok", "keyless", "sticky", "mptok-always", "mptok-never")
+# Run only when --modes names them: mptok under the routing policy an operator
+# can set instead of the default ("cheaper"), for comparing the policies.
+POLICY_MODES = {"mptok-always": "always", "mptok-never": "never"}
+DEFAULT_MODES = tuple(m for m in MODES if m not in POLICY_MODES)
 TITLE = "The replay: the same conversations served six ways"
 # The report's fixed part: what the modes and the columns are.
 ABOUT = """\
@@ -142,6 +150,7 @@ answer is compared with full tokenization computed before any server starts.
 | mptok | `mptok serve --frontends F`: SO_REUSEPORT spreads the connections, mptok routes each conversation to its owner |
 | keyless | the same server, the conversations sent without `X-Session-Id`: routed by the identity mptok derives from the messages |
 | sticky | the same F instances behind nginx with `hash $http_x_session_id consistent;` (`deploy/nginx-sticky.conf`) |
+| mptok-always, mptok-never | `mptok serve --frontends F --routing always` (every turn sent to its conversation's owner) or `--routing never` (a cache per frontend behind one port); run when `--modes` names them |
 
 Every mode but no-cache-tokenizers runs on the fast backend (`auto` unless
 the command says otherwise: each frontend takes the cheapest engine that
@@ -627,7 +636,10 @@ def run_mode(
     logs.mkdir(parents=True, exist_ok=True)
     serve_args = ("--tokenizer-backend", "tokenizers" if mode == "no-cache-tokenizers" else backend, *serve_args)
     extra = " ".join(serve_args)
-    if mode in (*NO_CACHE_MODES, "mptok", "keyless"):
+    if mode in POLICY_MODES:
+        serve_args = (*serve_args, "--routing", POLICY_MODES[mode])
+        extra = " ".join(serve_args)
+    if mode in (*NO_CACHE_MODES, "mptok", "keyless", *POLICY_MODES):
         no_cache = mode in NO_CACHE_MODES
         how = f"`mptok serve --frontends {frontends} {extra}`" + (" with MPTOK_CACHE_MIN_CHARS=10^12" if no_cache else "")
         result = ModeResult(mode, how)
@@ -941,7 +953,7 @@ def main() -> int:
     parser.add_argument("--frontends", type=int, default=4, help="F: frontends / instances per mode (default 4)")
     add_build_options(parser, conversations=8)
     parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
     add_backend_option(parser)
     parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/results/replay_bench.md or the plot")
