@@ -14,15 +14,13 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mptok.cache.fast_backends import CHOICES
+from mptok.core.settings import CHOICES, MiB, parse_bytes
 
 ENV_PREFIX = "MPTOK_CACHE_"
 
 # Longest conversation id, in UTF-8 bytes. Ids are kept whole as cache keys
 # (and routed by), so an unbounded one would be memory a client controls.
 MAX_KEY_BYTES = 256
-
-MiB = 1024 * 1024
 
 # The default budget of what a frontend holds of the conversations it routed
 # to their owners: a fingerprint each (``mptok.routing.held``), about 350
@@ -38,22 +36,6 @@ def check_key(key: str) -> None:
             f"a conversation id may be at most {MAX_KEY_BYTES} bytes (UTF-8), "
             f"got {len(key.encode('utf-8', 'surrogatepass'))}"
         )
-
-
-_BYTE_UNITS = {"": 1, "K": 1024, "M": MiB, "G": 1024 * MiB, "T": 1024 * 1024 * MiB}
-
-
-def parse_bytes(text: str) -> int:
-    """A size in bytes: ``536870912``, ``512M``, ``512MiB``, ``1G`` (units of 1024).
-
-    Raises ``ValueError`` for anything else.
-    """
-    raw = text.strip().replace("_", "")
-    number = raw.rstrip("BbiIKkMmGgTt")
-    unit = raw[len(number) :].upper().removesuffix("B").removesuffix("I")
-    if unit not in _BYTE_UNITS or not number.isdigit():
-        raise ValueError(f"{text!r} is not a size in bytes (say 536870912, 512M or 1GiB)")
-    return int(number) * _BYTE_UNITS[unit]
 
 
 @dataclass(frozen=True)

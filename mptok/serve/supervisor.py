@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 from mptok.api.chat_template import ChatTemplateError, check_template_source
 from mptok.serve import heartbeat
-from mptok.serve.frontend import FrontendSettings, frontend_main, tcp_socket
+from mptok.serve.launch import FrontendSettings, run_frontend, tcp_socket
 from mptok.serve.logfmt import log_event
 from mptok.serve.options import ServeOptions
 from mptok.serve.run_dir import RunDir, sweep_stale
@@ -154,7 +154,7 @@ class TokenizeFrontends:
                 raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
 
     def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
-        return frontend_main, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
+        return run_frontend, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         pass
