@@ -89,28 +89,13 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        lower_bounds = {
-            "max_entries": 1,
-            "max_bytes": 1,
-            "max_held_bytes": 1,
-            "max_cached_chars": 1,
-            "min_chars": 0,
-            "seam_window_tokens": 16,
-            "max_seam_attempts": 1,
-            "max_reference_chars": 0,
-        }
-        if self.tokenizer_backend not in CHOICES:
-            raise ValueError(
-                f"CacheConfig.tokenizer_backend must be one of {', '.join(CHOICES)}, got {self.tokenizer_backend!r}"
-            )
-        for name, lowest in lower_bounds.items():
+        for name in ("tokenizer_backend", *_LOWEST):
             value = getattr(self, name)
-            if value is None and name == "max_cached_chars":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
-            if value < lowest:
-                raise ValueError(f"CacheConfig.{name} must be at least {lowest}, got {value}")
+            problem = _problem(name, value)
+            if problem == _NOT_AN_INT:
+                raise TypeError(f"CacheConfig.{name} {problem}, got {type(value).__name__}")
+            if problem is not None:
+                raise ValueError(f"CacheConfig.{name} {problem}, got {value!r}")
         if self.max_cached_chars is not None:
             warnings.warn(
                 "CacheConfig.max_cached_chars (MPTOK_CACHE_MAX_CACHED_CHARS) is deprecated: the cache is "
@@ -121,29 +106,65 @@ class CacheConfig:
             )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int) -> CacheConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int | str) -> CacheConfig:
         """Defaults, then ``MPTOK_CACHE_<FIELD>`` variables, then ``overrides``.
 
         ``MPTOK_CACHE_MAX_ENTRIES=64`` sets ``max_entries``;
         ``MPTOK_CACHE_MAX_BYTES=1G`` sets ``max_bytes`` (sizes take K, M, G
-        suffixes). A value that is not a whole number raises ``ValueError``
-        naming the variable.
+        suffixes). A variable whose value cannot be its setting raises
+        ``ValueError`` with one line naming the variable and the value, what
+        an operator reads (``mptok serve`` refuses to start with it).
         """
         environ = os.environ if environ is None else environ
-        values: dict[str, int] = {}
+        values: dict[str, int | str] = {}
         for field in dataclasses.fields(cls):
             variable = ENV_PREFIX + field.name.upper()
             raw = environ.get(variable)
             if raw is None or raw.strip() == "":
                 continue
-            try:
-                if field.name == "tokenizer_backend":
-                    values[field.name] = raw.strip()
-                elif field.name.endswith("_bytes"):
-                    values[field.name] = parse_bytes(raw)
-                else:
-                    values[field.name] = int(raw.strip().replace("_", ""))
-            except ValueError:
-                raise ValueError(f"{variable}={raw!r} is not a whole number") from None
+            value = _parse(field.name, raw)
+            if value is None:
+                problem = _NOT_A_SIZE if field.name.endswith("_bytes") else "is not a whole number"
+            else:
+                problem = _problem(field.name, value)
+            if problem is not None:
+                raise ValueError(f"{variable}={raw!r} {problem}")
+            values[field.name] = value
         values.update(overrides)
-        return cls(**values)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+# The least value of each numeric setting.
+_LOWEST = {
+    "max_entries": 1,
+    "max_bytes": 1,
+    "max_held_bytes": 1,
+    "max_cached_chars": 1,
+    "min_chars": 0,
+    "seam_window_tokens": 16,
+    "max_seam_attempts": 1,
+    "max_reference_chars": 0,
+}
+_NOT_AN_INT = "must be an int"
+_NOT_A_SIZE = "is not a size in bytes (say 536870912, 512M or 1GiB)"
+
+
+def _problem(name: str, value: object) -> str | None:
+    """What is wrong with ``value`` as ``CacheConfig.<name>``, or None."""
+    if name == "tokenizer_backend":
+        return None if value in CHOICES else f"must be one of {', '.join(CHOICES)}"
+    if value is None and name == "max_cached_chars":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return _NOT_AN_INT
+    return None if value >= _LOWEST[name] else f"must be at least {_LOWEST[name]}"
+
+
+def _parse(name: str, raw: str) -> int | str | None:
+    """The setting ``name`` as its variable's text ``raw`` spells it; None if it spells no number."""
+    if name == "tokenizer_backend":
+        return raw.strip()
+    try:
+        return parse_bytes(raw) if name.endswith("_bytes") else int(raw.strip().replace("_", ""))
+    except ValueError:
+        return None

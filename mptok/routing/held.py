@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from mptok.cache.config import CacheConfig
+from mptok.cache.config import DEFAULT_MAX_HELD_BYTES
 from mptok.core.fingerprint import Fingerprint, checkpoint_blocks, extend_chain
 from mptok.core.ids import key_bytes
 from mptok.core.protocol import PeerReply
@@ -42,7 +42,7 @@ class HeldReplies:
     conversation). LRU, bounded by entries and by bytes
     (``CacheConfig.max_held_bytes``). Thread-safe."""
 
-    def __init__(self, max_entries: int = 16384, max_bytes: int = CacheConfig().max_held_bytes):
+    def __init__(self, max_entries: int = 16384, max_bytes: int = DEFAULT_MAX_HELD_BYTES):
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
