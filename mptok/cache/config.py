@@ -23,9 +23,9 @@ ENV_PREFIX = "MPTOK_CACHE_"
 MAX_KEY_BYTES = 256
 
 # The default budget of what a frontend holds of the conversations it routed
-# to their owners: a fingerprint each (``mptok.routing.held``), about 350
-# bytes with its key, whatever the conversation's length, so 4 MiB holds
-# about 12,000 conversations per frontend.
+# to their owners: a fingerprint each (``mptok.routing.held``), about 440
+# bytes with a 36-character key, whatever the conversation's length, so 4 MiB
+# holds about 9,000 conversations per frontend.
 DEFAULT_MAX_HELD_BYTES = 4 * MiB
 
 
@@ -52,8 +52,9 @@ class CacheConfig:
         tokenized but not kept.
     max_held_bytes: memory for the fingerprints a frontend holds of the
         conversations it routed to their owners (``mptok.routing.held``):
-        tens of bytes each plus the key, never a copy of the text or ids
-        (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently routed evicted.
+        about 440 bytes each with a 36-character key, never a copy of the
+        text or ids (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently
+        routed evicted.
     max_cached_chars: deprecated (use ``max_bytes``); still enforced as a
         limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither

@@ -2,7 +2,8 @@
 
 ``HeldReplies`` keeps, per conversation this frontend routed and owner it
 went to, the fingerprint of the prompt it sent (``mptok.core.fingerprint``):
-tens of bytes, not the text or its ids. The next turn sends the owner only
+about 440 bytes with a 36-character key, as Python allocates it, whatever
+the conversation's length; not the text or its ids. The next turn sends the owner only
 the characters after those the fingerprint covers, and the owner answers
 with all the ids. A turn goes whole when nothing is held for it here, when
 its text no longer starts with what the fingerprint covers, or when the
@@ -32,8 +33,9 @@ class BadReply(Exception):
 # when no prompt it keeps has fingerprint ``since``.
 AskOwner = Callable[[str, int | None, int], PeerReply | None]
 
-# What a held fingerprint costs beyond its key: the Fingerprint object, its
-# digest, the LRU dict's slot and the tuple in it (scripts/bench_memory.py).
+# What a held fingerprint costs beyond its key, its (owner, key) tuple and its
+# digest: the Fingerprint object, the LRU dict's slot, the pair in it and the
+# byte count (tests/test_memory.py holds the total to what tracemalloc sees).
 HELD_OVERHEAD_BYTES = 256
 
 
@@ -92,7 +94,8 @@ class HeldReplies:
 
     def put(self, owner: Hashable, key: str, held: Fingerprint | None) -> None:
         """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
-        nbytes = 0 if held is None else key_bytes((owner, key)) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
+        # The owner's identity is one object that all its entries share: each counts only its own tuple and key.
+        nbytes = 0 if held is None else sys.getsizeof((owner, key)) + key_bytes(key) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
         with self._lock:
             old = self._held.pop((owner, key), None)
             if old is not None:
