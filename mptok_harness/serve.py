@@ -19,12 +19,13 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S
-from mptok_harness.checks import HANG_GUARD_S
+from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok_harness.checks import HANG_GUARD_S, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISE = str(REPO / "scripts" / "supervise.py")
@@ -84,16 +85,32 @@ def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, s
     return samples
 
 
-def wait_for_snapshots() -> None:
-    """Wait until every frontend has written a metrics snapshot since the call
-    (each writes one every SNAPSHOT_INTERVAL_S): a scrape after it holds every
-    count made before it, and no snapshot written mid-request."""
-    time.sleep(2.5 * SNAPSHOT_INTERVAL_S)
+def wait_for_snapshots(*servers: Server, timeout_s: float = HANG_GUARD_S) -> None:
+    """Wait until every frontend that is up in ``servers`` (default: every
+    server this process runs) has written a metrics snapshot since the call:
+    a scrape after it holds every count made before it, and no snapshot
+    written mid-request. Each writes one every SNAPSHOT_INTERVAL_S, so this
+    returns within about that; it fails after ``timeout_s``."""
+    before = {server: server.snapshot_versions() for server in (servers or tuple(_RUNNING))}
+
+    def all_rewritten() -> bool:
+        for server, versions in before.items():
+            now = server.snapshot_versions()
+            # A frontend that went down meanwhile writes nothing until its restart: not waited for.
+            if any(frontend in now and now[frontend] in (None, version) for frontend, version in versions.items()):
+                return False
+        return True
+
+    wait_until(all_rewritten, "a metrics snapshot from every frontend", timeout_s)
 
 
 def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
     """Sum of ``name`` over every frontend (and any label not given)."""
     return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == want for k, want in labels.items()))
+
+
+# Every Server of this process not yet killed: what wait_for_snapshots waits on by default.
+_RUNNING: weakref.WeakSet[Server] = weakref.WeakSet()
 
 
 class Server:
@@ -121,6 +138,7 @@ class Server:
             start_new_session=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
         )
+        _RUNNING.add(self)
         if wait_ready:
             self.wait_for_log(r"event=ready ")
 
@@ -156,12 +174,34 @@ class Server:
     def ipc_dir(self) -> str:
         return re.search(r"event=starting .*ipc_dir=(\S+)", self.log()).group(1)
 
+    def snapshot_versions(self) -> dict[str, tuple[int, int] | None]:
+        """Each frontend that is up (by the supervisor's snapshot): which
+        version of its metrics snapshot is on disk (inode and mtime; every
+        write replaces the file), None before its first. Empty while the
+        server is not running or not started."""
+        match = re.search(r"event=starting .*ipc_dir=(\S+)", self.log())
+        if match is None or self.process.poll() is not None:
+            return {}
+        ipc_dir = match.group(1)
+        up = SnapshotDir(ipc_dir).read_all().get(SUPERVISOR_SNAPSHOT, {}).get("up", {})
+        versions: dict[str, tuple[int, int] | None] = {}
+        for frontend, is_up in up.items():
+            if not is_up:
+                continue
+            try:
+                status = os.stat(os.path.join(ipc_dir, f"metrics-{frontend}.json"))
+                versions[frontend] = (status.st_ino, status.st_mtime_ns)
+            except FileNotFoundError:
+                versions[frontend] = None
+        return versions
+
     def wait(self, timeout_s: float = HANG_GUARD_S) -> int:
         return self.process.wait(timeout_s)
 
     def kill(self) -> None:
         """Stop the server: SIGTERM (bounded wait), then SIGKILL the whole process group
         (supervisor, frontends, their helpers), then remove an ipc dir left behind."""
+        _RUNNING.discard(self)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

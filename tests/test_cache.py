@@ -270,8 +270,10 @@ def test_cache_reads_environment_by_default(monkeypatch):
     "environ, message",
     [
         ({"MPTOK_CACHE_MAX_ENTRIES": "lots"}, "MPTOK_CACHE_MAX_ENTRIES"),
-        ({"MPTOK_CACHE_MAX_ENTRIES": "0"}, "max_entries must be at least 1"),
-        ({"MPTOK_CACHE_MIN_CHARS": "-1"}, "min_chars must be at least 0"),
+        ({"MPTOK_CACHE_MAX_ENTRIES": "0"}, "MPTOK_CACHE_MAX_ENTRIES=.0. must be at least 1"),
+        ({"MPTOK_CACHE_MIN_CHARS": "-1"}, "MPTOK_CACHE_MIN_CHARS=.-1. must be at least 0"),
+        ({"MPTOK_CACHE_MAX_BYTES": "lots"}, "MPTOK_CACHE_MAX_BYTES=.lots. is not a size in bytes"),
+        ({"MPTOK_CACHE_TOKENIZER_BACKEND": "fast"}, "MPTOK_CACHE_TOKENIZER_BACKEND=.fast. must be one of auto, "),
     ],
 )
 def test_bad_config_is_a_clear_error(environ, message):

@@ -5,8 +5,11 @@ failed to allocate."""
 from __future__ import annotations
 
 import gc
+import os
 import random
+import secrets
 import tracemalloc
+import uuid
 import warnings
 
 import pytest
@@ -184,6 +187,25 @@ def test_held_fingerprints_are_bounded_by_bytes_whatever_the_conversation_length
     assert 16 < stats["held_entries"] < 200  # under 1 KiB each, whatever the text's length
     assert held.get((1, 7), "conversation-199") is not None
     assert held.get((1, 7), "conversation-0") is None
+
+
+def test_held_fingerprints_count_what_python_allocates_for_them():
+    # As a frontend holds them: one owner identity (frontend id, pid, start
+    # time, nonce) shared by many conversations, 36-character keys.
+    owner = (1, (os.getpid(), 1764640000.25, secrets.token_hex(8)))
+    count = 5000
+    held = HeldReplies(max_entries=count, max_bytes=1 << 30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(count):
+            held.put(owner, str(uuid.uuid4()), Fingerprint(10, secrets.token_bytes(16)))
+        traced = (tracemalloc.get_traced_memory()[0] - before) / count
+    finally:
+        tracemalloc.stop()
+    counted = held.stats()["held_bytes"] / count
+    assert 350 < traced < 550, traced  # about 440: docs/CACHE.md's figure
+    assert abs(counted - traced) / traced < 0.15, (counted, traced)
 
 
 def test_counted_bytes_match_what_python_allocates(tokenizer):

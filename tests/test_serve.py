@@ -172,6 +172,19 @@ def test_metrics_cover_every_frontend_whichever_answers(server):
     assert total(samples, "mptok_frontend_up") == FRONTENDS
 
 
+def test_the_running_supervisor_maps_no_tokenizer_stack(server):
+    # The kernel's list of what each process mapped: the frontends hold
+    # tokenizers' and numpy's shared objects, the supervisor neither.
+    def mapped(pid: int) -> str:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    frontend_maps = mapped(server.frontend_pids()[0])
+    assert "/tokenizers/" in frontend_maps and "/numpy/" in frontend_maps
+    supervisor_maps = mapped(server.process.pid)
+    assert "/tokenizers/" not in supervisor_maps and "/numpy/" not in supervisor_maps
+
+
 def test_routing_policy_is_the_operators(tmp_path, tokenizer, monkeypatch):
     """--routing never: each frontend a cache of its own (nothing crosses),
     every answer exact; MPTOK_ROUTING is the default the flag overrides; the

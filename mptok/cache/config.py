@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mptok.cache.fast_backends import CHOICES
+from mptok.core.settings import CHOICES, MiB, parse_bytes
 
 ENV_PREFIX = "MPTOK_CACHE_"
 
@@ -22,12 +22,10 @@ ENV_PREFIX = "MPTOK_CACHE_"
 # (and routed by), so an unbounded one would be memory a client controls.
 MAX_KEY_BYTES = 256
 
-MiB = 1024 * 1024
-
 # The default budget of what a frontend holds of the conversations it routed
-# to their owners: a fingerprint each (``mptok.routing.held``), about 350
-# bytes with its key, whatever the conversation's length, so 4 MiB holds
-# about 12,000 conversations per frontend.
+# to their owners: a fingerprint each (``mptok.routing.held``), about 440
+# bytes with a 36-character key, whatever the conversation's length, so 4 MiB
+# holds about 9,000 conversations per frontend.
 DEFAULT_MAX_HELD_BYTES = 4 * MiB
 
 
@@ -38,22 +36,6 @@ def check_key(key: str) -> None:
             f"a conversation id may be at most {MAX_KEY_BYTES} bytes (UTF-8), "
             f"got {len(key.encode('utf-8', 'surrogatepass'))}"
         )
-
-
-_BYTE_UNITS = {"": 1, "K": 1024, "M": MiB, "G": 1024 * MiB, "T": 1024 * 1024 * MiB}
-
-
-def parse_bytes(text: str) -> int:
-    """A size in bytes: ``536870912``, ``512M``, ``512MiB``, ``1G`` (units of 1024).
-
-    Raises ``ValueError`` for anything else.
-    """
-    raw = text.strip().replace("_", "")
-    number = raw.rstrip("BbiIKkMmGgTt")
-    unit = raw[len(number) :].upper().removesuffix("B").removesuffix("I")
-    if unit not in _BYTE_UNITS or not number.isdigit():
-        raise ValueError(f"{text!r} is not a size in bytes (say 536870912, 512M or 1GiB)")
-    return int(number) * _BYTE_UNITS[unit]
 
 
 @dataclass(frozen=True)
@@ -70,8 +52,9 @@ class CacheConfig:
         tokenized but not kept.
     max_held_bytes: memory for the fingerprints a frontend holds of the
         conversations it routed to their owners (``mptok.routing.held``):
-        tens of bytes each plus the key, never a copy of the text or ids
-        (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently routed evicted.
+        about 440 bytes each with a 36-character key, never a copy of the
+        text or ids (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently
+        routed evicted.
     max_cached_chars: deprecated (use ``max_bytes``); still enforced as a
         limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither
@@ -107,28 +90,13 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        lower_bounds = {
-            "max_entries": 1,
-            "max_bytes": 1,
-            "max_held_bytes": 1,
-            "max_cached_chars": 1,
-            "min_chars": 0,
-            "seam_window_tokens": 16,
-            "max_seam_attempts": 1,
-            "max_reference_chars": 0,
-        }
-        if self.tokenizer_backend not in CHOICES:
-            raise ValueError(
-                f"CacheConfig.tokenizer_backend must be one of {', '.join(CHOICES)}, got {self.tokenizer_backend!r}"
-            )
-        for name, lowest in lower_bounds.items():
+        for name in ("tokenizer_backend", *_LOWEST):
             value = getattr(self, name)
-            if value is None and name == "max_cached_chars":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
-            if value < lowest:
-                raise ValueError(f"CacheConfig.{name} must be at least {lowest}, got {value}")
+            problem = _problem(name, value)
+            if problem == _NOT_AN_INT:
+                raise TypeError(f"CacheConfig.{name} {problem}, got {type(value).__name__}")
+            if problem is not None:
+                raise ValueError(f"CacheConfig.{name} {problem}, got {value!r}")
         if self.max_cached_chars is not None:
             warnings.warn(
                 "CacheConfig.max_cached_chars (MPTOK_CACHE_MAX_CACHED_CHARS) is deprecated: the cache is "
@@ -139,29 +107,65 @@ class CacheConfig:
             )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int) -> CacheConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int | str) -> CacheConfig:
         """Defaults, then ``MPTOK_CACHE_<FIELD>`` variables, then ``overrides``.
 
         ``MPTOK_CACHE_MAX_ENTRIES=64`` sets ``max_entries``;
         ``MPTOK_CACHE_MAX_BYTES=1G`` sets ``max_bytes`` (sizes take K, M, G
-        suffixes). A value that is not a whole number raises ``ValueError``
-        naming the variable.
+        suffixes). A variable whose value cannot be its setting raises
+        ``ValueError`` with one line naming the variable and the value, what
+        an operator reads (``mptok serve`` refuses to start with it).
         """
         environ = os.environ if environ is None else environ
-        values: dict[str, int] = {}
+        values: dict[str, int | str] = {}
         for field in dataclasses.fields(cls):
             variable = ENV_PREFIX + field.name.upper()
             raw = environ.get(variable)
             if raw is None or raw.strip() == "":
                 continue
-            try:
-                if field.name == "tokenizer_backend":
-                    values[field.name] = raw.strip()
-                elif field.name.endswith("_bytes"):
-                    values[field.name] = parse_bytes(raw)
-                else:
-                    values[field.name] = int(raw.strip().replace("_", ""))
-            except ValueError:
-                raise ValueError(f"{variable}={raw!r} is not a whole number") from None
+            value = _parse(field.name, raw)
+            if value is None:
+                problem = _NOT_A_SIZE if field.name.endswith("_bytes") else "is not a whole number"
+            else:
+                problem = _problem(field.name, value)
+            if problem is not None:
+                raise ValueError(f"{variable}={raw!r} {problem}")
+            values[field.name] = value
         values.update(overrides)
-        return cls(**values)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+# The least value of each numeric setting.
+_LOWEST = {
+    "max_entries": 1,
+    "max_bytes": 1,
+    "max_held_bytes": 1,
+    "max_cached_chars": 1,
+    "min_chars": 0,
+    "seam_window_tokens": 16,
+    "max_seam_attempts": 1,
+    "max_reference_chars": 0,
+}
+_NOT_AN_INT = "must be an int"
+_NOT_A_SIZE = "is not a size in bytes (say 536870912, 512M or 1GiB)"
+
+
+def _problem(name: str, value: object) -> str | None:
+    """What is wrong with ``value`` as ``CacheConfig.<name>``, or None."""
+    if name == "tokenizer_backend":
+        return None if value in CHOICES else f"must be one of {', '.join(CHOICES)}"
+    if value is None and name == "max_cached_chars":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return _NOT_AN_INT
+    return None if value >= _LOWEST[name] else f"must be at least {_LOWEST[name]}"
+
+
+def _parse(name: str, raw: str) -> int | str | None:
+    """The setting ``name`` as its variable's text ``raw`` spells it; None if it spells no number."""
+    if name == "tokenizer_backend":
+        return raw.strip()
+    try:
+        return parse_bytes(raw) if name.endswith("_bytes") else int(raw.strip().replace("_", ""))
+    except ValueError:
+        return None

@@ -62,11 +62,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from mptok.core.settings import CHOICES, ENGINES
 
-ENGINES = ("fastokens", "gigatoken")
-# What CacheConfig.tokenizer_backend accepts: "auto" picks the cheapest exact one.
-CHOICES = ("auto", "tokenizers") + ENGINES
+logger = logging.getLogger(__name__)
 
 # The process's one background checker thread (it outlives every cache and
 # TokenizationOwners, as the backends it checks do).

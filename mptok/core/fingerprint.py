@@ -60,7 +60,7 @@ def checkpoint_blocks(length: int) -> int:
 @dataclass(frozen=True)
 class Fingerprint:
     """What an asker keeps of a prompt it routed: the digest of its first
-    ``blocks`` blocks (tens of bytes), and how it crosses the transport
+    ``blocks`` blocks (about 100 bytes as Python holds it), and how it crosses the transport
     (``since``: the digest as an int, ``shared_chars``: the characters it covers)."""
 
     blocks: int

@@ -21,6 +21,12 @@ from dataclasses import dataclass
 PATIENCE_FACTOR = 2.0
 PATIENCE_FLOOR_S = 1.0
 
+# How long a route waits for an owner by default (``mptok serve
+# --route-timeout``): the transport's own default call timeout
+# (``mptok.transport.proxy.CALL_TIMEOUT_S``), declared here too so that
+# reading the options loads no transport.
+ROUTE_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True)
 class RouteDeadline:

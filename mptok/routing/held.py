@@ -2,7 +2,8 @@
 
 ``HeldReplies`` keeps, per conversation this frontend routed and owner it
 went to, the fingerprint of the prompt it sent (``mptok.core.fingerprint``):
-tens of bytes, not the text or its ids. The next turn sends the owner only
+about 440 bytes with a 36-character key, as Python allocates it, whatever
+the conversation's length; not the text or its ids. The next turn sends the owner only
 the characters after those the fingerprint covers, and the owner answers
 with all the ids. A turn goes whole when nothing is held for it here, when
 its text no longer starts with what the fingerprint covers, or when the
@@ -18,7 +19,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from mptok.cache.config import CacheConfig
+from mptok.cache.config import DEFAULT_MAX_HELD_BYTES
 from mptok.core.fingerprint import Fingerprint, checkpoint_blocks, extend_chain
 from mptok.core.ids import key_bytes
 from mptok.core.protocol import PeerReply
@@ -32,8 +33,9 @@ class BadReply(Exception):
 # when no prompt it keeps has fingerprint ``since``.
 AskOwner = Callable[[str, int | None, int], PeerReply | None]
 
-# What a held fingerprint costs beyond its key: the Fingerprint object, its
-# digest, the LRU dict's slot and the tuple in it (scripts/bench_memory.py).
+# What a held fingerprint costs beyond its key, its (owner, key) tuple and its
+# digest: the Fingerprint object, the LRU dict's slot, the pair in it and the
+# byte count (tests/test_memory.py holds the total to what tracemalloc sees).
 HELD_OVERHEAD_BYTES = 256
 
 
@@ -42,7 +44,7 @@ class HeldReplies:
     conversation). LRU, bounded by entries and by bytes
     (``CacheConfig.max_held_bytes``). Thread-safe."""
 
-    def __init__(self, max_entries: int = 16384, max_bytes: int = CacheConfig().max_held_bytes):
+    def __init__(self, max_entries: int = 16384, max_bytes: int = DEFAULT_MAX_HELD_BYTES):
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -92,7 +94,8 @@ class HeldReplies:
 
     def put(self, owner: Hashable, key: str, held: Fingerprint | None) -> None:
         """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
-        nbytes = 0 if held is None else key_bytes((owner, key)) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
+        # The owner's identity is one object that all its entries share: each counts only its own tuple and key.
+        nbytes = 0 if held is None else sys.getsizeof((owner, key)) + key_bytes(key) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
         with self._lock:
             old = self._held.pop((owner, key), None)
             if old is not None:

@@ -24,11 +24,12 @@ ENV_VAR = "MPTOK_ROUTING"
 
 def routing_policy(explicit: str | None = None) -> str:
     """``explicit`` if given, else ``MPTOK_ROUTING``, else ``cheaper``;
-    ``ValueError`` naming the source for anything not in ``POLICIES``."""
+    ``ValueError`` naming the source and the value for anything not in ``POLICIES``."""
     if explicit is not None:
-        value, source = explicit, "routing"
+        value, named = explicit, f"routing={explicit!r}"
     else:
-        value, source = os.environ.get(ENV_VAR, "").strip() or CHEAPER, ENV_VAR
+        raw = os.environ.get(ENV_VAR, "")
+        value, named = raw.strip() or CHEAPER, f"{ENV_VAR}={raw!r}"
     if value not in POLICIES:
-        raise ValueError(f"{source} must be one of {', '.join(POLICIES)}, got {value!r}")
+        raise ValueError(f"{named} must be one of {', '.join(POLICIES)}")
     return value

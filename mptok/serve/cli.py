@@ -98,7 +98,11 @@ def serve(options: ServeOptions, kind: FrontendKind | None = None, command: str 
     """
     from mptok.serve.supervisor import EXIT_CANNOT_START, StartupError, StopSignals, Supervisor
 
-    configure_logging("supervisor")
+    try:
+        configure_logging("supervisor")
+    except ValueError as e:  # MPTOK_LOG_LEVEL: there is no log to write it to
+        print(f"mptok {command}: cannot start: {e}", file=sys.stderr)
+        return EXIT_CANNOT_START
     # Inherited by the frontends: no advisory warnings from transformers
     # (no PyTorch, sequence longer than the model's) in the operator's log.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -27,10 +27,8 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -44,11 +42,13 @@ from mptok.api.chat_template import ChatTemplate
 from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.serve.launch import FrontendSettings, tcp_socket
 from mptok.serve.lifeline import stop_with_parent
 from mptok.serve.logfmt import configure_logging, log_event
 from mptok.serve.metrics import render_prometheus
-from mptok.serve.options import ServeOptions, Use
+from mptok.serve.options import Use
 from mptok.core.periodic import PeriodicTask
+from mptok.routing.owners import lower_switch_interval
 from mptok.serve.service import Answer, TokenizeService
 from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
 
@@ -59,21 +59,6 @@ _OWNERS_CLOSE_FLOOR_S = 0.5
 
 # mptok_http_requests_total's code for a request whose client went away unanswered (nginx's).
 CLIENT_GONE = 499
-
-
-@dataclass(frozen=True)
-class FrontendSettings:
-    """What one frontend process needs to start; picklable (it crosses the spawn pipe).
-
-    ``options`` are the command line's (``mptok.serve.options``), with the
-    port the supervisor bound (never 0). The authkey is not in here: it
-    travels as its own Process argument and is never logged.
-    """
-
-    frontend_id: int
-    ipc_dir: str
-    chat_template: str | None  # the template's source, read by the supervisor
-    options: ServeOptions
 
 
 # -- HTTP ------------------------------------------------------------------------
@@ -214,26 +199,6 @@ def _add_vllm_routes(app: FastAPI, service: TokenizeService, tokenizer_info_payl
 def _render_all(snapshots: SnapshotDir, publish_own: Callable[[], None]) -> str:
     publish_own()
     return render_prometheus(snapshots.read_all())
-
-
-def tcp_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not listening yet), SO_REUSEADDR set.
-
-    With ``reuse_port`` it joins the port's SO_REUSEPORT group, as every
-    frontend does; without, the bind fails while anyone listens on the port,
-    which is how the supervisor checks that the port is free.
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 # -- the process ---------------------------------------------------------------
@@ -406,10 +371,6 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
     stop = _StopRequests()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop.handle)
-    from mptok.routing.owners import (
-        lower_switch_interval,  # the supervisor, importing this module, needs none of routing
-    )
-
     lower_switch_interval()
     parent = multiprocessing.parent_process()
     supervisor_pid = parent.pid if parent is not None else os.getppid()

@@ -19,6 +19,7 @@ import traceback
 from typing import Any, TextIO
 
 _FIELDS_ATTR = "mptok_fields"
+LOG_LEVEL_VARIABLE = "MPTOK_LOG_LEVEL"
 
 
 def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
@@ -67,12 +68,23 @@ def configure_logging(role: str, frontend_id: int | None = None, stream: TextIO 
     """Send every logger of this process, as key=value lines, to ``stream`` (stderr).
 
     Replaces the root logger's handlers; ``MPTOK_LOG_LEVEL`` (default INFO)
-    sets the level.
+    sets the level. Raises ``ValueError`` naming the variable and its value
+    when that is no level, before anything is replaced.
     """
+    level = log_level()
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(KeyValueFormatter(role, frontend_id))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(os.environ.get("MPTOK_LOG_LEVEL", "INFO").upper())
+    root.setLevel(level)
+
+
+def log_level() -> str:
+    """``MPTOK_LOG_LEVEL``'s level name (default INFO); ``ValueError`` with one line for the operator if it names none."""
+    raw = os.environ.get(LOG_LEVEL_VARIABLE, "")
+    level = raw.strip().upper() or "INFO"
+    if level not in logging.getLevelNamesMapping():
+        raise ValueError(f"{LOG_LEVEL_VARIABLE}={raw!r} is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+    return level

@@ -21,11 +21,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from mptok.cache.config import parse_bytes
-from mptok.cache.fast_backends import CHOICES
-from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S
+from mptok.core.settings import CHOICES, parse_bytes
+from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S, ROUTE_TIMEOUT_S
 from mptok.routing.policy import POLICIES
-from mptok.transport import CALL_TIMEOUT_S
 
 
 class Use(enum.Enum):
@@ -203,7 +201,7 @@ class ServeOptions:
     route_timeout_s: float = option(
         "--route-timeout", _seconds, "S",
         "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself (default: %(default)s)",
-        use=Use.ROUTING, argument="timeout_s", default=CALL_TIMEOUT_S,
+        use=Use.ROUTING, argument="timeout_s", default=ROUTE_TIMEOUT_S,
     )
     route_backoff_s: float = option(
         "--route-backoff", _seconds, "S", "seconds an owner that timed out is then skipped (default: %(default)s)",

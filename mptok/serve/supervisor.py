@@ -46,16 +46,18 @@ import secrets
 import signal
 import socket
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from mptok.api.chat_template import ChatTemplateError, check_template_source
+from mptok.routing.policy import routing_policy
 from mptok.serve import heartbeat
-from mptok.serve.frontend import FrontendSettings, frontend_main, tcp_socket
+from mptok.serve.launch import FrontendSettings, run_frontend, tcp_socket
 from mptok.serve.logfmt import log_event
-from mptok.serve.options import ServeOptions
+from mptok.serve.options import ServeOptions, Use
 from mptok.serve.run_dir import RunDir, sweep_stale
 from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 
@@ -154,7 +156,7 @@ class TokenizeFrontends:
                 raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
 
     def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
-        return frontend_main, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
+        return run_frontend, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         pass
@@ -275,6 +277,7 @@ class Supervisor:
         options = self.options
         if options.frontends < 1:
             raise StartupError(f"--frontends must be at least 1, got {options.frontends}")
+        _check_environment(options)
         self._kind.check(options)
         try:
             probe = tcp_socket(options.host, options.port, reuse_port=False)
@@ -511,6 +514,22 @@ class Supervisor:
                     "given_up": {str(s.frontend_id): int(s.given_up) for s in self._slots},
                 },
             )
+
+
+def _check_environment(options: ServeOptions) -> None:
+    """Refuse a bad ``MPTOK_*`` variable once, here, in one line: every
+    frontend reads the same environment and would fail on it as it starts."""
+    # Imported here: importing the supervisor loads no part of the cache, and
+    # its configuration alone loads no tokenizer, numpy or engine.
+    from mptok.cache.config import CacheConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # each frontend warns of a deprecated setting in its log
+            CacheConfig.from_env(**options.arguments_for(Use.CACHE))
+        routing_policy(options.routing)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
 
 
 def _describe_exit(exitcode: int | None) -> str:

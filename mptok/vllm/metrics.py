@@ -35,7 +35,9 @@ class Series:
     help: str
 
 
-# Names as ``mptok serve`` names them (docs/SERVE.md), with an api_server label.
+# Names as ``mptok serve`` names them (docs/SERVE.md), with an api_server
+# label; where ``mptok serve`` labels a series by reason, choice or identity,
+# one series per value here (docs/VLLM.md lists them).
 SERIES = (
     Series("mptok_cache_hits", "counter", "hits", "Prompts tokenized from a cached prefix (by the API server that did the work)."),
     Series("mptok_cache_misses", "counter", "misses", "Cacheable prompts tokenized in full (no kept prompt, or no provable seam)."),
@@ -51,7 +53,7 @@ SERIES = (
     Series("mptok_routed", "counter", "routed", "Prompts arriving here that their conversation's owner (another API server) tokenized."),
     Series("mptok_routed_since", "counter", "routed_since", "Routed prompts sent as the characters after a held fingerprint."),
     Series("mptok_route_failures", "counter", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
-    Series("mptok_crossing_local_cheaper", "counter", "crossing_local_cheaper", "Prompts tokenized here in full because a call to their owner was expected to cost more (not kept here)."),
+    Series("mptok_crossing_local_cheaper", "counter", "crossing_local_cheaper", "Prompts tokenized here because a call to their owner was expected to cost more (kept here only where that evicts nothing)."),
     Series("mptok_owned_here", "counter", "owned_here", "Keyed prompts whose owner is this API server."),
     Series("mptok_taken_over_here", "counter", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),
     Series("mptok_served", "counter", "served", "Prompts this API server tokenized for the others."),
