@@ -58,6 +58,7 @@ import unicodedata
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
 from tokenizers import Encoding
 
 from mptok.cache.backend import TokenizerBackend
@@ -313,12 +314,14 @@ def _extend_at_segment(
     for attempt, seam in enumerate(openers.starts_before(cached.text, shared, lowest)):
         if attempt >= max_attempts:
             return None
-        old_tail = backend.encode_ids(cached.text[seam:])
+        # An array, compared as one: a list of the old tail's ids would cost
+        # as much as tokenizing it.
+        old_tail = np.asarray(backend.encode_id_array(cached.text[seam:]))
         first = kept - len(old_tail)
-        reach = openers.reach_of(old_tail[0]) if old_tail else None
+        reach = openers.reach_of(int(old_tail[0])) if len(old_tail) else None
         if reach is None or seam + reach > shared or first < 0:
             continue
-        if cached.ids.slice(first, kept) != old_tail:
+        if not np.array_equal(cached.ids.array()[first:kept], old_tail):
             continue
         tail = text[seam:]
         if not backend.fast:
