@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render bench-render run bench bench-memory replay replay-capacity drill smoke test test-quick test-versions ci clean
+.PHONY: test-vllm test-vllm-render bench-render run bench bench-memory replay replay-long replay-capacity drill smoke test test-quick test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -46,6 +46,13 @@ bench-memory: $(BIN)/.installed
 replay: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m scripts.replay_bench $(ARGS)
+
+# The same modes at the lengths coding agents send (conversations of 40k to
+# 180k tokens, median 70k, 1000 tokens a turn; docs/results/replay_long.md).
+# Building the conversations' expected ids takes a while the first time.
+replay-long: $(BIN)/.installed-bench
+	scripts/ensure_nginx.sh
+	$(BIN)/python -m scripts.replay_bench --long $(ARGS)
 
 # The replay under a memory budget (each frontend's --cache-bytes half of one
 # copy of 64 conversations growing to 38k tokens, turns interleaved): the

@@ -76,9 +76,10 @@ Run from the repository's root:
     .venv/bin/python -m scripts.replay_bench --modes mptok,sticky --repeat 1 --no-write
     .venv/bin/python -m scripts.replay_bench --conversations 16 --clients 8 --target-tokens 60000
     .venv/bin/python -m scripts.replay_bench --smoke         # every mode, F = 2, 2 short conversations, no report
+    make replay-long                                         # --long: coding-agent lengths, docs/results/replay_long.md
 
 Writes the Markdown to stdout and (unless --no-write) the report
-docs/results/replay_bench.md and a PNG beside it (server tokenize ms and
+docs/results/replay_bench.md (replay_long.md with --long) and a PNG beside it (server tokenize ms and
 end-to-end ms against prompt tokens, a line per mode; matplotlib comes with
 `make replay`). A progress bar goes to stderr when it is a terminal. Exit
 status 1 on any wrong id or failed request.
@@ -97,6 +98,7 @@ import os
 import pickle
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,6 +127,12 @@ from scripts.smoke import parse_args_with_smoke  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 PLOT = RESULTS_DIR / "replay_bench.png"
+# --long: the lengths coding agents send (a median near 70k tokens, a tail
+# near 180k), a larger step a turn (a file read, a test run's output).
+LONG_TARGETS = (40_000, 52_000, 62_000, 68_000, 72_000, 90_000, 125_000, 180_000)
+LONG_DELTA_TOKENS = 1_000
+SMOKE_LONG_TARGETS = (3_000, 6_000)  # --long --smoke: two lengths, a few turns each
+LONG_TITLE = "The replay at coding-agent lengths"
 BUILD_CACHE = REPO / ".cache" / "replay"
 MODES = ("no-cache-tokenizers", "no-cache", "no-route", "mptok", "keyless", "sticky", "mptok-always", "mptok-never")
 # Run only when --modes names them: mptok under the routing policy an operator
@@ -135,7 +143,7 @@ TITLE = "The replay: the same conversations served six ways"
 # The report's fixed part: what the modes and the columns are.
 ABOUT = """\
 Multi-turn agentic conversations (a system prompt, a task, then answers and
-tool outputs of about 300 tokens each, up to about 38k tokens) sent as
+tool outputs of equal size; the sizes are in the line under the command) sent as
 `{"messages": [...], "add_generation_prompt": true}` through the built-in
 DeepSeek V3 template, a new connection per turn. When a tool output follows
 a tool output, the next turn replaces the previous generation prompt
@@ -223,6 +231,11 @@ class BuildParams:
     delta_tokens: int
     seed: int
     shared_system: bool = False
+    # Per-conversation lengths, used in turn instead of target_tokens when given.
+    targets: tuple[int, ...] = ()
+
+    def target_of(self, index: int) -> int:
+        return self.targets[index % len(self.targets)] if self.targets else self.target_tokens
 
 
 class _Builder:
@@ -252,7 +265,8 @@ class _Builder:
         conv = Conversation(session=f"replay-{params.seed}-{index}", derived=chat_identity(messages), messages=messages)
         last_role = "user"
         previous = array.array("i")
-        while not conv.turns or conv.turns[-1].tokens < params.target_tokens:
+        target = params.target_of(index)
+        while not conv.turns or conv.turns[-1].tokens < target:
             # After an answer: a tool output. After a tool output: an answer (2/3) or
             # another tool output (1/3, which rewrites the generation prompt).
             if last_role == "user" and conv.turns and rng.random() < 2 / 3:
@@ -912,7 +926,8 @@ def load_conversations(args: argparse.Namespace, progress: Progress) -> tuple[An
     """The tokenizer, its chat template and the conversations ``add_build_options`` named."""
     tokenizer = mptok.load_tokenizer()
     template = ChatTemplate.for_tokenizer(tokenizer)
-    params = BuildParams(args.conversations, args.target_tokens, args.delta_tokens, args.seed, args.shared_system)
+    targets = () if not getattr(args, "long", False) else SMOKE_LONG_TARGETS if getattr(args, "smoke", False) else LONG_TARGETS
+    params = BuildParams(args.conversations, args.target_tokens, args.delta_tokens, args.seed, args.shared_system, targets)
     conversations = build(tokenizer, template, params, progress, args.jobs, None if args.no_build_cache else BUILD_CACHE)
     return tokenizer, template, conversations
 
@@ -935,7 +950,8 @@ def workload(conversations: list[Conversation], args: argparse.Namespace) -> str
     return (
         f"F = {args.frontends}, {len(conversations)} conversations x {turns // len(conversations)} turns on average "
         f"({turns} turns per mode and run, {rewrites} of them rewriting the previous generation prompt), growing by about "
-        f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens; {args.clients} client threads, a new connection per turn; "
+        f"{args.delta_tokens} tokens a turn to {min(sizes):,}-{max(sizes):,} tokens (median {statistics.median(sizes):,.0f}); "
+        f"{args.clients} client threads, a new connection per turn; "
         f"expected ids computed locally before the replay."
     )
 
@@ -958,8 +974,17 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="run the modes this many times, interleaved; samples are pooled (default 3)")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/results/replay_bench.md or the plot")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
+    parser.add_argument(
+        "--long", action="store_true",
+        help=f"conversations at coding-agent lengths ({', '.join(f'{t // 1000}k' for t in LONG_TARGETS)} tokens, "
+        f"{LONG_DELTA_TOKENS} a turn unless --delta-tokens says otherwise); writes docs/results/replay_long.md",
+    )  # fmt: skip
     smoke = {"frontends": 2, "conversations": 2, "target_tokens": 3_000, "clients": 2, "repeat": 1, "no_write": True, "quiet": True}
     args = parse_args_with_smoke(parser, smoke)
+    if args.long and args.delta_tokens == parser.get_default("delta_tokens"):
+        args.delta_tokens = LONG_DELTA_TOKENS
+    if args.long and args.smoke and args.modes == parser.get_default("modes"):
+        args.modes = "no-route,mptok"  # --smoke runs every mode already; this is the per-length code path
     modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -1000,12 +1025,14 @@ def main() -> int:
         markdown += "\n" + crossing + "\n"
     print(markdown)
     if not args.no_write:
-        drawn = plot(results, PLOT)
+        name = "replay_long" if args.long else "replay_bench"
+        plot_path = PLOT.with_name(f"{name}.png")
+        drawn = plot(results, plot_path)
         print(drawn)
         if drawn.startswith("plot:"):
-            markdown += f"\n![server tokenize ms and end-to-end ms against prompt tokens, a line per mode]({PLOT.name})\n"
+            markdown += f"\n![server tokenize ms and end-to-end ms against prompt tokens, a line per mode]({plot_path.name})\n"
         path = write_report(
-            "replay_bench", TITLE, markdown, preamble=ABOUT,
+            name, LONG_TITLE if args.long else TITLE, markdown, preamble=ABOUT,
             command=command_line("replay_bench", parser, args), extra={"nginx": nginx_version()}, packages=PACKAGES,
         )  # fmt: skip
         print(f"report: {path.relative_to(REPO)}")
