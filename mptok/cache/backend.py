@@ -35,10 +35,10 @@ is not trusted for that tokenizer again in this process.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import itertools
-import json
 import logging
 import os
 import sys
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 from tokenizers import Encoding, Tokenizer
 
 from mptok.cache import fast_backends
@@ -315,17 +316,20 @@ class TokenizerBackend:
         # Never reused, unlike id(): caches key their entries by it.
         self.serial = next(self._serials)
         rust = rust_tokenizer_of(tokenizer)
-        spec = json.loads(rust.to_str())
+        # orjson: a large vocabulary's spec is megabytes of JSON, read once
+        # and written once per start (the json module takes several times longer).
+        spec = orjson.loads(rust.to_str())
         spec["truncation"] = None
         spec["padding"] = None
         spec["post_processor"] = None
         # transformers sets this on the Rust tokenizer before each call; it is
         # not part of the serialized spec.
         split_special = bool(getattr(tokenizer, "split_special_tokens", rust.encode_special_tokens))
-        self._full = _build(spec, split_special)
+        spec_json = orjson.dumps(spec).decode()
+        self._full = _build(spec_json, split_special)
         continuation_spec = _continuation_spec(spec)
         self._continuation = (
-            _build(continuation_spec, split_special) if continuation_spec != spec else None
+            _build(orjson.dumps(continuation_spec).decode(), split_special) if continuation_spec != spec else None
         )
         self._added_ids = frozenset(rust.get_added_tokens_decoder())
         self._opens_word, self._closes_word = _space_marker_ids(spec, self._full)
@@ -342,7 +346,6 @@ class TokenizerBackend:
         self.choice_report = "forced" if engine is not None else ""
         if engine is not None:
             self._engine = engine
-        spec_json = json.dumps(spec)
         self._spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
         engine_to_reference = DEFAULT_ENGINE_TO_REFERENCE
         if engine is None and choice != "tokenizers":
@@ -697,17 +700,18 @@ def _has_normalizer(spec: dict[str, Any]) -> bool:
     )
 
 
-def _build(spec: dict[str, Any], split_special: bool) -> Tokenizer:
-    tokenizer = Tokenizer.from_str(json.dumps(spec))
+def _build(spec_json: str, split_special: bool) -> Tokenizer:
+    tokenizer = Tokenizer.from_str(spec_json)
     tokenizer.encode_special_tokens = split_special
     return tokenizer
 
 
 def _continuation_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` with every add-at-segment-start step switched off."""
-    cont = json.loads(json.dumps(spec))
-    cont["normalizer"] = _without_prepend(cont.get("normalizer"))
-    cont["pre_tokenizer"] = _without_prefix_space(cont.get("pre_tokenizer"))
+    """``spec`` with every add-at-segment-start step switched off (a new
+    dict; the parts it changes are copied, the vocabulary is shared)."""
+    cont = dict(spec)
+    cont["normalizer"] = _without_prepend(copy.deepcopy(spec.get("normalizer")))
+    cont["pre_tokenizer"] = _without_prefix_space(copy.deepcopy(spec.get("pre_tokenizer")))
     return cont
 
 
