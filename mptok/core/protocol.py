@@ -37,7 +37,7 @@ class PeerReply:
 
     version: int
     reused: int
-    ids: np.ndarray | array | Sequence[int]  # int32 array from the cache; array('i') from the transport
+    ids: np.ndarray | array | Sequence[int]  # int32 array from the cache; an int32 memoryview from the transport
 
     def id_array(self) -> np.ndarray:
         """The ids as an int32 array, without a copy when they are int32 already."""

@@ -26,7 +26,7 @@ from mptok.core.counting import Counters, Histogram
 from mptok.core.protocol import PeerReply
 from mptok.transport.listener import Listener, OwnerAlreadyServing, ServerLimits
 from mptok.transport.mp_private import InProcessManager, OwnerServer
-from mptok.transport.wire import ENCODE_TYPEID, int32_bytes
+from mptok.transport.wire import ENCODE_TYPEID, int32_payload
 
 __all__ = ["OwnerAlreadyServing", "PeerAnswer", "ServerLimits", "TokenizeManager", "serve_encode"]
 
@@ -72,7 +72,7 @@ class _EncodeService:
         started = time.perf_counter()
         try:
             reply = self._answer(text, key, since, shared_chars)
-            packed = None if reply is None else (reply.version, reply.reused, int32_bytes(reply.ids))
+            packed = None if reply is None else (reply.version, reply.reused, int32_payload(reply.ids))
         except Exception as e:
             self.counters.add("serve_errors")
             logger.debug("could not tokenize a prompt for a peer: %r", e)

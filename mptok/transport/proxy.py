@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 import weakref
-from array import array
 from collections.abc import Callable, Hashable
 from multiprocessing import AuthenticationError
 from typing import Any
@@ -99,8 +98,8 @@ class EncodeProxy:
 
     ``encode_since`` raises ``OwnerTimeout``, ``OwnerUnreachable`` or
     ``OwnerError`` (or what its ``while_waiting`` raised) and nothing else,
-    whatever the owner does. The ids of its reply are an ``array('i')``
-    built from the bytes received.
+    whatever the owner does. The ids of its reply are an int32
+    ``memoryview`` of the bytes received (``np.asarray`` reads it without a copy).
     """
 
     def __init__(
@@ -275,7 +274,7 @@ class EncodeProxy:
 
 def _reply_from(address: str, reply: object) -> PeerReply | None:
     """The ``PeerReply`` an owner's ``('#RETURN', (version, reused, int32 bytes))`` carries, its ids
-    an ``array('i')`` of those bytes; None for ``('#RETURN', None)``; else ``OwnerError``."""
+    an int32 ``memoryview`` of those bytes; None for ``('#RETURN', None)``; else ``OwnerError``."""
     kind, result = reply if isinstance(reply, tuple) and len(reply) == 2 else (None, reply)
     if kind == "#RETURN" and result is None:
         return None
@@ -288,10 +287,9 @@ def _reply_from(address: str, reply: object) -> PeerReply | None:
         and result[1] >= 0
         and isinstance(result[2], bytes)
     ):
-        ids = array(INT32)
         try:
-            ids.frombytes(result[2])
-        except ValueError as e:
+            ids = memoryview(result[2]).cast(INT32)  # the received bytes themselves, no copy
+        except TypeError as e:
             raise OwnerError(f"{address} sent {len(result[2])} bytes, not int32 ids") from e
         return PeerReply(result[0], result[1], ids)
     if kind == "#RETURN" and isinstance(result, str):

@@ -11,9 +11,10 @@ with a deadline on every message, a cap on its size, and an unpickler that
 refuses globals, so a request cannot run code in the owner (nor a reply in
 the peer).
 
-Token ids cross as native int32 bytes (``int32_bytes``): building a
+Token ids cross as native int32 bytes (``int32_payload``): building a
 38k-element list costs as much as the rest of the call, so neither end
-builds one.
+builds one; the owner's ids are copied once, into the message, and the
+asker reads them where the message put them.
 """
 
 from __future__ import annotations
@@ -110,12 +111,23 @@ def int32_bytes(ids: Sequence[int]) -> bytes:
     constructor parses every element generically). Raises ``TypeError`` for
     a buffer of anything but int32.
     """
+    payload = int32_payload(ids)
+    return payload if isinstance(payload, bytes) else payload.raw().tobytes()
+
+
+def int32_payload(ids: Sequence[int]) -> bytes | pickle.PickleBuffer:
+    """What an owner's reply carries for ``ids``: ``int32_bytes``' bytes,
+    except that a buffer is wrapped, not copied; pickled, it becomes the
+    same bytes, copied once, straight into the message. Raises as ``int32_bytes``."""
     if isinstance(ids, list):
         return struct.Struct(f"{len(ids)}{INT32}").pack(*ids)
-    with memoryview(ids) as view:  # type: ignore[arg-type]
-        if view.ndim != 1 or view.itemsize != 4 or view.format not in _NATIVE_INT32_FORMATS:
-            raise TypeError(f"ids must be int32, not a buffer of {view.format!r} x {view.ndim}-D")
+    view = memoryview(ids)  # type: ignore[arg-type]
+    if view.ndim != 1 or view.itemsize != 4 or view.format not in _NATIVE_INT32_FORMATS:
+        raise TypeError(f"ids must be int32, not a buffer of {view.format!r} x {view.ndim}-D")
+    if not view.c_contiguous:  # a strided view: gathered into bytes
         return view.tobytes()
+    # Read-only, so that it is pickled as bytes (a writable one would be a bytearray).
+    return pickle.PickleBuffer(view.toreadonly())
 
 
 class _NoGlobalsUnpickler(pickle.Unpickler):
