@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from mptok.core.counting import Histogram
-from mptok.serve.metrics import FRONTEND_METRICS, Table
+from mptok.front.catalogue import FRONTEND_METRICS, Table
 
 
 def example_frontend_snapshot() -> dict[str, Any]:

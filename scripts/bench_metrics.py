@@ -35,7 +35,8 @@ import time
 import timeit
 
 from mptok.core.counting import SECONDS_BUCKETS, Counters, Histogram
-from mptok.serve.metrics import FRONTEND_METRICS, OnePerLabel, Table, render_prometheus
+from mptok.front.catalogue import FRONTEND_METRICS, OnePerLabel, Table
+from mptok.serve.metrics import render_prometheus
 from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
 from mptok_harness.metrics import example_frontend_snapshot
 

@@ -73,10 +73,13 @@ def chats(count: int, target_tokens: int, turn_chars: int, seed: int) -> list[li
 
 
 def mptok_totals(server: VllmServer) -> dict[str, float]:
+    """mptok's series summed over their labels, by name; a crossing's choices by name and choice."""
     totals: dict[str, float] = defaultdict(float)
-    for name, _, value in scrape(server.port):
+    for name, labels, value in scrape(server.port):
         if name.startswith("mptok_"):
             totals[name] += value
+            if "choice" in labels:
+                totals[f"{name}:{labels['choice']}"] += value
     return totals
 
 
@@ -137,7 +140,7 @@ def main() -> int:
     routed = grown("mptok_routed_total")
     misses = grown("mptok_cache_misses_total")
     unproven = grown("mptok_cache_resync_failures_total")
-    local = grown("mptok_crossing_local_cheaper_total")
+    local = grown("mptok_crossing_choices_total:local_cheaper")
     rows = []
     for mode in MODES:
         rows.append(

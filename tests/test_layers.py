@@ -18,8 +18,9 @@ PACKAGE = REPO / "mptok"
 
 # Bottom to top. A module may import its own layer and the layers below it;
 # layers of one rank (cache and transport, routing and api, serve and vllm)
-# stand side by side and may not import each other.
-RANKS = {"core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "serve": 3, "vllm": 3, "render": 4}
+# stand side by side and may not import each other. front joins routing and
+# api for the two fronts above it, serve and vllm.
+RANKS = {"core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "front": 3, "serve": 4, "vllm": 4, "render": 5}
 
 
 def _layer(module: str) -> str | None:

@@ -1,7 +1,10 @@
 """The /metrics declaration: a value that is missing or left over is found, never shown as 0.
 
 ``test_serve.py`` audits a real server's snapshots; these tests show what
-the audit and the renderer do with a snapshot that does not match.
+the audit and the renderer do with a snapshot that does not match, and what
+``PromptIds`` counts for the catalogue's prompt series (both exporters').
+``tests/vllm/test_plugin.py`` compares a real ``mptok serve``'s families
+with the plugin's.
 """
 
 from __future__ import annotations
@@ -9,10 +12,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
+import mptok
+from mptok.api.affinity import named
 from mptok.core.counting import Histogram
-from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, audit, render_prometheus
+from mptok.front.catalogue import FRONTEND_METRICS, PROMPT_COUNTS, SUPERVISOR_METRICS
+from mptok.front.prompt_ids import PromptIds
+from mptok.serve.metrics import audit, render_prometheus
 from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT
+from mptok_harness.checks import expected_ids as expected
 from mptok_harness.metrics import example_frontend_snapshot
+from mptok_harness.prompts import conversation
 
 
 def test_a_declared_snapshot_renders_whole():
@@ -60,3 +71,39 @@ def test_every_declared_series_is_in_the_serve_docs():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "SERVE.md").read_text()
     missing = [metric.name for metric in FRONTEND_METRICS + SUPERVISOR_METRICS if f"`{metric.name}" not in docs]
     assert missing == []
+
+
+class _FailingRouting:
+    """Routing whose every call raises, as a broken encoder would."""
+
+    def encode(self, tokenizer, text, key=None):
+        raise RuntimeError("no")
+
+    encode_array = encode
+
+    def stats(self):
+        return {"routed": 0}
+
+
+def test_prompt_ids_are_exact_and_counted_by_identity_direct_call_and_error(tokenizer):
+    prompts = PromptIds(tokenizer, mptok.PrefixTokenCache())
+    first, second = conversation(3, 2)
+    assert prompts.ids(first, False, named("c", None)) == expected(tokenizer, first, False)
+    assert prompts.ids_array(second, True, named(None, "chat:x")).tolist() == expected(tokenizer, second, True)
+    assert prompts.ids_array("", True, named(None, None)).tolist() == expected(tokenizer, "", True)
+    prompts.count_direct(5)
+    counts = prompts.snapshot()["prompts"]
+    assert set(counts) == set(PROMPT_COUNTS)
+    through = len(expected(tokenizer, first, False)) + len(expected(tokenizer, second, True))
+    assert counts == {"keyed": 1, "derived": 1, "keyless": 0, "tokens": through, "direct": 2,
+                      "direct_tokens": 5 + len(expected(tokenizer, "", True)), "errors": 0}  # fmt: skip
+    assert "routing" not in prompts.snapshot()
+
+    routed = PromptIds(tokenizer, mptok.PrefixTokenCache(), _FailingRouting())
+    assert routed.ids("", True, named(None, None)) is None  # only the tokenizer's own call frames an empty text
+    for call in (routed.ids, routed.ids_array):
+        with pytest.raises(RuntimeError):
+            call(first, False, named("c", None))
+    snapshot = routed.snapshot()
+    assert snapshot["prompts"]["errors"] == 2 and snapshot["prompts"]["keyed"] == 0
+    assert snapshot["routing"] == {"routed": 0}

@@ -28,12 +28,13 @@ import mptok
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.config import CacheConfig
+from mptok.front.catalogue import FRONTEND_METRICS, SUPERVISOR_METRICS
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.owners import TokenizationOwners
 from mptok.serve import frontend, supervisor
 from mptok.serve.cli import parse_serve_options
 from mptok.serve.frontend import FrontendSettings, tcp_socket
-from mptok.serve.metrics import FRONTEND_METRICS, SUPERVISOR_METRICS, audit
+from mptok.serve.metrics import audit
 from mptok.serve.options import Option, ServeOptions, Use, declared_options
 from mptok.serve.service import TokenizeService
 from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir

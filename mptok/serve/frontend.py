@@ -270,7 +270,7 @@ class Frontend:
                     **options.arguments_for(Use.SERVICE),
                     "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer),
                 },
-                encoder=self.owners,
+                routing=self.owners,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)
@@ -336,7 +336,6 @@ class Frontend:
             {
                 "pid": os.getpid(),
                 "started": self._started,
-                "routing": self.owners.stats(),
                 "routing_seconds": self.owners.timings(),
                 **self.service.snapshot(),
             },

@@ -2,8 +2,10 @@
 
 ``TokenizeService`` is everything a frontend does for one request apart from
 HTTP: parse it (``mptok.api.tokenize_request``), render the chat template,
-tokenize through the frontend's routing layer (``TokenizationOwners.encode``:
-the conversation's owner, or the local ``PrefixTokenCache``), and serialize the ids with orjson. The HTTP app
+tokenize through ``mptok.front.prompt_ids`` (the frontend's routing layer,
+``TokenizationOwners``: the conversation's owner, or the local
+``PrefixTokenCache``; the special-token frame; the counts by identity), and
+serialize the ids with orjson. The HTTP app
 (``mptok.serve.frontend``) only reads bodies and writes answers.
 
 Admission control lives here too, because the pool is what overload fills:
@@ -28,9 +30,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mptok.api.affinity import IdentityKind, identify
+from mptok.api.affinity import identify, named
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
-from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.api.tokenize_request import (
     RETRY_AFTER_S,
     RequestError,
@@ -41,9 +42,9 @@ from mptok.api.tokenize_request import (
     parse_tokenize_request,
 )
 from mptok.api.vllm_contract import RequestLimits, UnknownModel
-from mptok.cache.prefix_cache import Encoder, TokenCache
+from mptok.cache.prefix_cache import TokenCache
 from mptok.core.counting import Counters, Histogram
-from mptok.core.ids import as_id_array
+from mptok.front.prompt_ids import PromptIds, Routing
 from mptok.serve.logfmt import log_event
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
@@ -126,7 +127,7 @@ class TokenizeService:
         max_model_len: int | None = None,
         served_model_names: tuple[str, ...] = (),
         affinity_chars: int = 0,
-        encoder: Encoder | None = None,
+        routing: Routing | None = None,
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
@@ -136,29 +137,25 @@ class TokenizeService:
         self._affinity_chars = affinity_chars
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
-        self._cache = cache
-        # What tokenizes: routing above the cache (TokenizationOwners), or the cache itself.
-        self._encoder: Encoder = encoder if encoder is not None else cache
+        self.prompt_ids = PromptIds(tokenizer, cache, routing)
         self._template = template
-        self._frame = SpecialTokenFrame.derive(tokenizer)
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
-        # transformers' __call__ is not thread-safe ("Already borrowed"); it is
-        # only called when the cache cannot serve add_special_tokens=True.
-        self._direct_lock = threading.Lock()
+        # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
+        self._direct_lock = self.prompt_ids.tokenizer_lock
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"tokenize-{frontend_id}")
         self._in_flight: set[concurrent.futures.Future] = set()
         self._in_flight_lock = threading.Lock()
         self.tokenize_seconds = Histogram()
-        self._identities = Counters(tuple(kind.value for kind in IdentityKind))
         self._requests = Counters()  # by "<path> <status>"
         self._template_failures = itertools.count(1)
+        frame = self.prompt_ids.frame
         log_event(
             logger,
             logging.INFO,
             "special_tokens",
-            mode="cache" if self._frame is not None else "full",
-            prefix=list(self._frame.prefix) if self._frame else "",
-            suffix=list(self._frame.suffix) if self._frame else "",
+            mode="cache" if frame is not None else "full",
+            prefix=list(frame.prefix) if frame else "",
+            suffix=list(frame.suffix) if frame else "",
             chat_template=template.origin,
         )
         log_event(
@@ -215,27 +212,16 @@ class TokenizeService:
 
     def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int]:
         """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, through the cache when it can."""
-        return self.tokenize_array(text, add_special_tokens, key).tolist()
-
-    def tokenize_array(self, text: str, add_special_tokens: bool, key: str | None) -> np.ndarray:
-        """``tokenize``'s ids as a 1-D int32 array, as the cache holds them (no list is made)."""
-        if not add_special_tokens:
-            return self._encoder.encode_array(self._tokenizer, text, key=key)
-        if self._frame is not None and text:
-            ids = self._encoder.encode_array(self._tokenizer, text, key=key)
-            return np.concatenate((self._frame.prefix_ids, ids, self._frame.suffix_ids))
-        with self._direct_lock:
-            return as_id_array(self._tokenizer(text, add_special_tokens=True)["input_ids"])
+        return self.prompt_ids.ids_array(text, add_special_tokens, named(key, None)).tolist()
 
     def count_request(self, path: str, status: int) -> None:
         self._requests.add(f"{path} {status}")
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "cache": self._cache.stats(),
+            **self.prompt_ids.snapshot(),
             "tokenize_seconds": self.tokenize_seconds.snapshot(),
             "requests": self._requests.snapshot(),
-            "identities": self._identities.snapshot(),
         }
 
     def close(self, timeout_s: float) -> None:
@@ -256,9 +242,8 @@ class TokenizeService:
             self._limits.check_model(request.model)
             text = self._text_of(request)
             identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars)
-            self._identities.add(identity.kind.value)
             started = time.perf_counter()
-            ids = self.tokenize_array(text, request.add_special_tokens, identity.key)
+            ids = self.prompt_ids.ids_array(text, request.add_special_tokens, identity)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
             self._limits.check_length(len(ids))

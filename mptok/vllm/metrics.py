@@ -1,13 +1,16 @@
-"""mptok's counters on vLLM's own ``/metrics``, summed over its API servers.
+"""mptok's series on vLLM's own ``/metrics``, summed over its API servers.
 
 vLLM serves ``/metrics`` from whichever API server the scrape lands on. With
 ``--api-server-count`` > 1 it runs ``prometheus_client`` in multiprocess
 mode (``PROMETHEUS_MULTIPROC_DIR``, made by ``vllm serve`` for its API
 servers): each process writes its values into files there and the scraped
-process reads them all. So each API server copies mptok's counters into
+process reads them all. So each API server copies its snapshot into
 ``prometheus_client`` series every ``SYNC_INTERVAL_S`` (counters by the
 amount they grew, gauges as they are), labelled with its ``api_server``
 rank; with one API server the same series are in the default registry.
+
+The series are the catalogue's (``mptok.front.catalogue``), the same names,
+help, kinds and labels ``mptok serve`` shows.
 """
 
 from __future__ import annotations
@@ -15,80 +18,47 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from typing import Any
 
 from mptok.core.periodic import PeriodicTask
-from mptok.routing.liveness import FALLBACK_REASONS
+from mptok.front.catalogue import PROCESS_LABEL, VLLM, Metric, exported_by
 
 logger = logging.getLogger("vllm.mptok")
 
 SYNC_INTERVAL_S = 0.5
+PLUGIN_SERIES = exported_by(VLLM)
+_RANK_LABEL = PROCESS_LABEL[VLLM]
 
 
-@dataclass(frozen=True)
-class Series:
-    """One mptok series: its name, kind, help, and the stats key it reads."""
-
-    name: str
-    kind: str  # "counter" or "gauge"
-    key: str
-    help: str
-
-
-# Names as ``mptok serve`` names them (docs/SERVE.md), with an api_server
-# label; where ``mptok serve`` labels a series by reason, choice or identity,
-# one series per value here (docs/VLLM.md lists them).
-SERIES = (
-    Series("mptok_cache_hits", "counter", "hits", "Prompts tokenized from a cached prefix (by the API server that did the work)."),
-    Series("mptok_cache_misses", "counter", "misses", "Cacheable prompts tokenized in full (no kept prompt, or no provable seam)."),
-    Series("mptok_cache_resync_failures", "counter", "resync_failures", "Kept prompts whose seam could not be proven."),
-    Series("mptok_cache_uncached", "counter", "uncached", "Prompts too short or too long to cache, tokenized in full."),
-    Series("mptok_cache_tokens_reused", "counter", "tokens_reused", "Token ids answered from kept prompts, without tokenizing them again."),
-    Series("mptok_cache_tokens_tokenized", "counter", "tokens_tokenized", "Token ids the tokenizer backend produced: new tails and full tokenizations."),
-    Series("mptok_cache_allocation_failures", "counter", "allocation_failures", "MemoryErrors while caching; each emptied the cache."),
-    Series("mptok_cache_entries", "gauge", "entries", "Conversations kept by the cache."),
-    Series("mptok_cache_bytes", "gauge", "cached_bytes", "Bytes the cache holds for its conversations."),
-    Series("mptok_cache_max_bytes", "gauge", "max_bytes", "The cache's byte budget (MPTOK_CACHE_MAX_BYTES)."),
-    Series("mptok_cache_disabled", "gauge", "disabled", "1 once the cache disabled itself after an internal error."),
-    Series("mptok_routed", "counter", "routed", "Prompts arriving here that their conversation's owner (another API server) tokenized."),
-    Series("mptok_routed_since", "counter", "routed_since", "Routed prompts sent as the characters after a held fingerprint."),
-    Series("mptok_route_failures", "counter", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
-    Series("mptok_crossing_local_cheaper", "counter", "crossing_local_cheaper", "Prompts tokenized here because a call to their owner was expected to cost more (kept here only where that evicts nothing)."),
-    Series("mptok_owned_here", "counter", "owned_here", "Keyed prompts whose owner is this API server."),
-    Series("mptok_taken_over_here", "counter", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),
-    Series("mptok_served", "counter", "served", "Prompts this API server tokenized for the others."),
-    Series("mptok_serve_errors", "counter", "serve_errors", "Peer calls this API server failed to answer."),
-    Series("mptok_held_reply_bytes", "gauge", "held_bytes", "Bytes of the fingerprints held here of the conversations this API server routed."),
-    Series("mptok_prompt_tokens", "counter", "prompt_tokens", "Prompt tokens returned through mptok (cache or owner)."),
-    Series("mptok_vllm_prompt_tokens", "counter", "vllm_prompt_tokens", "Prompt tokens tokenized by vLLM's own path (multimodal, offsets, truncation, a tokenizer mptok cannot serve)."),
-    Series("mptok_prompts", "counter", "prompts", "Prompts tokenized through mptok."),
-    Series("mptok_prompts_keyed", "counter", "prompts_keyed", "Prompts through mptok named by the client's session header."),
-    Series("mptok_prompts_derived", "counter", "prompts_derived", "Prompts through mptok of chats named by their first messages."),
-    Series("mptok_prompts_keyless", "counter", "prompts_keyless", "Prompts through mptok with no name (not routed; matched by content)."),
-    Series("mptok_vllm_prompts", "counter", "vllm_prompts", "Prompts left to vLLM's own tokenization."),
-) + tuple(
-    Series(f"mptok_route_fallback_{reason}", "counter", f"fallback_{reason}", f"Owners skipped or failed: {reason}.")
-    for reason in FALLBACK_REASONS
-)
+def _labels_key(labels: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple((name, str(value)) for name, value in labels.items())
 
 
 class MetricsExport:
-    """Copies ``stats()`` into prometheus series every ``interval_s`` on a daemon thread until ``stop()``."""
+    """Copies ``snapshot()`` into prometheus series every ``interval_s`` on a daemon thread until ``stop()``."""
 
-    def __init__(self, api_server: int, stats: Callable[[], Mapping[str, int]], interval_s: float = SYNC_INTERVAL_S):
+    def __init__(
+        self, api_server: int, snapshot: Callable[[], Mapping[str, Any]], interval_s: float = SYNC_INTERVAL_S
+    ):
         from prometheus_client import Counter, Gauge
 
-        self._stats = stats
+        self._snapshot = snapshot
         self._lock = threading.Lock()
-        self._last: dict[str, int] = {}
-        label = str(api_server)
-        self._series = []
-        for series in SERIES:
-            if series.kind == "counter":
-                metric = Counter(series.name, series.help, ["api_server"])
+        # The last value copied of each counter's sample, by series and labels.
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        rank = str(api_server)
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self._series: list[Metric] = list(PLUGIN_SERIES)
+        for metric in self._series:
+            names = [_RANK_LABEL, *metric.labels]
+            if metric.kind == "counter":
+                family = Counter(metric.name.removesuffix("_total"), metric.help, names)
             else:
-                metric = Gauge(series.name, series.help, ["api_server"], multiprocess_mode="livesum")
-            self._series.append((series, metric.labels(api_server=label)))
+                family = Gauge(metric.name, metric.help, names, multiprocess_mode="livesum")
+            # Every label set made now, so that each series shows (at 0) before its first count.
+            for labels in metric.source.fixed_labels() or []:
+                key = (metric.name, _labels_key(labels))
+                self._children[key] = family.labels(**{_RANK_LABEL: rank, **labels})
         self._task = PeriodicTask("mptok-metrics", self._synced, interval_s)
 
     def start(self) -> None:
@@ -96,20 +66,24 @@ class MetricsExport:
         self._task.start()
 
     def sync(self) -> None:
-        """Bring every series up to ``stats()`` now."""
+        """Bring every series up to ``snapshot()`` now; a section the snapshot lacks (no routing) is left as it is."""
         with self._lock:
-            stats = self._stats()
-            for series, metric in self._series:
-                value = stats.get(series.key)
-                if value is None:
+            snapshot = self._snapshot()
+            for metric in self._series:
+                try:
+                    samples = list(metric.source.samples(snapshot))
+                except KeyError:
                     continue
-                if series.kind == "counter":
-                    grown = value - self._last.get(series.key, 0)
-                    if grown > 0:
-                        metric.inc(grown)
-                    self._last[series.key] = value
-                else:
-                    metric.set(value)
+                for labels, value in samples:
+                    key = (metric.name, _labels_key(labels))
+                    child = self._children[key]
+                    if metric.kind == "counter":
+                        grown = value - self._last.get(key, 0)
+                        if grown > 0:
+                            child.inc(grown)
+                        self._last[key] = value
+                    else:
+                        child.set(value)
 
     def stop(self, join_s: float = 1.0) -> None:
         """Stop the thread (waiting at most ``join_s``) and copy the counters a last time."""

@@ -28,12 +28,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptok.api.affinity import ConversationIdentity, IdentityKind
-from mptok.api.special_tokens import SpecialTokenFrame
+from mptok.api.affinity import ConversationIdentity
 from mptok.cache.backend import SlowTokenizerError, backend_for
 from mptok.cache.config import CacheConfig
 from mptok.cache.prefix_cache import PrefixTokenCache
-from mptok.core.counting import Counters
+from mptok.front.prompt_ids import PromptIds
 from mptok.routing.owners import TokenizationOwners, lower_switch_interval
 from mptok.vllm.ipc_dir import SharedIpcDir
 from mptok.vllm.metrics import MetricsExport
@@ -84,11 +83,6 @@ class PromptTokens:
         self.name = getattr(tokenizer, "name_or_path", None)
         self.rank = rank
         self._cache = PrefixTokenCache(CacheConfig.from_env())
-        self._frame = SpecialTokenFrame.derive(tokenizer)
-        self._counters = Counters(
-            ("prompts", "prompt_tokens", "vllm_prompts", "vllm_prompt_tokens", "mptok_errors")
-            + tuple(f"prompts_{kind.value}" for kind in IdentityKind)
-        )
         self._ipc_dir: SharedIpcDir | None = None
         self._owners: TokenizationOwners | None = None
         self._closed = False
@@ -97,8 +91,8 @@ class PromptTokens:
             routing = self._start_routing(rank, count)
         else:
             self._warm_backend()
-        self._encoder: Any = self._owners if self._owners is not None else self._cache
-        self._metrics = MetricsExport(max(rank, 0), self.stats)
+        self._ids = PromptIds(tokenizer, self._cache, self._owners)
+        self._metrics = MetricsExport(max(rank, 0), self.snapshot)
         self._metrics.start()
         atexit.register(self.close)
         self._log_start(routing, count)
@@ -119,34 +113,20 @@ class PromptTokens:
 
     def tokenize(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> list[int] | None:
         """The exact ids of ``text``, routed under ``identity.key``; None to let vLLM tokenize it."""
-        if add_special_tokens and (self._frame is None or not text):
-            return None
         try:
-            ids = self._encoder.encode(self._tokenizer, text, identity.key)
+            return self._ids.ids(text, add_special_tokens, identity)
         except Exception:
             # vLLM's own path then gives the request whatever vLLM gives it.
             logger.debug("mptok: tokenizing through the cache raised; vLLM tokenizes it", exc_info=True)
-            self._counters.add("mptok_errors")
             return None
-        if add_special_tokens:
-            assert self._frame is not None
-            ids = self._frame.around(ids)
-        self._counters.add("prompts")
-        self._counters.add(f"prompts_{identity.kind.value}")
-        self._counters.add("prompt_tokens", len(ids))
-        return ids
 
     def count_vllm(self, tokens: int) -> None:
         """One prompt that vLLM tokenized itself, of ``tokens`` tokens."""
-        self._counters.add("vllm_prompts")
-        self._counters.add("vllm_prompt_tokens", tokens)
+        self._ids.count_direct(tokens)
 
-    def stats(self) -> dict[str, int]:
-        """The cache's, routing's and this class's counters, for /metrics."""
-        stats = {**self._cache.stats(), **self._counters.snapshot()}
-        if self._owners is not None:
-            stats.update(self._owners.stats())
-        return stats
+    def snapshot(self) -> dict[str, Any]:
+        """The cache's, routing's and the prompts' counts, for /metrics (``mptok.front.catalogue``)."""
+        return self._ids.snapshot()
 
     def close(self) -> None:
         with _lock:
@@ -200,6 +180,6 @@ class PromptTokens:
             config.max_bytes,
             config.max_entries,
             config.min_chars,
-            "framed by the cache" if self._frame is not None else "tokenized by vLLM",
+            "framed by the cache" if self._ids.frame is not None else "tokenized by vLLM",
             routing,
         )

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from mptok.api.affinity import chat_identity
+from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, VLLM, exported_by
 from mptok.routing.order import owner_of
-from mptok_harness.serve import scrape
+from mptok_harness.serve import Server, request, scrape
 from mptok_harness.vllm import VllmServer
 
 from vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
@@ -140,12 +141,16 @@ def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
 
 
 def _mptok_totals(server: VllmServer) -> dict[str, dict[str, float]]:
-    """mptok's series by name, then by api_server label."""
-    totals: dict[str, dict[str, float]] = defaultdict(dict)
+    """mptok's series by name (summed over their labels but api_server), and by name with
+    those labels (``mptok_prompts_total{identity="keyed"}``); then by api_server label."""
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for name, labels, value in scrape(server.port):
         if name.startswith("mptok_"):
-            totals[name][labels.get("api_server", "")] = value
-    return totals
+            rank = labels.pop("api_server", "")
+            totals[name][rank] += value
+            if labels:
+                totals[name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"][rank] += value
+    return {name: dict(by_rank) for name, by_rank in totals.items()}
 
 
 def _scraped(server: VllmServer, series: str, at_least: float, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
@@ -210,8 +215,8 @@ def test_a_session_header_names_the_conversation_as_mptok_serve_does(switched):
     def grown(series: str) -> dict[str, float]:
         return {rank: after.get(series, {}).get(rank, 0) - before.get(series, {}).get(rank, 0) for rank in ("0", "1")}
 
-    assert sum(grown("mptok_prompts_keyed_total").values()) == len(SESSION_CASES)
-    assert sum(grown("mptok_prompts_derived_total").values()) == 0
+    assert sum(grown('mptok_prompts_total{identity="keyed"}').values()) == len(SESSION_CASES)
+    assert sum(grown('mptok_prompts_total{identity="derived"}').values()) == 0
     owners = Counter(str(owner_of(session, 2)) for session in set(SESSIONS.values()))
     assert grown("mptok_cache_entries") == {rank: owners[rank] for rank in ("0", "1")}, (before, after)
     assert sum(grown("mptok_routed_total").values()) > 0, (before, after)
@@ -223,7 +228,7 @@ def test_metrics_show_tokens_through_mptok_and_through_vllm(switched):
     totals = _scraped(server, "mptok_prompt_tokens_total", 1)
     assert sum(totals["mptok_prompt_tokens_total"].values()) > 0
     # The requests for offsets go down vLLM's own path.
-    assert sum(totals["mptok_vllm_prompts_total"].values()) >= 2
+    assert sum(totals["mptok_direct_prompts_total"].values()) >= 2
     assert sum(totals["mptok_cache_max_bytes"].values()) > 0
 
 
@@ -239,7 +244,7 @@ def test_a_stopped_api_server_never_holds_up_the_other(switched, plain_ids):
     owner = owner_of(key, 2)
     names = [f"agent{agent}-turn{turn}" for turn in range(TURNS)]
     before = _mptok_totals(server)
-    stopped_fallbacks = sum(before.get("mptok_route_fallback_stopped_total", {}).values())
+    stopped_fallbacks = sum(before.get(STOPPED_FALLBACKS, {}).values())
     pool = concurrent.futures.ThreadPoolExecutor(8)
     os.kill(pids[owner], signal.SIGSTOP)
     try:
@@ -254,8 +259,11 @@ def test_a_stopped_api_server_never_holds_up_the_other(switched, plain_ids):
     for name, ids, seconds in answered:
         assert ids == plain_ids[name], name
         assert seconds < 20.0, (name, seconds)  # the route timeout is 5 s; a hang would be the 60 s guard
-    after = _scraped(server, "mptok_route_fallback_stopped_total", stopped_fallbacks + 1)
-    assert sum(after.get("mptok_route_fallback_stopped_total", {}).values()) > stopped_fallbacks, after
+    after = _scraped(server, STOPPED_FALLBACKS, stopped_fallbacks + 1)
+    assert sum(after.get(STOPPED_FALLBACKS, {}).values()) > stopped_fallbacks, after
+
+
+STOPPED_FALLBACKS = 'mptok_route_fallbacks_total{reason="stopped"}'
 
 
 def _timed_chat(server: VllmServer, body: dict[str, Any]) -> tuple[list[int], float]:
@@ -263,6 +271,52 @@ def _timed_chat(server: VllmServer, body: dict[str, Any]) -> tuple[list[int], fl
     ids = server.chat_ids(body, timeout_s=60)
     return ids, time.monotonic() - started
 
+
+
+def _families(port: int) -> dict[str, tuple[str, str]]:
+    """The mptok families a /metrics declares: name -> (type, help)."""
+    status, payload, _ = request(port, "GET", "/metrics")
+    assert status == 200
+    helps, families = {}, {}
+    for line in payload.decode().splitlines():
+        if line.startswith("# HELP mptok_"):
+            _, _, name, text = line.split(" ", 3)
+            helps[name] = text
+        elif line.startswith("# TYPE mptok_"):
+            _, _, name, kind = line.split()
+            if not name.endswith("_created"):  # prometheus_client's own, outside multiprocess mode
+                families[name] = (kind, helps[name])
+    return families
+
+
+def _label_names(port: int, process_label: str) -> dict[str, set[str]]:
+    """Every mptok sample's family and its label names but ``process_label``."""
+    names: dict[str, set[str]] = defaultdict(set)
+    for name, labels, _ in scrape(port):
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if "le" in labels or name.endswith(("_sum", "_count")) else name
+        if family.startswith("mptok_"):
+            names[family] |= set(labels) - {process_label, "le"}
+    return names
+
+
+def test_mptok_serve_and_the_plugin_export_the_catalogue_alike(switched, tmp_path):
+    """A real mptok serve and vLLM with the switch: the families each declares are the
+    catalogue's (name, type, help), labelled as it says; those both export, alike."""
+    server, _, _ = switched
+    with Server(tmp_path / "serve.log", "--frontends", "2") as serve:
+        serve_families = _families(serve.port)
+        serve_labels = _label_names(serve.port, PROCESS_LABEL[SERVE])
+    plugin_families = _families(server.port)
+    plugin_labels = _label_names(server.port, PROCESS_LABEL[VLLM])
+    declared = {metric.name: (metric.kind, metric.help) for metric in exported_by(SERVE) + SUPERVISOR_METRICS}
+    assert serve_families == declared
+    assert plugin_families == {metric.name: (metric.kind, metric.help) for metric in exported_by(VLLM)}
+    shared = set(plugin_families) & set(serve_families)
+    for name in ("mptok_prompts_total", "mptok_route_fallbacks_total", "mptok_crossing_choices_total", "mptok_errors_total"):
+        assert name in shared, name
+    for metric in exported_by(VLLM):
+        assert plugin_labels[metric.name] == set(metric.labels), metric.name
+        assert serve_labels[metric.name] == set(metric.labels), metric.name
 
 
 SINGLE_CASES = [name for name in CASES if name.startswith("agent0-") or not name.startswith("agent")]

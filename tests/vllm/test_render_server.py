@@ -53,9 +53,9 @@ def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]) -
     with render_server(model_dir, logs_dir / "render-mptok.log", mptok=True) as server:
         ids = answer_every_format(server)
         # The counters are copied to /metrics one series after another every
-        # 0.5 s; mptok_vllm_prompts after the others (metrics.SERIES).
+        # 0.5 s; mptok_direct_prompts_total after the cache's (the catalogue's order).
         _scraped(server, "mptok_cache_hits_total", LATER_TURNS)
-        series = _scraped(server, "mptok_vllm_prompts_total", len(CASES) - len(WITHOUT_OFFSETS))
+        series = _scraped(server, "mptok_direct_prompts_total", len(CASES) - len(WITHOUT_OFFSETS))
         return Switched(ids, server.log(), series)
 
 
@@ -90,7 +90,7 @@ def test_its_metrics_show_the_cache_hitting_on_later_turns_with_nothing_routed(s
     assert sum(series["mptok_cache_tokens_reused_total"].values()) > 0, series
     assert sum(series.get("mptok_routed_total", {}).values()) == 0, series
     # The requests for token offsets go down vLLM's own path.
-    assert sum(series["mptok_vllm_prompts_total"].values()) >= len(CASES) - len(WITHOUT_OFFSETS), series
+    assert sum(series["mptok_direct_prompts_total"].values()) >= len(CASES) - len(WITHOUT_OFFSETS), series
 
 
 def test_vllm_with_fastokens_gives_the_ids_mptok_gives(switched, fastokens_ids):

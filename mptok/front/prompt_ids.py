@@ -1,0 +1,117 @@
+"""A prompt's text and its conversation's identity in, its exact ids out: what every front of mptok does.
+
+``mptok serve`` (a ``/tokenize`` body, rendered) and the vLLM plugin
+(vLLM's rendered prompt) both end in the same step: the ids of one text,
+exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, tokenized
+through mptok under the conversation's key. That step is here once:
+
+- the encoder: routing above the cache (``TokenizationOwners``: the
+  conversation's owner, or here) when there is routing, else the cache;
+- the special-token frame: the cache knows ``add_special_tokens=False``
+  only, so for ``True`` its ids are framed by the ids the tokenizer's
+  post-processor puts around one sequence (``SpecialTokenFrame``), when that
+  frame is fixed; else only the tokenizer's own call gives them;
+- the counting: prompts by identity kind, their tokens, prompts left to the
+  tokenizer's own call, and tokenizations through mptok that raised, in the
+  ``"prompts"`` section of the snapshot both exporters read
+  (``mptok.front.catalogue``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from mptok.api.affinity import ConversationIdentity
+from mptok.api.special_tokens import SpecialTokenFrame
+from mptok.cache.prefix_cache import Encoder, TokenCache
+from mptok.core.counting import Counters
+from mptok.core.ids import as_id_array
+from mptok.front.catalogue import DIRECT_PROMPT_TOKENS, DIRECT_PROMPTS, ERRORS, PROMPT_COUNTS, PROMPT_TOKENS
+
+_Ids = TypeVar("_Ids", list[int], np.ndarray)
+
+
+class Routing(Encoder, Protocol):
+    """Routing above a cache (``TokenizationOwners``): it encodes, and counts what it did."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start, for /metrics."""
+        ...
+
+
+class PromptIds:
+    """Exact ids of prompt text for one tokenizer, through ``routing`` (if any) or ``cache``.
+
+    ``ids`` gives a list, or None when only the tokenizer's own call can
+    give the ids (the caller then makes that call and ``count_direct``s it);
+    ``ids_array`` gives a read-only int32 array and makes that call itself,
+    under ``tokenizer_lock``. Both raise what the encoder raises (counted as
+    an error). ``snapshot()`` is the cache's, routing's and these counts.
+    """
+
+    def __init__(self, tokenizer: Any, cache: TokenCache, routing: Routing | None = None):
+        self._tokenizer = tokenizer
+        self._cache = cache
+        self._routing = routing
+        # What tokenizes without special tokens: routing above the cache, or the cache itself.
+        self.encoder: Encoder = routing if routing is not None else cache
+        self.frame: SpecialTokenFrame | None = SpecialTokenFrame.derive(tokenizer)
+        # transformers' __call__ is not thread-safe ("Already borrowed"): every
+        # call of the tokenizer object itself holds this.
+        self.tokenizer_lock = threading.Lock()
+        self._counts = Counters(PROMPT_COUNTS)
+
+    def through_mptok(self, text: str, add_special_tokens: bool) -> bool:
+        """Whether mptok gives this prompt's ids (else only the tokenizer's own call does)."""
+        return not add_special_tokens or (self.frame is not None and bool(text))
+
+    def ids(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> list[int] | None:
+        """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``; None when only the tokenizer's own call gives them."""
+        if not self.through_mptok(text, add_special_tokens):
+            return None
+        ids = self._encoded(self.encoder.encode, text, identity)
+        if add_special_tokens:
+            assert self.frame is not None
+            ids = self.frame.around(ids)
+        return self._counted(ids, identity)
+
+    def ids_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> np.ndarray:
+        """``ids`` as a 1-D int32 array (the cache's own when unframed: no list is made), never None."""
+        if not self.through_mptok(text, add_special_tokens):
+            with self.tokenizer_lock:
+                direct = as_id_array(self._tokenizer(text, add_special_tokens=True)["input_ids"])
+            self.count_direct(len(direct))
+            return direct
+        ids = self._encoded(self.encoder.encode_array, text, identity)
+        if add_special_tokens:
+            assert self.frame is not None
+            ids = np.concatenate((self.frame.prefix_ids, ids, self.frame.suffix_ids))
+        return self._counted(ids, identity)
+
+    def count_direct(self, tokens: int) -> None:
+        """One prompt of ``tokens`` tokens that the tokenizer's own call tokenized, not mptok."""
+        self._counts.add(DIRECT_PROMPTS)
+        self._counts.add(DIRECT_PROMPT_TOKENS, tokens)
+
+    def snapshot(self) -> dict[str, Any]:
+        """``"cache"``, ``"routing"`` (when routing) and ``"prompts"``: the sections ``mptok.front.catalogue`` reads."""
+        snapshot: dict[str, Any] = {"cache": self._cache.stats(), "prompts": self._counts.snapshot()}
+        if self._routing is not None:
+            snapshot["routing"] = self._routing.stats()
+        return snapshot
+
+    def _encoded(self, encode: Callable[..., _Ids], text: str, identity: ConversationIdentity) -> _Ids:
+        try:
+            return encode(self._tokenizer, text, key=identity.key)
+        except Exception:
+            self._counts.add(ERRORS)
+            raise
+
+    def _counted(self, ids: _Ids, identity: ConversationIdentity) -> _Ids:
+        self._counts.add(identity.kind.value)
+        self._counts.add(PROMPT_TOKENS, len(ids))
+        return ids
