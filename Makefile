@@ -32,7 +32,7 @@ $(BIN)/.installed-bench: $(BIN)/.installed-test
 
 # The cache benchmark, with hit rates per tokenizer family.
 bench: $(BIN)/.installed-test
-	$(BIN)/python -m scripts.bench_cache --families
+	$(BIN)/python -m scripts.bench_cache --families $(ARGS)
 
 # What the cache's memory costs (bytes per cached token, tracemalloc), a flood
 # against a small --budget, and the RSS of `mptok serve --cache-bytes`.
