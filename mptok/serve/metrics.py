@@ -202,6 +202,7 @@ SUPERVISOR_METRICS: tuple[Metric, ...] = (
     Metric("mptok_frontend_up", "gauge", "1 while the supervisor has a ready process for this frontend id.", Table(("up",), ("frontend",), _frontend_id, int)),
     Metric("mptok_frontend_restarts_total", "counter", "Times the supervisor restarted this frontend id.", Table(("restarts",), ("frontend",), _frontend_id, int)),
     Metric("mptok_frontend_given_up", "gauge", "1 while the supervisor has given up restarting this frontend id (--max-restarts within --restart-window).", Table(("given_up",), ("frontend",), _frontend_id, int)),
+    Metric("mptok_frontend_spares", "gauge", "Processes built and waiting to take the place of a frontend that exits (mptok render --spares).", Value(("spares",))),
 )  # fmt: skip
 
 
@@ -295,7 +296,7 @@ def _samples(out: list[str], metric: Metric, snap: Mapping[str, Any], base: Labe
 
 def _sample(out: list[str], metric: str, labels: Mapping[str, Any], value: float) -> None:
     rendered = ",".join(f'{name}="{_label_value(value)}"' for name, value in labels.items())
-    out.append(f"{metric}{{{rendered}}} {_number(value)}")
+    out.append(f"{metric}{{{rendered}}} {_number(value)}" if rendered else f"{metric} {_number(value)}")
 
 
 def _histogram(out: list[str], metric: str, labels: Labels, snap: Mapping[str, Any]) -> None:
