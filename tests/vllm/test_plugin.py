@@ -28,7 +28,7 @@ from mptok.routing.order import owner_of
 from mptok_harness.serve import scrape
 from mptok_harness.vllm import VllmServer
 
-from vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
+from mptok_harness.vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
 
 AGENTS = 3
 TURNS = 8

@@ -36,7 +36,7 @@ from mptok_harness.vllm import MptokRender
 
 from render_cases import API_CASES, LATER_TURNS, answer_every_format
 from test_plugin import CASES, _mptok_totals, _scraped
-from vllm_requests import text_source
+from mptok_harness.vllm_requests import text_source
 
 FRONTENDS = 2
 # Small, so that a burst fills it; the sequential cases never do.
