@@ -70,13 +70,36 @@ SERIES = (
 )
 
 
-class MetricsExport:
-    """Copies ``stats()`` into prometheus series every ``interval_s`` on a daemon thread until ``stop()``."""
+ENGINE_SERIES = "mptok_tokenizer_engine"
+ENGINES = ("tokenizers", "fastokens", "gigatoken")
 
-    def __init__(self, api_server: int, stats: Callable[[], Mapping[str, int]], interval_s: float = SYNC_INTERVAL_S):
+
+class MetricsExport:
+    """Copies ``stats()`` into prometheus series every ``interval_s`` on a daemon thread until ``stop()``.
+
+    ``engines()`` names the engine of short and of long texts (``TokenizerBackend.engine_names``):
+    ``mptok_tokenizer_engine{engine, texts}`` is 1 for each, 0 for the others, so a start's engine choice
+    (a timing at start) is seen beside the figures it shapes.
+    """
+
+    def __init__(
+        self,
+        api_server: int,
+        stats: Callable[[], Mapping[str, int]],
+        interval_s: float = SYNC_INTERVAL_S,
+        engines: Callable[[], Mapping[str, str]] = dict,
+    ):
         from prometheus_client import Counter, Gauge
 
         self._stats = stats
+        self._engines = engines
+        self._engine_gauge = Gauge(
+            ENGINE_SERIES,
+            "1 for the engine that tokenizes this API server's texts in full, per length (texts: short, long).",
+            ["api_server", "engine", "texts"],
+            multiprocess_mode="livesum",
+        )
+        self._label = str(api_server)
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         label = str(api_server)
@@ -108,6 +131,10 @@ class MetricsExport:
                     self._last[series.key] = value
                 else:
                     metric.set(value)
+            chosen = self._engines()
+            for texts, engine in chosen.items():
+                for name in ENGINES:
+                    self._engine_gauge.labels(api_server=self._label, engine=name, texts=texts).set(int(name == engine))
 
     def stop(self, join_s: float = 1.0) -> None:
         """Stop the thread (waiting at most ``join_s``) and copy the counters a last time."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from mptok.api.affinity import ConversationIdentity, IdentityKind
 from mptok.api.special_tokens import SpecialTokenFrame
-from mptok.cache.backend import SlowTokenizerError, backend_for
+from mptok.cache.backend import LONG_TEXT_CHARS, SlowTokenizerError, backend_for
 from mptok.cache.config import CacheConfig
 from mptok.cache.prefix_cache import PrefixTokenCache
 from mptok.core.counting import Counters
@@ -129,7 +129,7 @@ class PromptTokens:
         if count > 1 and 0 <= rank < count:
             routing = self._start_routing(rank, count)
         self._encoder = self._owners if self._owners is not None else self._cache
-        self._metrics = MetricsExport(max(rank, 0), self.stats)
+        self._metrics = MetricsExport(max(rank, 0), self.stats, engines=self._engine_names)
         self._metrics.start()
         self._log_start(routing, count)
 
@@ -219,18 +219,29 @@ class PromptTokens:
         except SlowTokenizerError:
             pass
 
-    def _log_start(self, routing: str, count: int) -> None:
+    def _engine_names(self) -> dict[str, str]:
         try:
-            engine = backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engine_name
-            backend = f"{engine} (chosen from {self._cache.config.tokenizer_backend!r})"
+            return backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engine_names
+        except SlowTokenizerError:
+            return {}
+
+    def _log_start(self, routing: str, count: int) -> None:
+        choice = self._cache.config.tokenizer_backend
+        try:
+            backend = backend_for(self._tokenizer, choice)
+            engines = backend.engine_names
+            backend_text = (
+                f"{engines['short']}, {engines['long']} for texts of {LONG_TEXT_CHARS:,} characters or more "
+                f"(chosen from {choice!r}: {backend.choice_report or 'no fast engine asked for'})"
+            )
         except SlowTokenizerError as e:
-            backend = f"none ({e}): vLLM's own tokenization"
+            backend_text = f"none ({e}): vLLM's own tokenization"
         config = self._cache.config
         logger.info(
             "mptok is on (--tokenizer-mode mptok): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
             "min_chars=%d; add_special_tokens %s; routing %s",
             self.name,
-            backend,
+            backend_text,
             config.max_bytes,
             config.max_entries,
             config.min_chars,

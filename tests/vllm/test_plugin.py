@@ -27,7 +27,6 @@ from mptok.api.affinity import chat_identity
 from mptok.routing.order import owner_of
 from mptok_harness.serve import scrape
 from mptok_harness.vllm import VllmServer
-
 from mptok_harness.vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
 
 AGENTS = 3
@@ -182,8 +181,12 @@ def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched
     assert log.count("mptok is on (--tokenizer-mode mptok)") == 2, server.log_tail()
     for rank in (0, 1):
         assert f"routing on: API server {rank} of 2" in log
-    # The engine the cache's backend choice settled on, and the choice.
-    assert re.search(r"backend (fastokens|gigatoken|tokenizers) \(chosen from '(auto|fastokens|gigatoken|tokenizers)'\)", log)
+    # The engines the cache's backend choice settled on (short and long texts), the choice and its timing.
+    engine = "(fastokens|gigatoken|tokenizers)"
+    assert re.search(
+        rf"backend {engine}, {engine} for texts of [\d,]+ characters or more \(chosen from '(auto|fastokens|gigatoken|tokenizers)': ",
+        log,
+    ), server.log_tail()
     assert "cache max_bytes=" in log
 
 

@@ -31,12 +31,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mptok_harness.serve import request
+from mptok_harness.serve import request, scrape
 from mptok_harness.vllm import MptokRender
+from mptok_harness.vllm_requests import text_source
 
 from render_cases import API_CASES, LATER_TURNS, answer_every_format
 from test_plugin import CASES, _mptok_totals, _scraped
-from mptok_harness.vllm_requests import text_source
 
 FRONTENDS = 2
 # Small, so that a burst fills it; the sequential cases never do.
@@ -89,6 +89,13 @@ def test_one_metrics_shows_every_process_vllms_series_and_mptoks_hits(tier, answ
     assert re.search(r'^http_requests_total\{.*handler="/v1/chat/completions/render".*\} \d', text, re.M), text[:3000]
     for frontend in range(FRONTENDS):
         assert f'mptok_frontend_up{{frontend="{frontend}"}} 1' in text
+    # Each process names the one engine of its short texts and of its long ones (auto's choice at its start).
+    chosen = [
+        (labels["api_server"], labels["texts"])
+        for name, labels, value in scrape(tier.port)
+        if name == "mptok_tokenizer_engine" and value == 1
+    ]
+    assert sorted(chosen) == [(str(f), texts) for f in range(FRONTENDS) for texts in ("long", "short")], chosen
 
 
 def test_a_full_process_answers_503_with_retry_after_at_once(tier):

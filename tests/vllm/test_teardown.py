@@ -18,7 +18,6 @@ import time
 
 from mptok.vllm.ipc_dir import PREFIX
 from mptok_harness.vllm import VllmServer
-
 from mptok_harness.vllm_requests import agent_turns
 
 # A process that joins the ipc dir of a "vllm serve" (a sleeping child of
