@@ -190,6 +190,16 @@ def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched
     assert "cache max_bytes=" in log
 
 
+def test_each_api_server_names_the_engines_of_its_start_on_metrics(switched):
+    server, _, _ = switched
+    chosen = sorted(
+        (labels["api_server"], labels["texts"])
+        for name, labels, value in scrape(server.port)
+        if name == "mptok_tokenizer_engine" and value == 1
+    )
+    assert chosen == [(rank, texts) for rank in ("0", "1") for texts in ("long", "short")], chosen
+
+
 def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
     server, _, _ = switched
     totals = _scraped(server, "mptok_routed_total", 1)
