@@ -106,7 +106,8 @@ test-vllm: $(VLLM_VENV)/bin/.installed
 # vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
 # render server (`vllm launch render`) with and without the switch, `mptok
 # render` with two render processes (exact ids, /metrics, 503s, a SIGKILLed
-# and a SIGSTOPped process restarted, SIGTERM), and the version check. Its
+# and a SIGSTOPped process replaced by a warm spare within seconds, SIGTERM),
+# and the version check. Its
 # own venv (scripts/vllm_venv.sh render; about 5 minutes, 4 GB of wheels,
 # 9.5 GB); the tests start four render servers and one `mptok render` one
 # after another (7-10 minutes on 2 shared cores).

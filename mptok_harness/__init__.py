@@ -2,7 +2,8 @@
 on every wait (``checks``), a real ``mptok serve`` subprocess and plain HTTP to
 it (``serve``), HTTP written by hand for malformed requests (``raw_http``),
 real frontend processes driving ``TokenizationOwners`` directly
-(``frontends``), a real nginx in front (``nginx``), the tokenizer families
+(``frontends``), a real nginx in front (``nginx``), real vLLM and the model
+it serves (``vllm``) and the requests sent to it (``vllm_requests``), the tokenizer families
 built offline (``families``, ``chat_tokenizers``), the conversations they
 tokenize (``conversations``, ``prompts``, ``growing_chats``) and fixed source
 texts (``texts``).

@@ -69,7 +69,7 @@ def tokenize(port: int, body: dict, headers: dict[str, str] | None = None) -> di
     return json.loads(payload)
 
 
-_SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$')
+_SAMPLE = re.compile(r'^(\w+)(?:\{([^}]*)\})? (\S+)$')
 
 
 def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, str], float]]:
@@ -80,7 +80,7 @@ def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, s
     for line in payload.decode().splitlines():
         match = _SAMPLE.match(line)
         if match:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
             samples.append((match.group(1), labels, float(match.group(3))))
     return samples
 

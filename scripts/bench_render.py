@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
 import threading
@@ -44,8 +43,9 @@ import psutil
 from mptok_harness.nginx import Nginx, render_nginx
 from mptok_harness.serve import free_port, request, scrape
 from mptok_harness.vllm import RENDER, MptokRender, VllmServer, write_model_dir
+from mptok_harness.vllm_requests import TOOLS, agent_turns, text_source
 from scripts.percentiles import percentile
-from scripts.report import write_report
+from scripts.report import print_report
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "docs" / "results" / "bench_render.md"
@@ -54,12 +54,12 @@ SERVICES = ("vllm", "fastokens", "nginx-2x-fastokens", "mptok-render")
 CHARS_PER_TOKEN = 3.3  # the embedded tokenizer on source code, roughly
 FASTOKENS = {"VLLM_USE_FASTOKENS": "1"}
 PATH = "/v1/chat/completions/render"
+TITLE = "A render tier beside its anchors: vllm launch render, with fastokens, two behind nginx, mptok render"
+PACKAGES = ("mptok", "vllm", "transformers", "tokenizers", "fastokens", "gigatoken")
 
 
 def agent_chat(seed: int, target_tokens: int, turn_chars: int, system: str) -> list[bytes]:
     """One keyless agent's request bodies, turn by turn (JSON), growing to about ``target_tokens``."""
-    from tests.vllm.vllm_requests import TOOLS, agent_turns
-
     turns = max(2, int(target_tokens * CHARS_PER_TOKEN / turn_chars))
     bodies = []
     for messages in agent_turns(seed, turns, turn_chars):
@@ -163,8 +163,6 @@ def main() -> int:
     parser.add_argument("--report-dir", type=Path, default=REPORT.parent)
     args = parser.parse_args()
 
-    from tests.vllm.vllm_requests import text_source
-
     system = "You are a coding agent. " + text_source(1)(3000)
     workloads = {
         c: [agent_chat(1000 * c + n, args.target_tokens, args.turn_chars, system) for n in range(c * args.chats_per_client)]
@@ -216,16 +214,7 @@ def main() -> int:
             for server in reversed(started):
                 server.stop()
     body = _report(results, workloads, tokens, args)
-    command = shlex.join([".venv-vllm33/bin/python", "-m", "scripts.bench_render", *sys.argv[1:]])
-    report = write_report(
-        "bench_render",
-        "A render tier beside its anchors: vllm launch render, with fastokens, two behind nginx, mptok render",
-        body,
-        command=command,
-        packages=("mptok", "vllm", "transformers", "tokenizers", "fastokens", "gigatoken"),
-        directory=args.report_dir,
-    )
-    print(report.read_text())
+    print_report(TITLE, body, python=".venv-vllm33/bin/python", packages=PACKAGES, directory=args.report_dir)
     return 1 if any(run.wrong or run.failed for runs in results.values() for run in runs.values()) else 0
 
 

@@ -34,26 +34,8 @@ from pathlib import Path
 
 import mptok
 from mptok.api.chat_template import ChatTemplate, vllm_conversation, vllm_tools
+from mptok_harness.vllm_requests import TOOLS
 from scripts.report import REPO, write_report
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read a file of the repository.",
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "run_tests",
-            "description": "Run the test suite and return its output.",
-            "parameters": {"type": "object", "properties": {"selector": {"type": "string"}}},
-        },
-    },
-]
 
 
 def text_source(rng: random.Random) -> Callable[[int], str]:

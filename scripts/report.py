@@ -69,12 +69,13 @@ def machine_summary(packages: Iterable[str] = DEFAULT_PACKAGES, extra: Mapping[s
     return ", ".join(parts)
 
 
-def script_command(argv: list[str] | None = None) -> str:
+def script_command(argv: list[str] | None = None, python: str = ".venv/bin/python") -> str:
     """How this run was started, as a reader types it from the repository's
-    root: ``.venv/bin/python -m scripts.<name> <arguments>``."""
+    root: ``.venv/bin/python -m scripts.<name> <arguments>`` (``python``: the
+    interpreter of another venv, such as vLLM's)."""
     argv = sys.argv if argv is None else argv
     module = "scripts." + Path(argv[0]).stem
-    return shlex.join([".venv/bin/python", "-m", module, *argv[1:]])
+    return shlex.join([python, "-m", module, *argv[1:]])
 
 
 def header(command: str, packages: Iterable[str] = DEFAULT_PACKAGES, extra: Mapping[str, str] | None = None, when: datetime.date | None = None) -> str:
@@ -138,4 +139,13 @@ def write_report(
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
+    return path
+
+
+def print_report(title: str, body: str, *, python: str, packages: Iterable[str], directory: Path = RESULTS_DIR) -> Path:
+    """``write_report`` for this script (named by its command line, run by ``python``), then print the report."""
+    path = write_report(
+        Path(sys.argv[0]).stem, title, body, command=script_command(python=python), packages=packages, directory=directory
+    )
+    print(path.read_text())
     return path

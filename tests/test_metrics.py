@@ -27,13 +27,14 @@ from mptok_harness.prompts import conversation
 
 
 def test_a_declared_snapshot_renders_whole():
-    snapshots = {"0": example_frontend_snapshot(), SUPERVISOR_SNAPSHOT: {"up": {"0": 1}, "restarts": {"0": 2}, "given_up": {"0": 0}}}
+    snapshots = {"0": example_frontend_snapshot(), SUPERVISOR_SNAPSHOT: {"up": {"0": 1}, "restarts": {"0": 2}, "given_up": {"0": 0}, "spares": 1}}
     assert audit(snapshots) == []
     text = render_prometheus(snapshots)
     assert 'mptok_cache_hits_total{frontend="0"} 7' in text
     assert 'mptok_http_requests_total{frontend="0",path="/tokenize",code="200"} 1' in text
     assert 'mptok_tokenize_seconds_bucket{frontend="0",le="+Inf"} 1' in text
     assert 'mptok_frontend_restarts_total{frontend="0"} 2' in text
+    assert 'mptok_frontend_spares 1' in text
 
 
 def test_a_renamed_value_is_reported_and_left_out_never_zero():

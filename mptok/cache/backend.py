@@ -362,6 +362,14 @@ class TokenizerBackend:
         return "tokenizers" if engine is None else engine.name
 
     @property
+    def engine_names(self) -> dict[str, str]:
+        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``):
+        what ``auto`` picked at start, or "tokenizers" once no fast engine is trusted."""
+        short, longer = self._engine, self._long_engine
+        name = "tokenizers" if short is None else short.name
+        return {"short": name, "long": longer.name if longer is not None and short is not None else name}
+
+    @property
     def fast(self) -> bool:
         """Whether full tokenizations go through a fast engine (ids only)."""
         return self._engine is not None

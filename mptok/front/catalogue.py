@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mptok.api.affinity import IdentityKind
+from mptok.core.settings import ENGINES
 from mptok.routing.crossing import CHOICES as CROSSING_CHOICES
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.policy import POLICIES as ROUTING_POLICIES
@@ -111,7 +112,38 @@ class Table:
         return None
 
 
-Source = Value | OnePerLabel | Table
+@dataclass(frozen=True)
+class Grid:
+    """One value per pair of values of two labels (fixed sets): ``path``'s
+    mapping, indexed by the first label's value, then the second's."""
+
+    path: SnapshotPath
+    rows: tuple[str, tuple[str, ...]]
+    columns: tuple[str, tuple[str, ...]]
+
+    def samples(self, snapshot: Mapping[str, Any]) -> Iterator[tuple[Labels, Any]]:
+        for labels in self.fixed_labels():
+            yield labels, _at(snapshot, self._path_of(labels))
+
+    def paths(self) -> list[SnapshotPath]:
+        return [self._path_of(labels) for labels in self.fixed_labels()]
+
+    def _path_of(self, labels: Labels) -> SnapshotPath:
+        return (*self.path, labels[self.rows[0]], labels[self.columns[0]])
+
+    def label_names(self) -> tuple[str, ...]:
+        return (self.rows[0], self.columns[0])
+
+    def fixed_labels(self) -> list[Labels]:
+        return [{self.rows[0]: row, self.columns[0]: column} for row in self.rows[1] for column in self.columns[1]]
+
+
+Source = Value | OnePerLabel | Table | Grid
+
+# The lengths of text a backend may give different engines (``TokenizerBackend.engine_names``),
+# and the engines it may give them.
+TEXT_LENGTHS = ("short", "long")
+ENGINE_NAMES = ("tokenizers", *ENGINES)
 
 
 @dataclass(frozen=True)
@@ -185,6 +217,8 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes of the fingerprints held here of the conversations this process routed."),
     _gauge("mptok_held_reply_entries", "routing", "held_entries", "Fingerprints held here, one per routed conversation and owner."),
     _gauge("mptok_held_reply_max_bytes", "routing", "held_max_bytes", "The budget of the fingerprints held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
+    Metric("mptok_tokenizer_engine", "gauge", "1 for the engine that tokenizes this process's texts in full, per length (texts: short, or long from the long-text threshold on); a start's timing chose it.",
+           Grid(("engines",), ("texts", TEXT_LENGTHS), ("engine", ENGINE_NAMES))),
     _gauge("mptok_tokenizer_backend_tokenizers", "cache", "backend_tokenizers", "Tokenizers this process tokenizes in full with `tokenizers` (no fast engine trusted, or switched back)."),
     _gauge("mptok_tokenizer_backend_fastokens", "cache", "backend_fastokens", "Tokenizers this process tokenizes in full with fastokens (passed the start-up check)."),
     _gauge("mptok_tokenizer_backend_gigatoken", "cache", "backend_gigatoken", "Tokenizers this process tokenizes in full with gigatoken (passed the start-up check)."),
@@ -231,6 +265,7 @@ SUPERVISOR_METRICS: tuple[Metric, ...] = (
     Metric("mptok_frontend_up", "gauge", "1 while the supervisor has a ready process for this frontend id.", Table(("up",), ("frontend",), _frontend_id, int), (SERVE,)),
     Metric("mptok_frontend_restarts_total", "counter", "Times the supervisor restarted this frontend id.", Table(("restarts",), ("frontend",), _frontend_id, int), (SERVE,)),
     Metric("mptok_frontend_given_up", "gauge", "1 while the supervisor has given up restarting this frontend id (--max-restarts within --restart-window).", Table(("given_up",), ("frontend",), _frontend_id, int), (SERVE,)),
+    Metric("mptok_frontend_spares", "gauge", "Processes built and waiting to take the place of a frontend that exits (mptok render --spares).", Value(("spares",)), (SERVE,)),
 )  # fmt: skip
 
 

@@ -27,10 +27,19 @@ import numpy as np
 
 from mptok.api.affinity import ConversationIdentity
 from mptok.api.special_tokens import SpecialTokenFrame
+from mptok.cache.backend import SlowTokenizerError, backend_for
 from mptok.cache.prefix_cache import Encoder, TokenCache
 from mptok.core.counting import Counters
 from mptok.core.ids import as_id_array
-from mptok.front.catalogue import DIRECT_PROMPT_TOKENS, DIRECT_PROMPTS, ERRORS, PROMPT_COUNTS, PROMPT_TOKENS
+from mptok.front.catalogue import (
+    DIRECT_PROMPT_TOKENS,
+    DIRECT_PROMPTS,
+    ENGINE_NAMES,
+    ERRORS,
+    PROMPT_COUNTS,
+    PROMPT_TOKENS,
+    TEXT_LENGTHS,
+)
 
 _Ids = TypeVar("_Ids", list[int], np.ndarray)
 
@@ -98,11 +107,23 @@ class PromptIds:
         self._counts.add(DIRECT_PROMPT_TOKENS, tokens)
 
     def snapshot(self) -> dict[str, Any]:
-        """``"cache"``, ``"routing"`` (when routing) and ``"prompts"``: the sections ``mptok.front.catalogue`` reads."""
-        snapshot: dict[str, Any] = {"cache": self._cache.stats(), "prompts": self._counts.snapshot()}
+        """``"cache"``, ``"routing"`` (when routing), ``"prompts"`` and ``"engines"``: the sections ``mptok.front.catalogue`` reads."""
+        snapshot: dict[str, Any] = {
+            "cache": self._cache.stats(),
+            "prompts": self._counts.snapshot(),
+            "engines": self._engines(),
+        }
         if self._routing is not None:
             snapshot["routing"] = self._routing.stats()
         return snapshot
+
+    def _engines(self) -> dict[str, dict[str, int]]:
+        """For each length of text, 1 for the engine that tokenizes it in full, 0 for the others."""
+        try:
+            names = backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engine_names
+        except SlowTokenizerError:
+            names = {}
+        return {texts: {engine: int(names.get(texts) == engine) for engine in ENGINE_NAMES} for texts in TEXT_LENGTHS}
 
     def _encoded(self, encode: Callable[..., _Ids], text: str, identity: ConversationIdentity) -> _Ids:
         try:

@@ -2,11 +2,13 @@
 
 The supervisor (``mptok.serve.supervisor``) is the same one ``mptok serve``
 uses: this is its ``FrontendKind`` for vLLM render processes. Each process
-gets its frontend id, the ipc directory (with a ``prometheus`` directory in
-it, prometheus_client's multiprocess directory, so that one ``/metrics``
-shows every process) and, as its own spawn argument, the authkey. When a
-process has exited, its live gauges are removed from that directory
-(``mark_process_dead``); its counters stay, so totals never go down.
+gets the ipc directory (with a ``prometheus`` directory in it,
+prometheus_client's multiprocess directory, so that one ``/metrics`` shows
+every process), as its own spawn argument the authkey, and its frontend id
+over its pipe once it is built (``FrontendKind.standby``: at once, or for
+one of the ``--spares``, when a slot needs it). When a process has exited,
+its live gauges are removed from that directory (``mark_process_dead``);
+its counters stay, so totals never go down.
 
 The supervisor itself never imports vLLM: a missing vLLM is found here
 with a lookup, and every render process imports it on its own.
@@ -31,7 +33,6 @@ PROMETHEUS_DIR = "prometheus"
 class RenderSettings:
     """What one render process needs to start; picklable (it crosses the spawn pipe). The authkey is not in here."""
 
-    frontend_id: int
     ipc_dir: str
     options: RenderOptions
 
@@ -45,21 +46,25 @@ def prometheus_dir(ipc_dir: str) -> str:
 
 
 class RenderFrontends:
-    """``FrontendKind`` of ``mptok render``: vLLM render processes that beat (``--hang-timeout``)."""
+    """``FrontendKind`` of ``mptok render``: vLLM render processes that beat (``--hang-timeout``),
+    start without an id, and are kept warm as ``--spares``."""
+
+    standby = True
 
     def __init__(self, options: RenderOptions) -> None:
         self._options = options
         self.hang_timeout_s: float | None = options.hang_timeout_s
+        self.spares = options.spares
 
     def check(self, options: ServeOptions) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise StartupError("mptok render runs vLLM's render server, and vLLM is not installed: pip install 'mptok[vllm]'")
 
-    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
+    def target(self, frontend_id: int | None, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
         from mptok.render.worker import render_main
 
         os.makedirs(prometheus_dir(ipc_dir), mode=0o700, exist_ok=True)
-        return render_main, RenderSettings(frontend_id, ipc_dir, self._options.with_port(options.port))
+        return render_main, RenderSettings(ipc_dir, self._options.with_port(options.port))
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         from prometheus_client import multiprocess

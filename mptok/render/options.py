@@ -3,7 +3,7 @@
 ``mptok render MODEL [mptok's options] [vLLM's arguments]``. mptok's
 options are the ones ``mptok serve`` declares for its supervisor, its
 admission and its routing (``mptok.serve.options``, the same flags, help
-and checks), plus ``--hang-timeout``; every other argument is vLLM's and
+and checks), plus ``--hang-timeout`` and ``--spares``; every other argument is vLLM's and
 reaches each render process's ``vllm launch render`` as given. Arguments
 that cannot mean the same thing for N processes on one port are refused
 here, before anything starts.
@@ -36,6 +36,10 @@ SHARED_FIELDS = (
 # vLLM loads its stack in each process: slower to start than mptok serve's frontends.
 STARTUP_TIMEOUT_S = 300.0
 HANG_TIMEOUT_S = 30.0
+# One warm process takes the place of whichever process exits first: a
+# restart in seconds for one process's memory; a second exit within the
+# minute a new spare takes to build restarts cold.
+SPARES = 1
 MODE = "mptok"
 # vLLM arguments mptok sets itself, or that N processes on one port cannot honour.
 _REFUSED = {
@@ -61,13 +65,14 @@ class RenderOptions:
     model: str
     vllm_args: tuple[str, ...] = ()
     hang_timeout_s: float = HANG_TIMEOUT_S
+    spares: int = SPARES
 
     def with_port(self, port: int) -> RenderOptions:
         return dataclasses.replace(self, serve=dataclasses.replace(self.serve, port=port))
 
 
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:
-    """``MODEL``, the shared options of ``mptok serve`` and ``--hang-timeout``; the rest is vLLM's."""
+    """``MODEL``, the shared options of ``mptok serve``, ``--hang-timeout`` and ``--spares``; the rest is vLLM's."""
     parser.add_argument("model", metavar="MODEL", help="the model directory or name, as vllm launch render takes it")
     add_arguments(parser, only=SHARED_FIELDS)
     parser.set_defaults(startup_timeout_s=STARTUP_TIMEOUT_S)
@@ -80,12 +85,30 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
         help="a ready render process whose event loop has not run for S seconds (stopped, stuck) is killed "
         "and restarted (default: %(default)s)",
     )
+    parser.add_argument(
+        "--spares",
+        type=_spares,
+        metavar="K",
+        default=SPARES,
+        help="render processes kept built and waiting (not listening) beside the N, each costing one render "
+        "process's memory; a process that exits or hangs is replaced by one within seconds, where a new "
+        "process takes as long as a start; 0 restarts cold (default: %(default)s)",
+    )
 
 
 def render_options(parsed: argparse.Namespace, vllm_args: Sequence[str]) -> RenderOptions:
     """The options of a parsed ``mptok render`` command line and the arguments it did not know (vLLM's)."""
     fields = {name: getattr(parsed, name) for name in SHARED_FIELDS}
-    return RenderOptions(ServeOptions(**fields), parsed.model, checked_vllm_args(vllm_args), parsed.hang_timeout_s)
+    return RenderOptions(
+        ServeOptions(**fields), parsed.model, checked_vllm_args(vllm_args), parsed.hang_timeout_s, parsed.spares
+    )
+
+
+def _spares(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value}: 0 to 64 spares")
+    return value
 
 
 def checked_vllm_args(args: Sequence[str]) -> tuple[str, ...]:

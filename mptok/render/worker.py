@@ -13,13 +13,21 @@ of vLLM's render entry module are wrapped for the time of the call
   app; once uvicorn listens, the heartbeat starts on its event loop and the
   supervisor is told ``("ready", pid)``.
 
-Before vLLM builds its renderer, the process takes its seat
-(``mptok.vllm.prompt_tokens.take_seat``): its frontend id of N, the ipc
-directory and the authkey from the supervisor, so the plugin's renderer
-routes each conversation to the process whose cache holds it, exactly as
-``mptok serve``'s frontends do. It stops when vLLM does: on SIGTERM (from
-the supervisor, or from the kernel when the supervisor dies:
-``mptok.serve.lifeline``).
+The process starts without a frontend id (the supervisor's standby
+protocol, ``FrontendKind.standby``). vLLM binds its socket (without
+listening, so the kernel hands it no connection), builds its app, its
+renderer and the plugin's cache with its tokenizer backend
+(``mptok.vllm.prompt_tokens.stand_by``), and warms them; then, at the
+start of ``serve_http``, the process tells the supervisor
+``("standby", pid)`` and waits on its event loop for ``("serve",
+frontend_id)``. That comes at once for a slot's process, and whenever a
+slot's process exits for a spare. With its id the process takes its seat
+(``take_seat``: its frontend id of N, the ipc directory and the authkey
+from the supervisor), so the plugin's renderer routes each conversation
+to the process whose cache holds it, exactly as ``mptok serve``'s
+frontends do, and only then listens. It stops when vLLM does: on SIGTERM
+(from the supervisor, or from the kernel when the supervisor dies:
+``mptok.serve.lifeline``); a spare stopped while it waits exits 0.
 """
 
 from __future__ import annotations
@@ -63,13 +71,16 @@ def vllm_command(settings: RenderSettings) -> list[str]:
 class VllmRenderHooks:
     """vLLM's render entry with its socket shared and its app gated, while ``installed()``.
 
-    ``ready_sent`` is True once the supervisor was told the process serves.
+    ``ready_sent`` is True once the supervisor was told the process serves;
+    ``standing_by`` while it waits for its frontend id.
     """
 
-    def __init__(self, settings: RenderSettings, ready: Any) -> None:
+    def __init__(self, settings: RenderSettings, authkey: bytes, conn: Any) -> None:
         self._settings = settings
-        self._ready = ready
+        self._authkey = authkey
+        self._conn = conn
         self.ready_sent = False
+        self.standing_by = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -90,18 +101,24 @@ class VllmRenderHooks:
             entry.setup_server, entry.serve_http = setup_server, serve_http
 
     async def _serve(self, serve_http: Any, app: Any, sock: Any, **kwargs: Any) -> Any:
+        frontend_id = await self._frontend_id()
         options = self._settings.options.serve
+        multiprocessing.current_process().name = f"mptok-frontend-{frontend_id}"
+        from mptok.vllm.prompt_tokens import Seat, take_seat
+
+        routing = options.arguments_for(Use.ROUTING)
+        take_seat(Seat(frontend_id, options.frontends, self._settings.ipc_dir, self._authkey, routing=routing))
         # vLLM has built its middleware stack already (add_middleware would refuse): the gate goes around it.
         stack = app.middleware_stack or app.build_middleware_stack()
         app.middleware_stack = RenderGate(stack, Admission(options.max_in_flight), SnapshotDir(self._settings.ipc_dir))
         serving = asyncio.ensure_future(serve_http(app, sock, **kwargs))
-        heartbeat = Heartbeat(self._settings.ipc_dir, self._settings.frontend_id)
+        heartbeat = Heartbeat(self._settings.ipc_dir, frontend_id)
         try:
             while not serving.done():
                 server = getattr(app.state, "server", None)
                 if server is not None and server.started:
                     heartbeat.start()
-                    self._ready.send(("ready", os.getpid()))
+                    self._conn.send(("ready", os.getpid()))
                     self.ready_sent = True
                     break
                 await asyncio.sleep(_STARTED_POLL_S)
@@ -109,35 +126,55 @@ class VllmRenderHooks:
         finally:
             heartbeat.stop()
 
+    async def _frontend_id(self) -> int:
+        """Tell the supervisor this process is built, then wait (on the event loop, no thread) for its id."""
+        self._conn.send(("standby", os.getpid()))
+        loop = asyncio.get_running_loop()
+        readable: asyncio.Future[None] = loop.create_future()
 
-def render_main(settings: RenderSettings, authkey: bytes, ready: Any) -> None:
-    """Body of a render process (the supervisor's spawn target).
+        def wake() -> None:
+            if not readable.done():
+                readable.set_result(None)
 
-    Sends ``("ready", pid)`` once it serves, or ``("failed", reason)`` and
-    exits 1 if vLLM does not start.
+        self.standing_by = True
+        loop.add_reader(self._conn.fileno(), wake)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(self._conn.fileno())
+        self.standing_by = False  # not reached when a SIGTERM interrupts the wait: render_main reads it
+        message = self._conn.recv()  # EOFError: the supervisor is gone
+        assert message[0] == "serve", message
+        return int(message[1])
+
+
+def render_main(settings: RenderSettings, authkey: bytes, conn: Any) -> None:
+    """Body of a render process (the supervisor's spawn target; ``conn`` is a two-way pipe).
+
+    Sends ``("standby", pid)`` once built, then ``("ready", pid)`` once it
+    serves as the id of ``("serve", frontend_id)``, or ``("failed", reason)``
+    and exits 1 if vLLM does not start.
     """
     # Read by prometheus_client when it is first imported (vLLM imports it).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_dir
     parent = multiprocessing.parent_process()
     stop_with_parent(parent.pid if parent is not None else os.getppid())
-    from mptok.vllm.prompt_tokens import Seat, take_seat
+    from mptok.vllm.prompt_tokens import stand_by
 
-    options = settings.options.serve
-    take_seat(
-        Seat(settings.frontend_id, options.frontends, settings.ipc_dir, authkey, routing=options.arguments_for(Use.ROUTING))
-    )
-    hooks = VllmRenderHooks(settings, ready)
+    stand_by()
+    hooks = VllmRenderHooks(settings, authkey, conn)
     try:
         status = _run_vllm(vllm_command(settings), hooks)
     except BaseException as e:
         if hooks.ready_sent:
             raise
-        reason = f"{type(e).__name__}: {e}"
-        status = reason
+        if hooks.standing_by and isinstance(e, KeyboardInterrupt):
+            raise SystemExit(0) from None  # a spare stopped (SIGTERM) before it had an id
+        status = f"{type(e).__name__}: {e}"
     if hooks.ready_sent:
         raise SystemExit(0 if status in (None, 0) else 1)
     with contextlib.suppress(OSError):
-        ready.send(("failed", f"vllm launch render did not start: {status}"))
+        conn.send(("failed", f"vllm launch render did not start: {status}"))
     raise SystemExit(1)
 
 

@@ -121,7 +121,7 @@ def _samples(out: list[str], metric: Metric, snap: Mapping[str, Any], base: Labe
 
 def _sample(out: list[str], metric: str, labels: Mapping[str, Any], value: float) -> None:
     rendered = ",".join(f'{name}="{_label_value(value)}"' for name, value in labels.items())
-    out.append(f"{metric}{{{rendered}}} {_number(value)}")
+    out.append(f"{metric}{{{rendered}}} {_number(value)}" if rendered else f"{metric} {_number(value)}")
 
 
 def _histogram(out: list[str], metric: str, labels: Labels, snap: Mapping[str, Any]) -> None:

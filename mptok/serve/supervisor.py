@@ -23,7 +23,15 @@ for that long while ready are hung: killed, and restarted as any exit.
 
 What runs in each slot is a ``FrontendKind``: ``mptok serve``'s tokenizing
 frontends by default (``TokenizeFrontends``), or another server's
-(``mptok render``'s vLLM render processes).
+(``mptok render``'s vLLM render processes). A kind whose processes start
+slowly (``FrontendKind.standby``) starts each one without a frontend id:
+the process builds everything it can, reports ``standby``, and serves as
+the id the supervisor then sends it. Beside the slots the supervisor keeps
+``FrontendKind.spares`` such processes built and waiting, started once
+every slot is ready; a slot whose process exits takes a spare, so it is
+back within the seconds a spare needs to take its id and listen, not the
+minute a start needs, and a new spare is started behind it. Spares never
+listen, hold no id and are stopped with the rest.
 
 SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
 its in-flight requests and stops within ``graceful_timeout_s`` in all;
@@ -74,6 +82,9 @@ EXIT_ALL_GIVEN_UP = 3
 
 # A frontend that has not exited this long after its graceful timeout is killed.
 _EXIT_MARGIN_S = 5.0
+# A warm spare has only its id to take and its port to listen on; one that is
+# not ready within this (stopped, stuck) is killed as a late start is.
+_ACTIVATION_TIMEOUT_S = 30.0
 _JOIN_AFTER_KILL_S = 5.0
 
 
@@ -125,9 +136,17 @@ class FrontendKind(Protocol):
     a process of this kind has exited and been reaped. ``hang_timeout_s``:
     None for frontends that do not beat; else how long a ready one may go
     without a beat (``mptok.serve.heartbeat``).
+
+    ``standby``: the kind's processes are started with ``frontend_id`` None
+    and a two-way pipe; each sends ``("standby", pid)`` once it has built
+    all it can without an id, and takes the id of ``("serve", frontend_id)``
+    when that arrives (at once for a slot's process, later for a spare).
+    ``spares``: how many such processes to keep waiting (0 without standby).
     """
 
     hang_timeout_s: float | None
+    standby: bool
+    spares: int
 
     def check(self, options: ServeOptions) -> None: ...
 
@@ -140,6 +159,8 @@ class TokenizeFrontends:
     """``mptok serve``'s frontends (``mptok.serve.frontend``): a tokenizer path that exists, a template that parses."""
 
     hang_timeout_s: float | None = None
+    standby = False
+    spares = 0
 
     def __init__(self) -> None:
         self._template_source: str | None = None
@@ -176,9 +197,22 @@ class _Slot:
     restarts: int = 0
     started_at: float = 0.0  # monotonic, when the current process was started
     restart_at: float | None = None
+    ready_by: float = float("inf")  # monotonic; a process not ready by then is killed
     given_up: bool = False
     times_given_up: int = 0
     exits: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Spare:
+    """A process started without a frontend id (``FrontendKind.standby``), until a slot takes it."""
+
+    process: Any
+    conn: Any
+    pid: int
+    started_at: float  # monotonic
+    warm: bool = False  # reported standby: built, waiting for its id
+    failure: str | None = None
 
 
 class StopSignals:
@@ -244,6 +278,9 @@ class Supervisor:
         self._snapshots: SnapshotDir | None = None
         self._signals = signals
         self._serving = False  # after start-up: exits are restarted, not fatal
+        self._spares: list[_Spare] = []
+        self._spare_policy = RestartPolicy(options.max_restarts, options.restart_window_s, options.restart_delay_s)
+        self._spares_at: float | None = None  # monotonic; when missing spares may be started
 
     def run(self) -> int:
         """Start, serve until a signal (or every frontend is given up), stop.
@@ -305,6 +342,7 @@ class Supervisor:
                     reason = slot.failure or f"exited with {_describe_exit(slot.exits[-1])}"
                     raise StartupError(f"frontend {slot.frontend_id} failed to start: {reason}")
         self._serving = True
+        self._spares_at = time.monotonic()
         url = f"http://{self.options.host}:{self.options.port}"
         log_event(
             logger,
@@ -316,22 +354,57 @@ class Supervisor:
             ipc_dir=self._ipc_dir,
         )
 
-    def _spawn(self, slot: _Slot) -> None:
+    def _start_process(self, frontend_id: int | None, name: str) -> tuple[Any, Any]:
+        """A started process of the kind (``frontend_id`` None: a standby one) and the supervisor's end of its pipe."""
         assert self._ipc_dir is not None
-        target, settings = self._kind.target(slot.frontend_id, self._ipc_dir, self.options)
-        parent_conn, child_conn = self._ctx.Pipe(duplex=False)
-        process = self._ctx.Process(
-            target=target,
-            args=(settings, self._authkey, child_conn),
-            name=f"mptok-frontend-{slot.frontend_id}",
-        )
+        target, settings = self._kind.target(frontend_id, self._ipc_dir, self.options)
+        parent_conn, child_conn = self._ctx.Pipe(duplex=self._kind.standby)
+        process = self._ctx.Process(target=target, args=(settings, self._authkey, child_conn), name=name)
         process.start()
         child_conn.close()
-        slot.process, slot.conn, slot.pid = process, parent_conn, process.pid
+        return process, parent_conn
+
+    def _spawn(self, slot: _Slot) -> None:
+        """Give ``slot`` a process: a spare if there is one (a warm one first), else a new one."""
+        now = time.monotonic()
+        spare = self._take_spare()
+        if spare is not None:
+            process, conn = spare.process, spare.conn
+            ready_by = now + min(_ACTIVATION_TIMEOUT_S, self.options.startup_timeout_s) if spare.warm else (
+                spare.started_at + self.options.startup_timeout_s
+            )
+            how = "warm spare" if spare.warm else "spare still starting"
+        else:
+            frontend_id = None if self._kind.standby else slot.frontend_id
+            process, conn = self._start_process(frontend_id, f"mptok-frontend-{slot.frontend_id}")
+            ready_by, how = now + self.options.startup_timeout_s, "new process"
+        if self._kind.standby:
+            # A process that died meanwhile has its exit handled by _wait.
+            with contextlib.suppress(OSError):
+                conn.send(("serve", slot.frontend_id))
+        slot.process, slot.conn, slot.pid = process, conn, process.pid
         slot.ready, slot.failure, slot.restart_at = False, None, None
-        slot.started_at = time.monotonic()
-        log_event(logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts)
+        slot.started_at, slot.ready_by = now, ready_by
+        log_event(
+            logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts, start=how
+        )
         self._publish()
+
+    def _take_spare(self) -> _Spare | None:
+        if not self._spares:
+            return None
+        spare = next((s for s in self._spares if s.warm), self._spares[0])
+        self._spares.remove(spare)
+        return spare
+
+    def _keep_spares(self, now: float) -> None:
+        """Start the spares that are missing, once start-up is over and unless spares are backing off."""
+        if self._spares_at is None or now < self._spares_at:
+            return
+        while len(self._spares) < self._kind.spares:
+            process, conn = self._start_process(None, "mptok-spare")
+            self._spares.append(_Spare(process, conn, process.pid, time.monotonic()))
+            log_event(logger, logging.INFO, "spare_started", pid=process.pid)
 
     # -- serving -------------------------------------------------------------
 
@@ -351,16 +424,22 @@ class Supervisor:
                     self._kill_if_late(slot, now)
                 elif slot.ready:
                     self._kill_if_hung(slot)
+            for spare in self._spares:
+                if not spare.warm and now - spare.started_at >= self.options.startup_timeout_s:
+                    self._kill_spare(spare, f"not standing by after --startup-timeout {self.options.startup_timeout_s:g} s")
+            self._keep_spares(now)
             pending = [s.restart_at for s in self._slots if s.restart_at is not None]
+            if self._spares_at is not None and len(self._spares) < self._kind.spares:
+                pending.append(self._spares_at)
             self._wait(min([1.0, *(max(0.0, t - now) for t in pending)]))
         log_event(logger, logging.INFO, "stopping", signal=signal.Signals(self._signals.received[0]).name)
         return EXIT_OK
 
     def _kill_if_late(self, slot: _Slot, now: float) -> None:
-        """A restarted frontend gets ``startup_timeout_s`` to be ready, as at start-up."""
-        if now - slot.started_at < self.options.startup_timeout_s:
+        """A restarted frontend gets ``startup_timeout_s`` to be ready, as at start-up (a warm spare, less)."""
+        if now < slot.ready_by:
             return
-        self._kill(slot, "frontend_start_timeout", f"not ready after --startup-timeout {self.options.startup_timeout_s:g} s")
+        self._kill(slot, "frontend_start_timeout", f"not ready {now - slot.started_at:.1f} s after it was started")
 
     def _kill_if_hung(self, slot: _Slot) -> None:
         timeout_s = self._kind.hang_timeout_s
@@ -381,7 +460,13 @@ class Supervisor:
         )
         with contextlib.suppress(ProcessLookupError, ValueError):
             slot.process.kill()
-        slot.started_at = float("inf")  # killed once; its exit is handled as any other
+        slot.ready_by = float("inf")  # killed once; its exit is handled as any other
+
+    def _kill_spare(self, spare: _Spare, reason: str) -> None:
+        log_event(logger, logging.ERROR, "spare_start_timeout", pid=spare.pid, reason=reason, action="killing it")
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            spare.process.kill()
+        spare.started_at = float("inf")  # killed once; its exit is handled by _wait
 
     def _retry_given_up(self, slot: _Slot) -> None:
         slot.given_up = False
@@ -398,25 +483,33 @@ class Supervisor:
     def _wait(self, timeout_s: float) -> None:
         """Wait for a signal, a message from a child, or a child's exit; handle what came."""
         waitables: list[Any] = [self._signals.waitable]
-        by_object: dict[Any, tuple[str, _Slot]] = {}
+        by_object: dict[Any, tuple[str, Any]] = {}
         for slot in self._slots:
             if slot.process is None:
                 continue
             by_object[slot.process.sentinel] = ("exit", slot)
             if not slot.ready and slot.conn is not None:
                 by_object[slot.conn] = ("message", slot)
+        for spare in self._spares:
+            by_object[spare.process.sentinel] = ("spare_exit", spare)
+            if not spare.warm and spare.conn is not None:
+                by_object[spare.conn] = ("spare_message", spare)
         waitables.extend(by_object)
         for ready in multiprocessing.connection.wait(waitables, timeout_s):
             if ready is self._signals.waitable:
                 self._signals.drain()
                 continue
-            what, slot = by_object[ready]
+            what, owner = by_object[ready]
             if what == "message":
-                self._on_message(slot)
+                self._on_message(owner)
+            elif what == "spare_message" and owner in self._spares:
+                self._on_spare_message(owner)
         # Exits last: a child's last message ("failed") is read before its exit.
-        for what, slot in by_object.values():
-            if what == "exit" and slot.process is not None and not slot.process.is_alive():
-                self._on_exit(slot)
+        for what, owner in by_object.values():
+            if what == "exit" and owner.process is not None and not owner.process.is_alive():
+                self._on_exit(owner)
+            elif what == "spare_exit" and owner in self._spares and not owner.process.is_alive():
+                self._on_spare_exit(owner)
 
     def _on_message(self, slot: _Slot) -> None:
         try:
@@ -432,6 +525,47 @@ class Supervisor:
         elif message[0] == "failed":
             slot.failure = message[1]
             log_event(logger, logging.ERROR, "frontend_start_failed", frontend=slot.frontend_id, pid=slot.pid, error=message[1])
+
+    def _on_spare_message(self, spare: _Spare) -> None:
+        try:
+            message = spare.conn.recv()
+        except (EOFError, OSError):
+            return  # its exit follows
+        if message[0] == "standby":
+            spare.warm = True
+            log_event(logger, logging.INFO, "spare_ready", pid=spare.pid, after_s=f"{time.monotonic() - spare.started_at:.1f}")
+            self._publish()
+        elif message[0] == "failed":
+            spare.failure = message[1]
+            log_event(logger, logging.ERROR, "spare_start_failed", pid=spare.pid, error=message[1])
+
+    def _on_spare_exit(self, spare: _Spare) -> None:
+        """A spare that exits is replaced after a back-off; spares that crash-loop pause for ``given_up_retry_s``."""
+        self._spares.remove(spare)
+        spare.process.join(_JOIN_AFTER_KILL_S)
+        exitcode = spare.process.exitcode if spare.process.exitcode is not None else -signal.SIGKILL
+        spare.conn.close()
+        spare.process.close()
+        if self._ipc_dir is not None:
+            self._kind.exited(spare.pid, self._ipc_dir)
+        self._publish()
+        if self._signals.received:
+            return
+        now = time.monotonic()
+        delay = self._spare_policy.delay_after_exit(now)
+        fields = {"pid": spare.pid, "exit": _describe_exit(exitcode), "error": spare.failure}
+        if delay is None:
+            self._spare_policy.forget_exits()
+            delay = self.options.given_up_retry_s
+            log_event(
+                logger, logging.CRITICAL, "spares_paused", **fields,
+                reason=f"spares crash loop: more than --max-restarts {self.options.max_restarts} exits within "
+                f"{self.options.restart_window_s:g} s",
+                action=f"no spares for {delay:g} s (--given-up-retry); a frontend that exits meanwhile restarts cold",
+            )
+        else:
+            log_event(logger, logging.ERROR, "spare_exited", **fields, restart_in_s=f"{delay:g}")
+        self._spares_at = now + delay
 
     def _on_exit(self, slot: _Slot) -> None:
         process = slot.process
@@ -475,31 +609,34 @@ class Supervisor:
     # -- stopping ------------------------------------------------------------
 
     def _stop_all(self) -> None:
-        """SIGTERM every frontend, wait (bounded), SIGKILL stragglers, reap them all."""
-        running = [slot for slot in self._slots if slot.process is not None]
-        for slot in running:
+        """SIGTERM every frontend and spare, wait (bounded), SIGKILL stragglers, reap them all."""
+        running: list[Any] = [slot for slot in self._slots if slot.process is not None] + self._spares
+        for child in running:
             with contextlib.suppress(ProcessLookupError, ValueError):
-                slot.process.terminate()
+                child.process.terminate()
         deadline = time.monotonic() + self.options.graceful_timeout_s + _EXIT_MARGIN_S
-        for slot in running:
-            slot.process.join(max(0.0, deadline - time.monotonic()))
-        stragglers = [slot for slot in running if slot.process.is_alive()]
-        for slot in stragglers:
-            log_event(logger, logging.WARNING, "frontend_killed", frontend=slot.frontend_id, pid=slot.pid, reason="did not stop in time")
-            slot.process.kill()
+        for child in running:
+            child.process.join(max(0.0, deadline - time.monotonic()))
+        stragglers = [child for child in running if child.process.is_alive()]
+        for child in stragglers:
+            log_event(logger, logging.WARNING, "frontend_killed", **_named(child), pid=child.pid, reason="did not stop in time")
+            child.process.kill()
         deadline = time.monotonic() + _JOIN_AFTER_KILL_S
-        for slot in stragglers:
-            slot.process.join(max(0.0, deadline - time.monotonic()))
-        for slot in running:
-            exitcode = slot.process.exitcode
-            log_event(logger, logging.INFO, "frontend_stopped", frontend=slot.frontend_id, pid=slot.pid, exit=_describe_exit(exitcode))
-            if slot.conn is not None:
-                slot.conn.close()
+        for child in stragglers:
+            child.process.join(max(0.0, deadline - time.monotonic()))
+        for child in running:
+            exitcode = child.process.exitcode
+            log_event(logger, logging.INFO, "frontend_stopped", **_named(child), pid=child.pid, exit=_describe_exit(exitcode))
+            if child.conn is not None:
+                child.conn.close()
             if exitcode is not None:
-                slot.process.close()
-            if slot.pid is not None and self._ipc_dir is not None:
-                self._kind.exited(slot.pid, self._ipc_dir)
-            slot.process, slot.conn, slot.ready = None, None, False
+                child.process.close()
+            if child.pid is not None and self._ipc_dir is not None:
+                self._kind.exited(child.pid, self._ipc_dir)
+            child.process, child.conn = None, None
+            if isinstance(child, _Slot):
+                child.ready = False
+        self._spares = []
         log_event(logger, logging.INFO, "stopped")
 
     def _publish(self) -> None:
@@ -512,6 +649,7 @@ class Supervisor:
                     "up": {str(s.frontend_id): int(s.ready) for s in self._slots},
                     "restarts": {str(s.frontend_id): s.restarts for s in self._slots},
                     "given_up": {str(s.frontend_id): int(s.given_up) for s in self._slots},
+                    "spares": sum(spare.warm for spare in self._spares),
                 },
             )
 
@@ -530,6 +668,11 @@ def _check_environment(options: ServeOptions) -> None:
         routing_policy(options.routing)
     except ValueError as e:
         raise StartupError(str(e)) from None
+
+
+def _named(child: _Slot | _Spare) -> dict[str, Any]:
+    """How a stop's log lines name ``child``: its frontend id, or as a spare."""
+    return {"frontend": child.frontend_id} if isinstance(child, _Slot) else {"frontend": "spare"}
 
 
 def _describe_exit(exitcode: int | None) -> str:

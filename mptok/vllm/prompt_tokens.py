@@ -12,7 +12,11 @@ With ``--api-server-count N`` > 1, vLLM gives API server i the rank i of N
 the frontend id and count of ``TokenizationOwners``, in the ipc directory the
 API servers of one ``vllm serve`` share (``mptok.vllm.ipc_dir``). With one
 process (``vllm serve`` with one API server, ``vllm launch render``), or if
-routing cannot start, the cache alone.
+routing cannot start, the cache alone. A process of an outside supervisor
+(``mptok render``) takes its seat instead (``take_seat``): before vLLM
+builds its renderer, or, for a process built as a spare (``stand_by``),
+once the supervisor gives it an id: until then its cache and tokenizer
+backend are built and warm, and nothing routes, serves or exports.
 
 Whatever happens inside mptok, the ids are either exactly
 ``tokenizer(text, add_special_tokens=...)["input_ids"]`` or ``None``, and
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mptok.api.affinity import ConversationIdentity
-from mptok.cache.backend import SlowTokenizerError, backend_for
+from mptok.cache.backend import LONG_TEXT_CHARS, SlowTokenizerError, backend_for
 from mptok.cache.config import CacheConfig
 from mptok.cache.prefix_cache import PrefixTokenCache
 from mptok.front.prompt_ids import PromptIds
@@ -58,15 +62,28 @@ class Seat:
 
 
 _seat: Seat | None = None
+_standing_by = False
+
+
+def stand_by() -> None:
+    """This process's seat comes after vLLM builds its renderer: build the cache and wait for ``take_seat``."""
+    global _standing_by
+    with _lock:
+        _standing_by = True
 
 
 def take_seat(seat: Seat) -> None:
-    """Route this process's prompts as ``seat`` says; before vLLM builds its renderer."""
+    """Route this process's prompts as ``seat`` says: before vLLM builds its renderer, or after it when standing by."""
     global _seat
     with _lock:
-        if _of_process is not None:
+        if _seat is not None:
+            raise RuntimeError("a process takes one seat")
+        if _of_process is not None and _of_process.seated:
             raise RuntimeError("take_seat after the renderer was built: the seat would be ignored")
         _seat = seat
+        waiting = _of_process
+    if waiting is not None:
+        waiting.seat(seat.frontend_id, seat.count)
 
 
 class PromptTokens:
@@ -75,26 +92,40 @@ class PromptTokens:
     ``tokenize`` returns ``tokenizer(text, add_special_tokens=...)["input_ids"]``
     or None (the caller then tokenizes as vLLM does). ``close()`` stops routing
     and serving within ``CLOSE_TIMEOUT_S`` and leaves the ipc directory; it runs
-    at process exit and is idempotent.
+    at process exit and is idempotent. Made with ``rank`` None it waits for
+    ``seat(rank, count)`` (its cache alone meanwhile, counted but not exported).
     """
 
-    def __init__(self, tokenizer: Any, rank: int, count: int):
+    def __init__(self, tokenizer: Any, rank: int | None, count: int):
         self._tokenizer = tokenizer
         self.name = getattr(tokenizer, "name_or_path", None)
         self.rank = rank
         self._cache = PrefixTokenCache(CacheConfig.from_env())
         self._ipc_dir: SharedIpcDir | None = None
         self._owners: TokenizationOwners | None = None
+        self._metrics: MetricsExport | None = None
         self._closed = False
+        # The cache alone until the seat: a spare's counts are its own, and not exported.
+        self._ids = PromptIds(tokenizer, self._cache, None)
+        atexit.register(self.close)
+        # The engine check (seconds) happens here, so a spare has it done before it takes its seat.
+        self._warm_backend()
+        if rank is not None:
+            self.seat(rank, count)
+
+    @property
+    def seated(self) -> bool:
+        return self._metrics is not None
+
+    def seat(self, rank: int, count: int) -> None:
+        """Start routing (with ``count`` > 1) and the metrics export as API server ``rank`` of ``count``."""
+        self.rank = rank
         routing = "off: one API server"
         if count > 1 and 0 <= rank < count:
             routing = self._start_routing(rank, count)
-        else:
-            self._warm_backend()
-        self._ids = PromptIds(tokenizer, self._cache, self._owners)
+        self._ids = PromptIds(self._tokenizer, self._cache, self._owners)
         self._metrics = MetricsExport(max(rank, 0), self.snapshot)
         self._metrics.start()
-        atexit.register(self.close)
         self._log_start(routing, count)
 
     @classmethod
@@ -103,9 +134,12 @@ class PromptTokens:
         global _of_process
         with _lock:
             if _of_process is None:
+                seat_rank: int | None = rank
                 if _seat is not None:
-                    rank, count = _seat.frontend_id, _seat.count
-                _of_process = cls(tokenizer, rank, count)
+                    seat_rank, count = _seat.frontend_id, _seat.count
+                elif _standing_by:
+                    seat_rank = None
+                _of_process = cls(tokenizer, seat_rank, count)
             elif _of_process.name != getattr(tokenizer, "name_or_path", None):
                 logger.warning("mptok: a second tokenizer in this process (%r) is tokenized by vLLM alone", tokenizer)
                 return None
@@ -133,7 +167,8 @@ class PromptTokens:
             if self._closed:
                 return
             self._closed = True
-        self._metrics.stop()
+        if self._metrics is not None:
+            self._metrics.stop()
         if self._owners is not None:
             self._owners.close(CLOSE_TIMEOUT_S)
         if self._ipc_dir is not None:
@@ -166,17 +201,22 @@ class PromptTokens:
             pass
 
     def _log_start(self, routing: str, count: int) -> None:
+        choice = self._cache.config.tokenizer_backend
         try:
-            engine = backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engine_name
-            backend = f"{engine} (chosen from {self._cache.config.tokenizer_backend!r})"
+            backend = backend_for(self._tokenizer, choice)
+            engines = backend.engine_names
+            backend_text = (
+                f"{engines['short']}, {engines['long']} for texts of {LONG_TEXT_CHARS:,} characters or more "
+                f"(chosen from {choice!r}: {backend.choice_report or 'no fast engine asked for'})"
+            )
         except SlowTokenizerError as e:
-            backend = f"none ({e}): vLLM's own tokenization"
+            backend_text = f"none ({e}): vLLM's own tokenization"
         config = self._cache.config
         logger.info(
             "mptok is on (--tokenizer-mode mptok): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
             "min_chars=%d; add_special_tokens %s; routing %s",
             self.name,
-            backend,
+            backend_text,
             config.max_bytes,
             config.max_entries,
             config.min_chars,

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from mptok_harness.vllm import RENDER, VllmServer
+from mptok_harness.vllm_requests import TOOLS, agent_turns
 
 from test_plugin import AGENTS, CASES, TURNS, _ids
-from vllm_requests import TOOLS, agent_turns
 
 # fastokens has no token offsets (vLLM answers 501 with it).
 WITHOUT_OFFSETS = {name: case for name, case in CASES.items() if not case[1].get("return_token_offsets")}

@@ -28,8 +28,7 @@ from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, VLLM
 from mptok.routing.order import owner_of
 from mptok_harness.serve import Server, request, scrape
 from mptok_harness.vllm import VllmServer
-
-from vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
+from mptok_harness.vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
 
 AGENTS = 3
 TURNS = 8
@@ -187,9 +186,23 @@ def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched
     assert log.count("mptok is on (--tokenizer-mode mptok)") == 2, server.log_tail()
     for rank in (0, 1):
         assert f"routing on: API server {rank} of 2" in log
-    # The engine the cache's backend choice settled on, and the choice.
-    assert re.search(r"backend (fastokens|gigatoken|tokenizers) \(chosen from '(auto|fastokens|gigatoken|tokenizers)'\)", log)
+    # The engines the cache's backend choice settled on (short and long texts), the choice and its timing.
+    engine = "(fastokens|gigatoken|tokenizers)"
+    assert re.search(
+        rf"backend {engine}, {engine} for texts of [\d,]+ characters or more \(chosen from '(auto|fastokens|gigatoken|tokenizers)': ",
+        log,
+    ), server.log_tail()
     assert "cache max_bytes=" in log
+
+
+def test_each_api_server_names_the_engines_of_its_start_on_metrics(switched):
+    server, _, _ = switched
+    chosen = sorted(
+        (labels["api_server"], labels["texts"])
+        for name, labels, value in scrape(server.port)
+        if name == "mptok_tokenizer_engine" and value == 1
+    )
+    assert chosen == [(rank, texts) for rank in ("0", "1") for texts in ("long", "short")], chosen
 
 
 def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):

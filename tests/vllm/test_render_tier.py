@@ -9,9 +9,10 @@ every answer must carry the ids of ``vllm launch render`` without the
 switch. Its one ``/metrics`` must show both processes' counters, vLLM's and
 mptok's (the keyless agents' later turns hitting, conversations routed
 between the processes) and the supervisor's. Then, on the same server:
-admission under a burst (503 with Retry-After), a SIGKILLed and a SIGSTOPped process (the other
-keeps answering with the right ids; the supervisor brings it back), and a
-clean SIGTERM.
+admission under a burst (503 with Retry-After), a SIGKILLed and a SIGSTOPped
+process under load (the other keeps answering with the right ids; the
+supervisor's warm spare takes its place and answers within seconds), and a
+clean SIGTERM that stops the spare too.
 """
 
 from __future__ import annotations
@@ -30,19 +31,24 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mptok_harness.serve import request
+from mptok_harness.serve import request, scrape
 from mptok_harness.vllm import MptokRender
+from mptok_harness.vllm_requests import text_source
 
 from render_cases import API_CASES, LATER_TURNS, answer_every_format
-from test_plugin import CASES, _scraped
-from vllm_requests import text_source
+from test_plugin import CASES, _mptok_totals, _scraped, _settled_totals
 
 FRONTENDS = 2
 # Small, so that a burst fills it; the sequential cases never do.
 MAX_IN_FLIGHT = 2
 HANG_TIMEOUT_S = 5.0
-# A restarted process loads vLLM again: seconds of CPU on a busy machine.
+# A new process (the spare behind one that was used) loads vLLM: a minute of CPU on a busy machine.
 BACK_TIMEOUT_S = 180.0
+# A warm spare only takes its id, starts routing and listens: about 1.5 s on
+# these 2 cores with another load beside the tests. Ten times that leaves room
+# for a machine busier than that, and is still far below a cold start (about
+# 45 s here, more under load), so a restart that did not use the spare fails.
+SPARE_BACK_S = 15.0
 # The agents' chats, replayed as load while a process is killed.
 LOAD = [name for name in CASES if name.startswith("agent")]
 
@@ -72,7 +78,9 @@ def test_the_start_is_one_ready_line_and_every_process_routes(tier, answered):
 
 
 def test_one_metrics_shows_every_process_vllms_series_and_mptoks_hits(tier, answered):
-    totals = _scraped(tier, "mptok_cache_hits_total", LATER_TURNS)
+    _scraped(tier, "mptok_cache_hits_total", LATER_TURNS)
+    # Each process copies its counters every 0.5 s: a routed prompt's two ends are compared once they agree.
+    totals = _settled_totals(tier)
     # Keyless agents' later turns hit, on whichever process holds them.
     assert sum(totals["mptok_cache_hits_total"].values()) >= LATER_TURNS, totals
     assert set(totals["mptok_prompts_total"]) == {str(i) for i in range(FRONTENDS)}, totals
@@ -83,6 +91,13 @@ def test_one_metrics_shows_every_process_vllms_series_and_mptoks_hits(tier, answ
     assert re.search(r'^http_requests_total\{.*handler="/v1/chat/completions/render".*\} \d', text, re.M), text[:3000]
     for frontend in range(FRONTENDS):
         assert f'mptok_frontend_up{{frontend="{frontend}"}} 1' in text
+    # Each process names the one engine of its short texts and of its long ones (auto's choice at its start).
+    chosen = [
+        (labels["api_server"], labels["texts"])
+        for name, labels, value in scrape(tier.port)
+        if name == "mptok_tokenizer_engine" and value == 1
+    ]
+    assert sorted(chosen) == [(str(f), texts) for f in range(FRONTENDS) for texts in ("long", "short")], chosen
 
 
 def test_a_full_process_answers_503_with_retry_after_at_once(tier):
@@ -152,42 +167,71 @@ class _Load:
         return sum(1 for t in self.answered if t > moment)
 
 
-def _wait_back(server: MptokRender, frontend: int, old_pid: int) -> float:
-    """Seconds until ``frontend`` has a new ready process."""
+def _poll(what: str, server: MptokRender, timeout_s: float, probe):
+    """Seconds until ``probe()`` is true, polled every 0.1 s (a scrape that lands on a dying process is retried)."""
     began = time.monotonic()
-    while time.monotonic() - began < BACK_TIMEOUT_S:
-        if server.frontend_pids().get(frontend, old_pid) != old_pid:
-            return time.monotonic() - began
-        time.sleep(0.5)
-    raise AssertionError(f"frontend {frontend} not back after {BACK_TIMEOUT_S} s:\n{server.log_tail()}")
+    while time.monotonic() - began < timeout_s:
+        try:
+            if probe():
+                return time.monotonic() - began
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not within {timeout_s} s:\n{server.log_tail()}")
+
+
+def _prompts(server: MptokRender, frontend: int) -> float:
+    """Prompts frontend ``frontend``'s processes answered through mptok (counters survive their processes)."""
+    return _mptok_totals(server).get("mptok_prompts_total", {}).get(str(frontend), 0.0)
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
-def test_a_killed_or_stopped_process_comes_back_and_the_other_keeps_answering(tier, render_plain_ids, answered, fault):
+def test_a_killed_or_stopped_process_is_back_within_seconds_and_the_other_keeps_answering(
+    tier, render_plain_ids, answered, fault
+):
     frontend = 0 if fault == "SIGKILL" else 1
+    # The spare is built after start-up, and again after each use: as long as a start.
+    _poll("a warm spare", tier, BACK_TIMEOUT_S, lambda: _mptok_totals(tier)["mptok_frontend_spares"][""] >= 1)
     pid = tier.frontend_pids()[frontend]
+    # A stopped process is only replaced once it has missed its heartbeats for --hang-timeout.
+    bound_s = SPARE_BACK_S + (HANG_TIMEOUT_S if fault == "SIGSTOP" else 0.0)
     with _Load(tier, render_plain_ids) as load:
         time.sleep(2)
         os.kill(pid, getattr(signal, fault))
         faulted = time.monotonic()
-        back_s = _wait_back(tier, frontend, pid)
+        ready_s = _poll(f"frontend {frontend} ready", tier, bound_s, lambda: tier.frontend_pids()[frontend] != pid)
+        answered_before = _prompts(tier, frontend)
+        # The new process's own answers: its frontend's counter grows again.
+        answering_s = ready_s + _poll(
+            f"frontend {frontend} answering", tier, bound_s - ready_s, lambda: _prompts(tier, frontend) > answered_before
+        )
         time.sleep(2)
     assert not load.wrong, load.wrong
     # The other process answered while this one was down.
     assert load.answered_after(faulted) >= 3, (load.failed, tier.log_tail())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     event = "frontend_exited" if fault == "SIGKILL" else "frontend_hung"
-    assert re.search(rf"event={event} frontend={frontend} pid={pid}\b", tier.log()), tier.log_tail()
-    print(f"{fault}: back after {back_s:.1f} s; failures while down: {dict(load.failed)}")
+    log = tier.log()
+    assert re.search(rf"event={event} frontend={frontend} pid={pid}\b", log), tier.log_tail()
+    new_pid = tier.frontend_pids()[frontend]
+    assert re.search(rf'event=frontend_started frontend={frontend} pid={new_pid} .*start="warm spare"', log), tier.log_tail()
+    print(f"{fault}: ready after {ready_s:.1f} s, answering after {answering_s:.1f} s; failures while down: {dict(load.failed)}")
 
 
-def test_sigterm_stops_every_process_and_removes_the_ipc_dir(tier):
-    pids = list(tier.frontend_pids().values())
-    ipc_dir = re.search(r"event=ready .*ipc_dir=(\S+)", tier.log()).group(1)  # type: ignore[union-attr]
+def test_sigterm_stops_every_process_and_spare_and_removes_the_ipc_dir(tier):
+    _poll("a warm spare", tier, BACK_TIMEOUT_S, lambda: _mptok_totals(tier)["mptok_frontend_spares"][""] >= 1)
     assert tier.process is not None
+    children = psutil.Process(tier.process.pid).children()
+    pids = [child.pid for child in children if "resource_tracker" not in " ".join(child.cmdline())]
+    assert len(pids) == FRONTENDS + 1, pids  # the spare beside the frontends
+    ipc_dir = re.search(r"event=ready .*ipc_dir=(\S+)", tier.log()).group(1)  # type: ignore[union-attr]
     tier.process.send_signal(signal.SIGTERM)
     assert tier.process.wait(60) == 0, tier.log_tail()
-    assert "event=stopped" in tier.log()
+    log = tier.log()
+    assert "event=stopped" in log
+    stopped = re.findall(r"event=frontend_stopped frontend=(\S+) pid=\d+ exit=(.*)", log)
+    assert sorted(frontend for frontend, _ in stopped) == [*map(str, range(FRONTENDS)), "spare"], stopped
+    assert all(exit == '"code 0"' for _, exit in stopped), stopped
     assert not any(psutil.pid_exists(pid) for pid in pids), pids
     assert not os.path.exists(ipc_dir)
     assert ipc_dir.startswith(tempfile.gettempdir())

@@ -18,8 +18,7 @@ import time
 
 from mptok.vllm.ipc_dir import PREFIX
 from mptok_harness.vllm import VllmServer
-
-from vllm_requests import agent_turns
+from mptok_harness.vllm_requests import agent_turns
 
 # A process that joins the ipc dir of a "vllm serve" (a sleeping child of
 # its own) as an API server does, then dies by SIGKILL, as vLLM's API

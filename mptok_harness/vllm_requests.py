@@ -1,4 +1,4 @@
-"""The requests the plugin's tests send to vLLM: agentic chats with tools, and what else a client sends.
+"""The requests the plugin's tests and the render benchmark send to vLLM: agentic chats with tools, and what else a client sends.
 
 Real text (the standard library's sources, shuffled by a seeded generator)
 as the users' and the tools' content, so prompts are long enough to be
@@ -27,6 +27,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "run_tests",
+            "description": "Run the test suite and return its output.",
             "parameters": {"type": "object", "properties": {"selector": {"type": "string"}}},
         },
     },
