@@ -78,8 +78,8 @@ smoke: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q tests/smoke $(ARGS)
 
-# Every test but the soak runs (marked slow), which keeps it within 10
-# minutes on 2 cores (nginx is installed for the multi-host test);
+# Every test but the soak runs (marked slow; about 12 minutes on 2 cores,
+# most of it frontends starting), nginx installed for the multi-host test;
 # tests/smoke is left out (pyproject.toml's addopts).
 test: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
