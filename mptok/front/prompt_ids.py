@@ -66,13 +66,20 @@ class PromptIds:
         self._tokenizer = tokenizer
         self._cache = cache
         self._routing = routing
-        # What tokenizes without special tokens: routing above the cache, or the cache itself.
-        self.encoder: Encoder = routing if routing is not None else cache
         self.frame: SpecialTokenFrame | None = SpecialTokenFrame.derive(tokenizer)
         # transformers' __call__ is not thread-safe ("Already borrowed"): every
         # call of the tokenizer object itself holds this.
         self.tokenizer_lock = threading.Lock()
         self._counts = Counters(PROMPT_COUNTS)
+
+    @property
+    def encoder(self) -> Encoder:
+        """What tokenizes without special tokens: routing above the cache, or the cache itself."""
+        return self._routing if self._routing is not None else self._cache
+
+    def route_through(self, routing: Routing) -> None:
+        """Tokenize through ``routing`` from now on (a process whose routing starts after its cache)."""
+        self._routing = routing
 
     def through_mptok(self, text: str, add_special_tokens: bool) -> bool:
         """Whether mptok gives this prompt's ids (else only the tokenizer's own call does)."""

@@ -105,8 +105,8 @@ class PromptTokens:
         self._owners: TokenizationOwners | None = None
         self._metrics: MetricsExport | None = None
         self._closed = False
-        # The cache alone until the seat: a spare's counts are its own, and not exported.
-        self._ids = PromptIds(tokenizer, self._cache, None)
+        # The cache alone until the seat starts routing (a spare's seat comes late).
+        self._ids = PromptIds(tokenizer, self._cache)
         atexit.register(self.close)
         # The engine check (seconds) happens here, so a spare has it done before it takes its seat.
         self._warm_backend()
@@ -123,7 +123,8 @@ class PromptTokens:
         routing = "off: one API server"
         if count > 1 and 0 <= rank < count:
             routing = self._start_routing(rank, count)
-        self._ids = PromptIds(self._tokenizer, self._cache, self._owners)
+        if self._owners is not None:
+            self._ids.route_through(self._owners)
         self._metrics = MetricsExport(max(rank, 0), self.snapshot)
         self._metrics.start()
         self._log_start(routing, count)
