@@ -231,25 +231,25 @@ SLOW_MARKER = "[slow]"
 
 
 def scripted_owner_main(conn: Any, ipc_dir: str, frontend_id: int, delay_s: float) -> None:
-    """An owner that remembers no version and takes ``delay_s`` over any text with ``SLOW_MARKER``.
+    """An owner that keeps no prompt it could extend and takes ``delay_s`` over any text with ``SLOW_MARKER``.
 
     It answers with the tokenizer's own ids, so what a peer gets is exact
     whichever way the prompt went; what the test sees is how many calls a
     prompt took, through the peer's counters.
     """
     import mptok
-    from mptok.core.protocol import PeerReply
+    from mptok.core.protocol import PeerReply, PeerRequest
     from mptok.routing.liveness import publish
     from mptok.transport import serve_encode, socket_path
 
     tokenizer = mptok.load_tokenizer()
 
-    def answer(text: str, key: str | None, since: int | None, shared_chars: int) -> PeerReply | None:
-        if SLOW_MARKER in text:
+    def answer(request: PeerRequest) -> PeerReply | None:
+        if SLOW_MARKER in request.text:
             time.sleep(delay_s)
-        if since is not None:
+        if request.delta:
             return None
-        return PeerReply(1, 0, expected_ids(tokenizer, text))
+        return PeerReply(True, expected_ids(tokenizer, request.text))
 
     address = socket_path(ipc_dir, frontend_id)
     manager = serve_encode(address, answer, AUTHKEY)

@@ -42,13 +42,14 @@ import time
 from array import array
 from collections.abc import Callable
 
+import numpy as np
+
 import mptok
 from mptok.routing.liveness import OwnerLiveness
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners, lower_switch_interval
-from mptok.core.protocol import PeerReply
+from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.transport import EncodeProxy, serve_encode
-from mptok.transport.wire import int32_bytes
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
@@ -84,9 +85,9 @@ def _answer_raw(conn: socket.socket, ids: list[int]) -> None:
             text = _recv_exactly(conn, size)
             assert text is not None
             text.decode(errors="surrogatepass")
-            # The same list-to-int32 conversion as the owner's, so that the
-            # row compares the transports.
-            reply = int32_bytes(ids)
+            # The same int32 packing as the owner's, so that the row
+            # compares the transports.
+            reply = np.asarray(ids, dtype=np.int32).tobytes()
             conn.sendall(_LENGTH.pack(len(ids)) + reply)
 
 
@@ -107,7 +108,7 @@ def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None
     cache = mptok.PrefixTokenCache()
     owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
     cache.encode(tokenizer, "warm up")
-    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), lambda text, key, since, shared: PeerReply(0, 0, fixed_ids), authkey)
+    manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), lambda request: PeerReply(False, fixed_ids), authkey)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.bind(os.path.join(ipc_dir, "raw.sock"))
     raw.listen(socket.SOMAXCONN)
@@ -210,7 +211,7 @@ class RawClient:
 def round_trip_run(proxy: EncodeProxy, raw: RawClient, text: str, calls: int) -> dict[str, float]:
     manager_times, raw_times = [], []
     for _ in range(calls):  # interleaved, so both see the same noise
-        manager_times.append(timed(lambda: proxy.encode_since(text).ids.tolist()))
+        manager_times.append(timed(lambda: proxy.ask(PeerRequest(text, None)).ids.tolist()))
         raw_times.append(timed(lambda: raw.encode(text)))
     return {"manager": statistics.median(manager_times), "raw": statistics.median(raw_times)}
 
@@ -309,7 +310,7 @@ def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
     proxy = EncodeProxy(os.path.join(ipc_dir, "roundtrip.sock"), AUTHKEY, timeout_s=10)
     raw = RawClient(os.path.join(ipc_dir, "raw.sock"))
     for _ in range(20):  # connections made, caches warm
-        proxy.encode_since(text).ids.tolist()
+        proxy.ask(PeerRequest(text, None)).ids.tolist()
         raw.encode(text)
     runs = [round_trip_run(proxy, raw, text, 100) for _ in range(args.runs)]
     manager = statistics.median(r["manager"] for r in runs)

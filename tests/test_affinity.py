@@ -15,7 +15,8 @@ import pytest
 import mptok
 from mptok.api.affinity import IdentityKind, chat_identity, identify, prompt_identity
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE
-from mptok.routing.answer import answer_peer
+from mptok.core.protocol import PeerRequest
+from mptok.routing.answer import PeerService
 from mptok_harness.conversations import plain_delta
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
@@ -139,5 +140,5 @@ def test_conversations_sharing_an_identity_keep_a_branch_each(tokenizer):
     # A peer holding the first chat's previous version is answered from its
     # branch, though the second chat was kept after it.
     text = tokenizer.apply_chat_template(chats[0] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}], chat_template=DEEPSEEK_V3_TEMPLATE, add_generation_prompt=True, tokenize=False)
-    whole = answer_peer(cache, tokenizer, text, key)
-    assert whole is not None and whole.id_array().tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+    whole = PeerService(cache, tokenizer).answer(PeerRequest(text, key))
+    assert whole is not None and whole.ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -21,8 +21,9 @@ from mptok.api.tokenize_request import RequestError, parse_tokenize_request
 from mptok.cache import fast_backends
 from mptok.cache.config import DEFAULT_MAX_HELD_BYTES, MAX_KEY_BYTES
 from mptok.core.fingerprint import Fingerprint, extend_chain
-from mptok.routing.answer import answer_peer
-from mptok.routing.held import HeldReplies
+from mptok.core.protocol import PeerRequest
+from mptok.routing.answer import PeerService
+from mptok.routing.held import HeldFingerprints
 from mptok_harness.checks import expected_ids as full_ids
 from mptok_harness.conversations import plain_delta
 from mptok_harness.prompts import conversation
@@ -99,10 +100,6 @@ def _entry(cache: PrefixTokenCache, key: str):
     return next(entry for holder, entry in cache._entries.items() if holder[1] == key)
 
 
-def _version(cache: PrefixTokenCache, key: str) -> int:
-    return _entry(cache, key).version
-
-
 def test_conversation_ids_longer_than_the_limit_are_refused(tokenizer):
     cache = PrefixTokenCache(CacheConfig(min_chars=0))
     text = "Hello there, a prompt."
@@ -112,7 +109,7 @@ def test_conversation_ids_longer_than_the_limit_are_refused(tokenizer):
         with pytest.raises(ValueError, match=f"at most {MAX_KEY_BYTES} bytes"):
             cache.encode(tokenizer, text, key=key)
         with pytest.raises(ValueError):
-            answer_peer(cache, tokenizer, text, key)
+            PeerService(cache, tokenizer).answer(PeerRequest(text, key))
     assert cache.stats()["entries"] == 2
     # Over HTTP the same limit is a 400, from the body or from the header.
     with pytest.raises(RequestError) as refused:
@@ -178,7 +175,7 @@ def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, mon
 
 def test_held_fingerprints_are_bounded_by_bytes_whatever_the_conversation_length():
     budget = 16 * 1024
-    held = HeldReplies(max_bytes=budget)
+    held = HeldFingerprints(max_bytes=budget)
     for i in range(200):
         text = f"conversation {i} " * (1000 + 5000 * (i % 3))
         held.put((1, 7), f"conversation-{i}", Fingerprint.of(text, extend_chain(text)))
@@ -194,7 +191,7 @@ def test_held_fingerprints_count_what_python_allocates_for_them():
     # time, nonce) shared by many conversations, 36-character keys.
     owner = (1, (os.getpid(), 1764640000.25, secrets.token_hex(8)))
     count = 5000
-    held = HeldReplies(max_entries=count, max_bytes=1 << 30)
+    held = HeldFingerprints(max_entries=count, max_bytes=1 << 30)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]

@@ -14,6 +14,7 @@ from multiprocessing import connection, managers
 import pytest
 
 import mptok
+from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.routing.liveness import FALLBACK_REASONS, PATIENCE, TIMEOUT
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
@@ -153,7 +154,7 @@ def test_wrong_authkey_is_refused_without_disturbing_service(cluster, tokenizer)
     before = frontends[2].stats()["routing"]
     intruder = EncodeProxy(address, b"not-the-key", timeout_s=5)
     with pytest.raises(OwnerUnreachable, match="authkey"):
-        intruder.encode_since("x" * 300)
+        intruder.ask(PeerRequest("x" * 300, None))
     key = key_owned_by(2, N, "after-intruder")
     text = conversation(77, 1)[0]
     assert frontends[0].encode(key, text) == expected(tokenizer, text)
@@ -197,9 +198,9 @@ def test_peers_can_call_encode_and_nothing_else(cluster, tmp_path):
     kind, message = conn.recv()
     assert kind == "#TRACEBACK" and "refused to load global" in message
     assert not marker.exists()
-    conn.send((ENCODE_TYPEID, "encode", ("still serving " * 30, None), {}))
+    conn.send((ENCODE_TYPEID, "encode", PeerRequest("still serving " * 30, None).to_wire(), {}))
     kind, reply = conn.recv()
-    assert kind == "#RETURN" and isinstance(reply[2], bytes) and len(reply[2]) > 0
+    assert kind == "#RETURN" and PeerReply.from_wire(reply).ids.size > 0
     conn.close()
 
     after = frontends[1].stats()["routing"]
@@ -271,6 +272,32 @@ def test_only_keyed_prompts_the_cache_would_keep_are_routed(tmp_path, tokenizer)
         assert owners[1].encode(tokenizer, later, key=key) == expected(tokenizer, later)
         assert owners[0].stats()["served"] == 1 and owners[1].stats()["routed"] == 1
         assert caches[1].stats()["entries"] == 2
+
+
+def test_an_owner_that_answers_a_whole_text_with_none_is_a_failed_call(tmp_path, tokenizer):
+    """An owner that contradicts the protocol (None, "no such fingerprint",
+    for a whole text that carried none) gives no ids: the prompt is
+    tokenized here, counted as an error, and nothing is held for it."""
+    from mptok.core.private_files import secure_ipc_dir
+    from mptok.routing.liveness import publish, unpublish
+    from mptok.transport import serve_encode, socket_path
+
+    ipc_dir = secure_ipc_dir(str(tmp_path / "ipc"))
+    address = socket_path(ipc_dir, 0)
+    liar = serve_encode(address, lambda request: None, AUTHKEY, name="mptok-test-liar")
+    record = publish(ipc_dir, 0, address)
+    cache = mptok.PrefixTokenCache()
+    try:
+        with TokenizationOwners(ipc_dir, 1, 2, cache, tokenizer, authkey=AUTHKEY, weigh_crossing=False) as asker:
+            key = key_owned_by(0, 2, "liar")
+            for text in conversation(3, 2, first_chars=9000):
+                assert asker.encode(tokenizer, text, key=key) == expected(tokenizer, text)
+            stats = asker.stats()
+            assert (stats["routed"], stats["fallback_error"], stats["route_failures"]) == (0, 2, 2)
+            assert stats["held_entries"] == 0 and cache.stats()["entries"] == 1
+    finally:
+        unpublish(ipc_dir, 0, record)
+        liar.shutdown()
 
 
 def plain_words(rng: random.Random) -> str:

@@ -26,8 +26,9 @@ from multiprocessing import connection, managers
 import pytest
 
 import mptok
+from mptok.core.deadline import Deadline
 from mptok.core.private_files import secure_ipc_dir
-from mptok.core.protocol import PeerReply
+from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.transport import (
     EncodeProxy,
     OwnerAlreadyServing,
@@ -50,17 +51,17 @@ def echo(text: str, key: str | None) -> list[int]:
 
 
 def answer_in_full(encode):
-    """The owner's answer for an ``encode(text, key) -> ids`` that keeps no versions."""
+    """The owner's answer for an ``encode(text, key) -> ids`` that keeps no prompt (no delta matches)."""
 
-    def answer(text: str, key: str | None, since: int | None, shared_chars: int) -> PeerReply | None:
-        return None if since is not None else PeerReply(0, 0, encode(text, key))
+    def answer(request: PeerRequest) -> PeerReply | None:
+        return None if request.delta else PeerReply(False, encode(request.text, request.key))
 
     return answer
 
 
 def ids_from(proxy: EncodeProxy, text: str, key: str | None = None) -> list[int]:
     """The owner's ids for the whole ``text``, as a list."""
-    reply = proxy.encode_since(text, key)
+    reply = proxy.ask(PeerRequest(text, key))
     assert reply is not None
     return reply.ids.tolist()
 
@@ -114,12 +115,13 @@ def test_ids_cross_as_int32_from_a_list_or_any_int32_buffer_and_arrive_as_int32(
     _, address = serve(lambda text, key: forms[text](want))
     proxy = EncodeProxy(address, KEY)
     for form in ("list", "array", "numpy", "numpy view"):
-        reply = proxy.encode_since(form)
+        reply = proxy.ask(PeerRequest(form, None))
         # The received bytes themselves, read as int32 (no copy on arrival).
-        assert isinstance(reply.ids, memoryview) and reply.ids.format == "i", form
+        assert isinstance(reply.ids, numpy.ndarray) and reply.ids.dtype == numpy.int32, form
+        assert isinstance(reply.ids.base, (bytes, bytearray)), form
         assert reply.ids.tolist() == want, form
     with pytest.raises(OwnerError, match="int32"):
-        proxy.encode_since("int64")
+        proxy.ask(PeerRequest("int64", None))
 
 
 def test_the_handshake_is_this_pythons_own(serve, monkeypatch):
@@ -316,7 +318,7 @@ def test_a_reply_trickled_a_byte_at_a_time_cannot_hold_a_call_past_its_deadline(
         owner.start()
         try:
             with pytest.raises(OwnerTimeout):
-                EncodeProxy(slow.getsockname(), KEY, timeout_s=0.5).encode_since("hello?")
+                EncodeProxy(slow.getsockname(), KEY, timeout_s=0.5).ask(PeerRequest("hello?", None))
         finally:
             stop.set()
             owner.join(HANG_GUARD_S)
@@ -400,7 +402,7 @@ def test_messages_cross_intact_however_they_are_split_and_however_many_are_queue
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     sender, receiver = TimedConnection(a, 1 << 24), TimedConnection(b, 1 << 24)
     try:
-        receiver.deadline = sender.deadline = time.monotonic() + HANG_GUARD_S
+        receiver.deadline = sender.deadline = Deadline.after(HANG_GUARD_S)
         big = "x" * (3 << 20)  # larger than the inbox can ever grow
         messages = ["small", "y" * 100_000, big, "after the big one", "z" * 200_000, "last"]
         for message in messages:  # queued back to back: reads take several at once

@@ -25,11 +25,13 @@ from mptok.cache.prefix_index import BLOCK_CHARS as INDEX_BLOCK_CHARS
 from mptok.cache.prefix_index import SAMPLE_CHARS, PrefixIndex
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, extend_chain
 from mptok.core.settings import parse_bytes
+from mptok.core.deadline import Deadline
+from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
 from mptok.serve.supervisor import RestartPolicy
 from mptok.transport import MessageTooLarge, OwnerError
 from mptok.transport.proxy import _reply_from
-from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection, int32_bytes, left_or_zero, time_left
+from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection
 
 # -- RestartPolicy -----------------------------------------------------------------
 
@@ -133,34 +135,37 @@ def test_a_route_without_patience_ends_at_its_timeout_for_every_call():
     before = time.monotonic()
     deadline = RouteDeadline.starting_now(5.0, None, 100_000)
     after = time.monotonic()
-    assert before + 5.0 <= deadline.timeout_at <= after + 5.0
-    assert math.isinf(deadline.patience_at)
-    assert deadline.for_call(delta=True) == (deadline.timeout_at, False)
-    assert deadline.for_call(delta=False) == (deadline.timeout_at, False)
+    assert before + 5.0 <= deadline.timeout.at <= after + 5.0
+    assert math.isinf(deadline.patience.at)
+    assert deadline.for_call(delta=True) == (deadline.timeout, False)
+    assert deadline.for_call(delta=False) == (deadline.timeout, False)
 
 
 def test_a_delta_call_ends_at_the_askers_patience_when_that_comes_first():
     before = time.monotonic()
     deadline = RouteDeadline.starting_now(30.0, 1e-6, 1_000_000)  # patience: 1 s floor + 1 s
     after = time.monotonic()
-    assert before + PATIENCE_FLOOR_S + 1.0 <= deadline.patience_at <= after + PATIENCE_FLOOR_S + 1.0
-    assert deadline.for_call(delta=True) == (deadline.patience_at, True)
-    assert deadline.for_call(delta=False) == (deadline.timeout_at, False)  # a whole prompt waits the timeout
+    assert before + PATIENCE_FLOOR_S + 1.0 <= deadline.patience.at <= after + PATIENCE_FLOOR_S + 1.0
+    assert deadline.for_call(delta=True) == (deadline.patience, True)
+    assert deadline.for_call(delta=False) == (deadline.timeout, False)  # a whole prompt waits the timeout
 
 
 def test_patience_longer_than_the_timeout_leaves_the_timeout():
     deadline = RouteDeadline.starting_now(0.5, 1e-3, 10_000)  # patience 11 s
-    assert deadline.for_call(delta=True) == (deadline.timeout_at, False)
+    assert deadline.for_call(delta=True) == (deadline.timeout, False)
 
 
-def test_time_left_counts_down_and_then_raises():
-    assert time_left(None) is None
-    left = time_left(time.monotonic() + 10.0)
-    assert left is not None and 9.0 < left <= 10.0
+def test_a_deadline_counts_down_and_then_raises():
+    never = Deadline.after(None)
+    assert not never.bounded and math.isinf(never.left()) and math.isinf(never.left_or_raise())
+    left = Deadline.after(10.0).left_or_raise()
+    assert 9.0 < left <= 10.0
     with pytest.raises(TimeoutError):
-        time_left(time.monotonic() - 0.001)
-    assert left_or_zero(time.monotonic() - 5.0) == 0.0
-    assert 0.0 < left_or_zero(time.monotonic() + 1.0) <= 1.0
+        Deadline(time.monotonic() - 0.001).left_or_raise()
+    assert Deadline(time.monotonic() - 5.0).left() == 0.0 and Deadline(time.monotonic() - 5.0).passed
+    assert 0.0 < Deadline.after(1.0).left() <= 1.0
+    soon, later = Deadline.after(1.0), Deadline.after(2.0)
+    assert soon.earlier(later) is soon and later.earlier(soon) is soon
 
 
 # -- sizes -------------------------------------------------------------------------
@@ -222,16 +227,34 @@ def test_messages_cross_whole_and_in_order_whatever_their_size(pair):
 
 def test_the_managers_request_and_reply_round_trip(pair):
     asker, owner = pair
-    request = ("PrefixTokenCache", "encode_since", ("tail text", "conversation-1", 12345678901234567890, 8192), {})
+    sent = PeerRequest("tail text", "conversation-1", 12345678901234567890, 8192)
+    request = ("PrefixTokenCache", "encode", sent.to_wire(), {})
     asker.send(request)
     assert owner.recv() == request
+    assert PeerRequest.from_wire(request[2]) == sent
     ids = np.array([0, 5, 2**31 - 1, 70000], dtype=np.int32)
-    owner.send(("#RETURN", (7, 0, int32_bytes(ids))))
+    owner.send(("#RETURN", PeerReply(True, ids).to_wire()))
     reply = _reply_from("owner-0", asker.recv())
-    assert (reply.version, reply.reused) == (7, 0)
-    assert reply.id_array().dtype == np.int32 and reply.id_array().tolist() == ids.tolist()
+    assert reply.kept is True
+    assert reply.ids.dtype == np.int32 and reply.ids.tolist() == ids.tolist()
     owner.send(("#RETURN", None))  # no kept prompt has the fingerprint
     assert _reply_from("owner-0", asker.recv()) is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("text", None, None),  # a field missing
+        (b"text", None, None, 0),  # text that is no str
+        ("text", 5, None, 0),  # a key that is no str
+        ("text", "k", "12", 0),  # a fingerprint that is no int
+        ("text", "k", True, 0),  # nor a bool
+        ("text", "k", None, 0.5),  # a count that is no int
+    ],
+)
+def test_a_malformed_request_is_refused(args):
+    with pytest.raises(ValueError):
+        PeerRequest.from_wire(args)
 
 
 def test_the_long_header_form_is_read(pair):
@@ -305,12 +328,12 @@ def test_a_pickle_that_names_any_global_is_refused(pair, payload):
 
 def test_a_message_not_there_by_the_deadline_times_out(pair):
     sender, receiver = pair
-    receiver.deadline = time.monotonic() + 0.05
+    receiver.deadline = Deadline.after(0.05)
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         receiver.recv_bytes()
     assert time.monotonic() - started < 2.0
-    receiver.deadline = time.monotonic() - 1.0  # already past: not even one read
+    receiver.deadline = Deadline(time.monotonic() - 1.0)  # already past: not even one read
     sender.send_bytes(b"too late")
     with pytest.raises(TimeoutError):
         receiver.recv_bytes()
@@ -319,28 +342,37 @@ def test_a_message_not_there_by_the_deadline_times_out(pair):
 # -- the wire: what an owner answers ---------------------------------------------------
 
 
+def _wire_bytes(ids) -> bytes:
+    """The ids' bytes as a reply carries them, pickled and read back."""
+    _, payload = pickle.loads(pickle.dumps(PeerReply(True, ids).to_wire(), pickle.HIGHEST_PROTOCOL))
+    return bytes(payload)
+
+
 def test_ids_cross_as_native_int32_from_a_list_or_an_int32_buffer():
     ids = [0, 1, 128000, 2**31 - 1]
     expected = np.array(ids, dtype=np.int32).tobytes()
-    assert int32_bytes(ids) == expected
-    assert int32_bytes(np.array(ids, dtype=np.int32)) == expected
-    assert int32_bytes(array("i", ids)) == expected
-    assert int32_bytes([]) == b""
+    assert _wire_bytes(ids) == expected
+    assert _wire_bytes(np.array(ids, dtype=np.int32)) == expected
+    assert _wire_bytes(array("i", ids)) == expected
+    assert _wire_bytes(np.repeat(np.array(ids, dtype=np.int32), 2)[::2]) == expected  # strided
+    assert _wire_bytes([]) == b""
     with pytest.raises(TypeError, match="int32"):
-        int32_bytes(np.array(ids, dtype=np.int64))
-    with pytest.raises(TypeError, match="int32"):
-        int32_bytes(np.zeros((2, 2), dtype=np.int32))
+        PeerReply(True, np.array(ids, dtype=np.int64))
+    with pytest.raises(ValueError, match="one-dimensional"):
+        PeerReply(True, np.zeros((2, 2), dtype=np.int32))
+    with pytest.raises(OverflowError):
+        PeerReply(True, [1 << 40])
 
 
 @pytest.mark.parametrize(
     "reply, error",
     [
-        (("#RETURN", (1, 0, b"\x01\x02\x03")), "not int32 ids"),  # truncated ids
-        (("#RETURN", (1, -1, b"")), "answered"),  # reuse below zero
-        (("#RETURN", (1, 0)), "answered"),  # a field missing
-        (("#RETURN", ("1", 0, b"")), "answered"),  # a version that is no int
-        (("#RETURN", (True, 0, b"")), "answered"),  # nor a bool
-        (("#RETURN", (1, 0, [1, 2])), "answered"),  # ids not as bytes
+        (("#RETURN", (True, b"\x01\x02\x03")), "not int32 ids"),  # truncated ids
+        (("#RETURN", (True,)), "answered"),  # a field missing
+        (("#RETURN", (True, b"", 0)), "answered"),  # one too many
+        (("#RETURN", (1, b"")), "answered"),  # kept that is no bool
+        (("#RETURN", ("yes", b"")), "answered"),  # nor a str
+        (("#RETURN", (True, [1, 2])), "answered"),  # ids not as bytes
         (("#RETURN", "tokenizer exploded"), "could not tokenize the prompt: tokenizer exploded"),
         (("#ERROR", "boom"), "answered '#ERROR'"),
         ("not a tuple", "answered None"),

@@ -20,9 +20,9 @@ above (``mptok.routing``).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
-import secrets
 import sys
 import threading
 import warnings
@@ -69,12 +69,11 @@ ENTRY_OVERHEAD_BYTES = 1024
 
 @dataclass(frozen=True)
 class _Entry:
-    """A kept prompt, its version, the fingerprint chain of its text (empty
+    """A kept prompt, the fingerprint chain of its text (empty
     for a prompt kept without a key: no peer asks for those), and
     ``nbytes``, what it all costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
-    version: int
     chain: bytes = b""
     nbytes: int = 0
 
@@ -97,6 +96,14 @@ def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
 _Extension = tuple[Hashable, "_Entry | None", int]
 
 
+class Holding(enum.Enum):
+    """What a cache holds for a prompt it is asked about (``holding``)."""
+
+    NOT_KEPT = "not_kept"  # it would not keep the prompt (too short, too long, disabled)
+    KEPT_HERE = "kept_here"  # it would, and a prompt of its conversation is kept here
+    NOT_HERE = "not_here"  # it would, and nothing of its conversation is kept here
+
+
 class Encoder(Protocol):
     """Anything that tokenizes like ``PrefixTokenCache.encode``: the cache
     itself, or routing above it (``mptok.TokenizationOwners``)."""
@@ -115,8 +122,9 @@ class TokenCache(Encoder, Protocol):
 
     config: CacheConfig
 
-    def would_keep(self, text: str, key: str | None = None) -> bool:
-        """Whether ``encode`` would keep this prompt; raises for bad input as ``encode`` does."""
+    def holding(self, tokenizer: Any, text: str, key: str | None = None) -> Holding:
+        """Whether ``encode`` would keep this prompt, and whether its conversation is kept
+        here; raises for bad input as ``encode`` does."""
         ...
 
     def stats(self) -> dict[str, int]:
@@ -197,9 +205,6 @@ class PrefixTokenCache:
         self._cached_bytes = 0
         self._by_content = PrefixIndex()
         self._anonymous = itertools.count()
-        # Versions start at a random number: a peer that names a version of a
-        # previous run of this frontend must not find it here.
-        self._versions = itertools.count(secrets.randbits(62) + 1)
         self._disabled = False
         self._warned_slow = False
         self._counters = Counters(
@@ -248,21 +253,21 @@ class PrefixTokenCache:
         with self._lock:
             return (serial, key) in self._branches
 
-    def would_keep(self, text: str, key: str | None = None) -> bool:
-        """Whether ``encode(tokenizer, text, key)`` would keep the prompt
-        (its length is within the limits and the cache is enabled); raises
-        for bad input as ``encode`` does."""
+    def holding(self, tokenizer: Any, text: str, key: str | None = None) -> Holding:
+        """What this cache holds for ``encode(tokenizer, text, key)``, in one
+        question: whether it would keep the prompt at all (its length is
+        within the limits and the cache is enabled), and if so whether a
+        prompt of its conversation is kept here. Raises for bad input as
+        ``encode`` does."""
         _check_input(text, key)
-        return self._keeps(text)
+        if not self._keeps(text):
+            return Holding.NOT_KEPT
+        return Holding.KEPT_HERE if key is not None and self.holds(tokenizer, key) else Holding.NOT_HERE
 
     def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
-        """``encode_array``'s ids as a peer's reply, with the version the
-        prompt was kept as (0 if it was not kept)."""
+        """``encode_array``'s ids as a peer's reply, and whether the prompt was kept."""
         _check_input(text, key)
-        entry = self._entry_or_ids(tokenizer, text, key) if text else []
-        if isinstance(entry, _Entry):
-            return PeerReply(entry.version, 0, entry.prompt.ids.array())
-        return PeerReply(0, 0, as_id_array(entry))
+        return _reply_of(self._entry_or_ids(tokenizer, text, key) if text else [])
 
     def answer_peer(self, tokenizer: Any, key: str, since: int, shared_chars: int, tail: str) -> PeerReply | None:
         """The reply to a peer that sends conversation ``key``'s new prompt as
@@ -305,10 +310,7 @@ class PrefixTokenCache:
         shared = shared_chars + common_prefix_length(rest, tail)
         text = kept_text if shared == len(kept_text) == shared_chars + len(tail) else kept_text[:shared_chars] + tail
         holder = self._branch_holder(backend, key, holder, known, shared, text)
-        entry = self._entry_or_ids(tokenizer, text, key, extending=(holder, known, shared))
-        if isinstance(entry, _Entry):
-            return PeerReply(entry.version, 0, entry.prompt.ids.array())
-        return PeerReply(0, 0, as_id_array(entry))
+        return _reply_of(self._entry_or_ids(tokenizer, text, key, extending=(holder, known, shared)))
 
     def stats(self) -> dict[str, int]:
         """Counters since creation, and the current size of the cache.
@@ -448,7 +450,7 @@ class PrefixTokenCache:
         if key is not None:  # peers ask for keyed prompts only
             reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
             chain = extend_chain(text, reused)
-        entry = _Entry(prompt, next(self._versions), chain, entry_bytes(holder, prompt, chain))
+        entry = _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
         if continues and missed and not len(prompt.starts):
             # A conversation going on past a fast engine's ids, too long to
@@ -465,7 +467,7 @@ class PrefixTokenCache:
         prompt = CachedPrompt(
             prompt.text, prompt.ids, windowed.window_first, windowed.starts, windowed.ends, windowed.word_starts, prompt.reused
         )
-        replacement = _Entry(prompt, entry.version, entry.chain, entry_bytes(holder, prompt, entry.chain))
+        replacement = _Entry(prompt, entry.chain, entry_bytes(holder, prompt, entry.chain))
         with self._lock:
             current = self._entries.get(holder)
             if current is not entry:
@@ -620,6 +622,13 @@ class PrefixTokenCache:
                 "it tokenizes every prompt in full with the tokenizer itself",
                 stacklevel=5,
             )
+
+
+def _reply_of(entry: _Entry | list[int]) -> PeerReply:
+    """A peer's reply: the ids of the prompt kept as ``entry``, or of one not kept."""
+    if isinstance(entry, _Entry):
+        return PeerReply(True, entry.prompt.ids.array())
+    return PeerReply(False, as_id_array(entry))
 
 
 def _check_input(text: object, key: object) -> None:

@@ -1,13 +1,14 @@
 """The asker's side of the peer protocol: a fingerprint of each conversation it routed.
 
-``HeldReplies`` keeps, per conversation this frontend routed and owner it
-went to, the fingerprint of the prompt it sent (``mptok.core.fingerprint``):
+``HeldFingerprints`` keeps, per conversation this frontend routed and owner
+it went to, the fingerprint of the prompt it sent (``mptok.core.fingerprint``):
 about 440 bytes with a 36-character key, as Python allocates it, whatever
-the conversation's length; not the text or its ids. The next turn sends the owner only
-the characters after those the fingerprint covers, and the owner answers
-with all the ids. A turn goes whole when nothing is held for it here, when
-its text no longer starts with what the fingerprint covers, or when the
-owner no longer keeps the conversation.
+the conversation's length; not the text or its ids. ``request`` makes the
+next turn's ``PeerRequest``: only the characters after those the
+fingerprint covers when the text still starts with them, else the whole
+text; ``remember`` holds the fingerprint of what the owner kept. The owner
+answers a delta it cannot match with None, and the asker then sends the
+whole text.
 """
 
 from __future__ import annotations
@@ -15,23 +16,12 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-
-import numpy as np
+from collections.abc import Hashable
 
 from mptok.cache.config import DEFAULT_MAX_HELD_BYTES
 from mptok.core.fingerprint import Fingerprint, checkpoint_blocks, extend_chain
 from mptok.core.ids import key_bytes
-from mptok.core.protocol import PeerReply
-
-
-class BadReply(Exception):
-    """An owner's reply contradicts what this frontend sent it."""
-
-
-# One call to an owner: (text, since, shared_chars) -> its reply, or None
-# when no prompt it keeps has fingerprint ``since``.
-AskOwner = Callable[[str, int | None, int], PeerReply | None]
+from mptok.core.protocol import PeerRequest
 
 # What a held fingerprint costs beyond its key, its (owner, key) tuple and its
 # digest: the Fingerprint object, the LRU dict's slot, the pair in it and the
@@ -39,7 +29,7 @@ AskOwner = Callable[[str, int | None, int], PeerReply | None]
 HELD_OVERHEAD_BYTES = 256
 
 
-class HeldReplies:
+class HeldFingerprints:
     """A fingerprint of the last prompt this frontend routed per (owner,
     conversation). LRU, bounded by entries and by bytes
     (``CacheConfig.max_held_bytes``). Thread-safe."""
@@ -51,38 +41,27 @@ class HeldReplies:
         self._held: OrderedDict[Hashable, tuple[Fingerprint, int]] = OrderedDict()
         self._bytes = 0
 
-    def ask(self, owner: Hashable, key: str, text: str, call: AskOwner) -> tuple[np.ndarray, bool]:
-        """The ids of ``text`` as an int32 array, from ``owner`` through
-        ``call``, and whether the owner answered from the fingerprint (else
-        it got the whole text, in a second call if the fingerprint matched
-        nothing it keeps).
-
-        Holds the new prompt's fingerprint for the next turn. Raises
-        ``BadReply`` when the owner says it lacks a prompt for a whole text
-        or claims to reuse ids, and whatever ``call`` raises.
-        """
+    def request(self, owner: Hashable, key: str, text: str) -> tuple[PeerRequest, bytes]:
+        """What to send ``owner`` for ``text``: a delta when a fingerprint is
+        held and ``text`` starts with the characters it covers, else the whole
+        text; and the digest chain of ``text`` computed for it (``remember``
+        goes on from there)."""
         held = self.get(owner, key)
-        chain = b""
-        reply = None
-        if held is not None and len(text) >= held.chars:
-            chain = extend_chain(text, upto_blocks=held.blocks)
-            if held.matches(chain):
-                reply = call(text[held.chars :], held.since, held.chars)
-        answered_since = reply is not None
-        if reply is None:
-            reply = call(text, None, 0)
-            if reply is None:
-                raise BadReply("the owner asked for a fingerprint it was not given")
-        if reply.reused != 0:
+        if held is None or len(text) < held.chars:
+            return PeerRequest(text, key), b""
+        chain = extend_chain(text, upto_blocks=held.blocks)
+        if not held.matches(chain):
+            return PeerRequest(text, key), chain
+        return PeerRequest(text[held.chars :], key, held.since, held.chars), chain
+
+    def remember(self, owner: Hashable, key: str, text: str, chain: bytes, kept: bool) -> None:
+        """``owner`` answered for ``text`` (``chain`` as ``request`` gave it):
+        hold its fingerprint if the owner ``kept`` the prompt, else forget."""
+        if not kept:
             self.put(owner, key, None)
-            raise BadReply("the owner claims to reuse ids this frontend does not hold")
-        ids = reply.id_array()
-        if reply.version:
-            chain = extend_chain(text, chain, upto_blocks=checkpoint_blocks(len(text)))
-            self.put(owner, key, Fingerprint.of(text, chain))
-        else:
-            self.put(owner, key, None)
-        return ids, answered_since
+            return
+        chain = extend_chain(text, chain, upto_blocks=checkpoint_blocks(len(text)))
+        self.put(owner, key, Fingerprint.of(text, chain))
 
     def get(self, owner: Hashable, key: str) -> Fingerprint | None:
         with self._lock:

@@ -29,14 +29,19 @@ end in its own module:
 * ``mptok.transport.owner``: ``TokenizeManager`` and ``serve_encode``, the
   manager served from threads of the frontend itself on that listener.
 * ``mptok.transport.proxy``: ``EncodeProxy``, which replaces ``BaseProxy``:
-  one persistent connection per thread per owner, every step bounded.
+  one persistent connection per thread per owner, every step bounded by
+  the call's ``Deadline``; a call is a ``send`` and a ``reply``, which the
+  caller drives.
+
+What crosses is ``mptok.core.protocol``'s ``PeerRequest`` and
+``PeerReply``, each decoded once, on arrival.
 
 Everything a caller needs is importable from ``mptok.transport``.
 """
 
 from mptok.transport.listener import OwnerAlreadyServing, ServerLimits
 from mptok.transport.owner import PeerAnswer, TokenizeManager, serve_encode
-from mptok.transport.proxy import CALL_TIMEOUT_S, EncodeProxy
+from mptok.transport.proxy import CALL_TIMEOUT_S, EncodeProxy, SentRequest
 from mptok.transport.wire import (
     CLOSE_TIMEOUT_S,
     ENCODE_TYPEID,
@@ -46,7 +51,6 @@ from mptok.transport.wire import (
     OwnerTimeout,
     OwnerUnreachable,
     TransportError,
-    left_or_zero,
     socket_path,
 )
 
@@ -62,10 +66,10 @@ __all__ = [
     "OwnerTimeout",
     "OwnerUnreachable",
     "PeerAnswer",
+    "SentRequest",
     "ServerLimits",
     "TokenizeManager",
     "TransportError",
-    "left_or_zero",
     "serve_encode",
     "socket_path",
 ]

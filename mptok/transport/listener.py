@@ -21,12 +21,12 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mptok.core.counting import Counters
+from mptok.core.deadline import Deadline
 from mptok.core.private_files import open_private_file
 from mptok.transport.wire import (
     CLOSE_TIMEOUT_S,
@@ -34,7 +34,6 @@ from mptok.transport.wire import (
     MAX_UNIX_PATH_BYTES,
     MessageTooLarge,
     TimedConnection,
-    left_or_zero,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,7 +98,7 @@ class PeerConnection(TimedConnection):
         super().__init__(sock, limits.max_message_bytes)
         self._limits = limits
         self._serving = False
-        self.deadline = time.monotonic() + limits.handshake_timeout_s
+        self.deadline = Deadline.after(limits.handshake_timeout_s)
 
     def start_serving(self) -> None:
         self._serving = True
@@ -113,15 +112,14 @@ class PeerConnection(TimedConnection):
     def recv(self) -> Any:
         if not self._serving:
             return super().recv()
-        idle = self._limits.idle_timeout_s
-        self.deadline = None if idle is None else time.monotonic() + idle
+        self.deadline = Deadline.after(self._limits.idle_timeout_s)
         try:
             self.wait_for_message()
         except OSError as e:  # TimeoutError included: idle for too long
             raise EOFError(f"no request: {e!r}") from e
         # From its first byte on, a request (its header too) has the message
         # timeout: a half-sent header does not hold the thread until idle.
-        self.deadline = time.monotonic() + self._limits.message_timeout_s
+        self.deadline = Deadline.after(self._limits.message_timeout_s)
         try:
             return super().recv()
         except MessageTooLarge:
@@ -132,7 +130,7 @@ class PeerConnection(TimedConnection):
 
     def send(self, obj: Any) -> None:
         if self._serving:
-            self.deadline = time.monotonic() + self._limits.message_timeout_s
+            self.deadline = Deadline.after(self._limits.message_timeout_s)
         super().send(obj)
 
 
@@ -178,12 +176,12 @@ class Listener:
         Returns whether every thread ended in time (threads still busy in a
         tokenization end when it does, without touching the connection).
         """
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline.after(timeout_s)
         self._closing.set()
         # close() alone does not wake a thread blocked in accept() on Linux.
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        self._thread.join(left_or_zero(deadline))
+        self._thread.join(deadline.left())
         with self._lock:
             # Under the lock: a serving thread forgets its connection under
             # it before closing the descriptor.
@@ -191,7 +189,7 @@ class Listener:
                 conn.shutdown()
             threads = list(self._threads)
         for thread in threads:
-            thread.join(left_or_zero(deadline))
+            thread.join(deadline.left())
         self._file.close()
         alive = [t.name for t in [self._thread, *threads] if t.is_alive()]
         if alive:

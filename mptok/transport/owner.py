@@ -23,32 +23,30 @@ from collections.abc import Callable
 from typing import Any
 
 from mptok.core.counting import Counters, Histogram
-from mptok.core.protocol import PeerReply
+from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.transport.listener import Listener, OwnerAlreadyServing, ServerLimits
 from mptok.transport.mp_private import InProcessManager, OwnerServer
-from mptok.transport.wire import ENCODE_TYPEID, int32_payload
+from mptok.transport.wire import ENCODE_TYPEID
 
 __all__ = ["OwnerAlreadyServing", "PeerAnswer", "ServerLimits", "TokenizeManager", "serve_encode"]
 
 logger = logging.getLogger(__name__)
 
 
-# What an owner runs for a peer: ``answer(text, key, since, shared_chars)``,
-# as ``mptok.routing.answer.answer_peer`` with its cache and tokenizer bound.
-# Its reply's ids may be a list or any int32 buffer (numpy, ``array('i')``).
-PeerAnswer = Callable[[str, str | None, int | None, int], PeerReply | None]
+# What an owner runs for a peer's request (``mptok.routing.answer.PeerService.answer``):
+# the reply, or None when a delta's fingerprint matches no prompt kept here.
+PeerAnswer = Callable[[PeerRequest], PeerReply | None]
 
 
 class _EncodeService:
     """The object an owner serves: ``encode`` and nothing else.
 
-    ``encode(text, key, since, shared_chars)`` returns ``(version, reused,
-    ids as native int32 bytes)``; None when ``since`` names a version the
-    owner cannot rebuild the prompt from (the peer then sends the whole
-    text); or a str saying why the owner could not tokenize the text (the
-    peer then tokenizes it itself and reports its own error). It never
-    raises, so a reply never carries an exception object, which the peer
-    would refuse to unpickle.
+    ``encode(*PeerRequest.to_wire())`` returns ``PeerReply.to_wire()``;
+    None when the request's fingerprint matches no prompt the owner keeps
+    (the peer then sends the whole text); or a str saying why the owner
+    could not tokenize the text (the peer then tokenizes it itself and
+    reports its own error). It never raises, so a reply never carries an
+    exception object, which the peer would refuse to unpickle.
     """
 
     def __init__(self, answer: PeerAnswer):
@@ -58,28 +56,19 @@ class _EncodeService:
         # beside the peers' mptok_route_seconds, what a crossing costs.
         self.serve_seconds = Histogram()
 
-    def encode(
-        self, text: object, key: object = None, since: object = None, shared_chars: object = 0
-    ) -> tuple[int, int, bytes] | str | None:
-        if (
-            not isinstance(text, str)
-            or not (key is None or isinstance(key, str))
-            or not (since is None or type(since) is int)
-            or type(shared_chars) is not int
-        ):
-            self.counters.add("serve_errors")
-            return "encode takes (text: str, key: str | None, since: int | None, shared_chars: int)"
+    def encode(self, *args: object) -> tuple | str | None:
         started = time.perf_counter()
         try:
-            reply = self._answer(text, key, since, shared_chars)
-            packed = None if reply is None else (reply.version, reply.reused, int32_payload(reply.ids))
+            request = PeerRequest.from_wire(args)
+            reply = self._answer(request)
+            packed = None if reply is None else reply.to_wire()
         except Exception as e:
             self.counters.add("serve_errors")
             logger.debug("could not tokenize a prompt for a peer: %r", e)
             return f"{type(e).__name__}: {e}"
         self.serve_seconds.observe(time.perf_counter() - started)
         self.counters.add("served")
-        if since is not None and packed is not None:
+        if request.delta and packed is not None:
             self.counters.add("served_since")
         return packed
 

@@ -4,8 +4,14 @@
 proxy (create, incref, decref), has finalizers that hang against a stopped
 owner, and shares one connection per thread among every proxy: here each
 thread keeps one persistent connection per owner, nothing is reference
-counted, every step is bounded by the call's deadline, and a connection
+counted, every step is bounded by the call's ``Deadline``, and a connection
 that timed out is dropped.
+
+A call is two steps the caller drives: ``send`` a ``PeerRequest`` (which
+connects first if this thread has no connection), then read the
+``PeerReply`` from the ``SentRequest`` it returns. Between them the caller
+may do its own work while the owner does its own (routing checks the
+owner's liveness there); nothing here calls back up.
 """
 
 from __future__ import annotations
@@ -13,14 +19,14 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
-import time
 import weakref
 from collections.abc import Callable, Hashable
 from multiprocessing import AuthenticationError
+from types import TracebackType
 from typing import Any
 
-from mptok.core.ids import INT32
-from mptok.core.protocol import PeerReply
+from mptok.core.deadline import Deadline
+from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.transport.mp_private import ACCEPT_CONNECTION, authenticate_to_owner
 from mptok.transport.wire import (
     CLOSE_TIMEOUT_S,
@@ -32,8 +38,6 @@ from mptok.transport.wire import (
     OwnerUnreachable,
     TimedConnection,
     TransportError,
-    left_or_zero,
-    time_left,
 )
 
 # How long a call to an owner may take, unless its caller says otherwise: the
@@ -43,18 +47,6 @@ CALL_TIMEOUT_S = 5.0
 
 class _StaleConnection(OwnerUnreachable):
     """A reused connection turned out dead: the owner restarted or closed it idle."""
-
-
-class _Once:
-    """Runs ``fn`` the first time it is called, and never again (None: never)."""
-
-    def __init__(self, fn: Callable[[], None] | None):
-        self._fn = fn
-
-    def __call__(self) -> None:
-        fn, self._fn = self._fn, None
-        if fn is not None:
-            fn()
 
 
 class _Link:
@@ -89,17 +81,16 @@ class EncodeProxy:
 
     Each thread keeps one authenticated connection to the owner and reuses
     it. Every step (connect, authkey handshake, request, reply) ends by the
-    call's deadline, ``timeout_s`` after the call starts; a call that times
-    out drops its connection, so a late reply is never read as the answer to
-    a later call. A reused connection that turns out dead (the owner
-    restarted, or closed it idle) is replaced once, transparently, within the
-    same deadline. ``incarnation``, any hashable naming the owner process the
-    caller expects, drops connections made to an owner since replaced.
+    call's deadline; a call that times out drops its connection, so a late
+    reply is never read as the answer to a later call. A reused connection
+    that turns out dead (the owner restarted, or closed it idle) is replaced
+    once, transparently, by the same deadline. ``incarnation``, any hashable
+    naming the owner process the caller expects, drops connections made to
+    an owner since replaced.
 
-    ``encode_since`` raises ``OwnerTimeout``, ``OwnerUnreachable`` or
-    ``OwnerError`` (or what its ``while_waiting`` raised) and nothing else,
-    whatever the owner does. The ids of its reply are an int32
-    ``memoryview`` of the bytes received (``np.asarray`` reads it without a copy).
+    ``send``, ``SentRequest.reply`` and ``ask`` raise ``OwnerTimeout``,
+    ``OwnerUnreachable`` or ``OwnerError`` and nothing else, whatever the
+    owner does.
     """
 
     def __init__(
@@ -119,47 +110,38 @@ class EncodeProxy:
         self._links: weakref.WeakSet[_Link] = weakref.WeakSet()
         self._closed = False
 
-    def encode_since(
-        self,
-        text: str,
-        key: str | None = None,
-        *,
-        since: int | None = None,
-        shared_chars: int = 0,
-        incarnation: Hashable = None,
-        deadline: float | None = None,
-        while_waiting: Callable[[], None] | None = None,
-    ) -> PeerReply | None:
-        """The owner's reply for a prompt of conversation ``key``.
+    def ask(self, request: PeerRequest, deadline: Deadline | None = None, incarnation: Hashable = None) -> PeerReply | None:
+        """``send`` and read the reply at once: the owner's ``PeerReply``, or
+        None when ``request`` is a delta whose fingerprint matches nothing it keeps."""
+        with self.send(request, deadline, incarnation) as sent:
+            return sent.reply()
 
-        Without ``since``, ``text`` is the whole prompt. With it, the caller
-        holds the ids of the conversation's version ``since`` and ``text``
-        is the prompt after its first ``shared_chars`` characters, which it
-        shares with that version (see ``mptok.routing.answer.answer_peer``);
-        None means the owner cannot rebuild the prompt from that version.
-
-        The call ends by ``deadline`` (a ``time.monotonic()`` instant) if
-        given, else ``timeout_s`` from now: calls made for one prompt share
-        one deadline.
-
-        ``while_waiting`` runs once per call (it must not block): after the
-        request is sent, while the owner works, or before connecting when
-        the call needs a new connection (a handshake waits on the owner
-        too). What it raises ends the call, drops its connection and reaches
-        the caller as it is.
-        """
+    def send(self, request: PeerRequest, deadline: Deadline | None = None, incarnation: Hashable = None) -> SentRequest:
+        """Send ``request`` on this thread's connection (made first, by
+        ``deadline``, if there is none), and return the call, whose reply is
+        read by the same ``deadline`` (default: ``timeout_s`` from now). Use
+        the result in a ``with`` block: leaving it unread drops the
+        connection (the owner's late reply is never read)."""
         if deadline is None:
-            deadline = time.monotonic() + self._timeout_s
-        args = (text, key, since, shared_chars)
-        pending = _Once(while_waiting)
+            deadline = Deadline.after(self._timeout_s)
         link = self._reusable_link(incarnation)
         if link is not None:
+            link.in_use.acquire()
             try:
-                return self._call(link, args, deadline, pending)
+                self._send_on(link, request, deadline)
+                return SentRequest(self, link, request, deadline, incarnation, reused=True)
             except _StaleConnection:
-                pass
-        pending()  # a new connection's handshake waits on the owner too: before it
-        return self._call(self._open(incarnation, deadline), args, deadline, pending)
+                link.in_use.release()
+            except BaseException:
+                link.in_use.release()
+                raise
+        return SentRequest(self, self._send_fresh(request, deadline, incarnation), request, deadline, incarnation, reused=False)
+
+    def connected(self, incarnation: Hashable = None) -> bool:
+        """Whether this thread holds a connection to the owner ``incarnation``
+        names (a ``send`` then makes no handshake, which waits on the owner too)."""
+        link: _Link | None = getattr(self._local, "link", None)
+        return link is not None and link.conn is not None and link.incarnation == incarnation
 
     def abort(self) -> list[_Link]:
         """Fail calls in flight and later calls at once, without waiting; ``close()`` then frees the connections.
@@ -173,20 +155,47 @@ class EncodeProxy:
             link.abort()
         return links
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, deadline: Deadline | None = None) -> None:
         """Close every thread's connection; calls in flight and later calls fail at once.
 
-        Waits at most ``timeout_s`` in all for the calls in flight to let go
-        of their connections.
+        Waits until ``deadline`` (default: ``CLOSE_TIMEOUT_S`` from now) at
+        most, in all, for the calls in flight to let go of their connections.
         """
         links = self.abort()
-        deadline = time.monotonic() + timeout_s
+        if deadline is None:
+            deadline = Deadline.after(CLOSE_TIMEOUT_S)
         for link in links:
-            if link.in_use.acquire(timeout=left_or_zero(deadline)):
+            if link.in_use.acquire(timeout=deadline.left()):
                 try:
                     link.close()
                 finally:
                     link.in_use.release()
+
+    def _send_fresh(self, request: PeerRequest, deadline: Deadline, incarnation: Hashable) -> _Link:
+        """Send on a new connection; returns it with its ``in_use`` held."""
+        link = self._open(incarnation, deadline)
+        link.in_use.acquire()
+        try:
+            self._send_on(link, request, deadline)
+        except BaseException:
+            link.in_use.release()
+            raise
+        return link
+
+    def _send_on(self, link: _Link, request: PeerRequest, deadline: Deadline) -> None:
+        """Send on ``link``, whose ``in_use`` the caller holds."""
+        conn = link.conn
+        if conn is None:
+            raise _StaleConnection(f"connection to {self.address} was closed")
+        conn.deadline = deadline
+        self._step(link, conn.send, (ENCODE_TYPEID, "encode", request.to_wire(), {}))
+
+    def _receive_on(self, link: _Link) -> object:
+        """The next whole message on ``link``, whose ``in_use`` the caller holds."""
+        conn = link.conn
+        if conn is None:
+            raise _StaleConnection(f"connection to {self.address} was closed")
+        return self._step(link, conn.recv)
 
     def _reusable_link(self, incarnation: Hashable) -> _Link | None:
         link: _Link | None = getattr(self._local, "link", None)
@@ -199,21 +208,6 @@ class EncodeProxy:
             return None
         return link
 
-    def _call(self, link: _Link, args: tuple, deadline: float, while_waiting: _Once) -> PeerReply | None:
-        with link.in_use:
-            conn = link.conn
-            if conn is None:
-                raise _StaleConnection(f"connection to {self.address} was closed")
-            conn.deadline = deadline
-            self._step(link, conn.send, (ENCODE_TYPEID, "encode", args, {}))
-            try:
-                while_waiting()
-            except BaseException:
-                link.close()  # the reply, if it comes, is never read
-                raise
-            reply = self._step(link, conn.recv)
-        return _reply_from(self.address, reply)
-
     def _step(self, link: _Link, step: Callable[..., Any], *args: Any) -> Any:
         """``step(*args)`` on ``link``'s connection; a failure drops the connection unless the stream is intact."""
         try:
@@ -225,7 +219,7 @@ class EncodeProxy:
             link.close()
             raise self._failure(e, "call", stale=_StaleConnection) from e
 
-    def _open(self, incarnation: Hashable, deadline: float) -> _Link:
+    def _open(self, incarnation: Hashable, deadline: Deadline) -> _Link:
         if self._closed:
             raise OwnerUnreachable("proxy closed")
         conn = self._connect(deadline)
@@ -238,10 +232,10 @@ class EncodeProxy:
         self._local.link = link
         return link
 
-    def _connect(self, deadline: float) -> TimedConnection:
+    def _connect(self, deadline: Deadline) -> TimedConnection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(time_left(deadline))
+            sock.settimeout(deadline.left_or_raise())
             sock.connect(self.address)
             conn = TimedConnection(sock, self._max_reply_bytes)
             conn.deadline = deadline
@@ -272,26 +266,66 @@ class EncodeProxy:
         return OwnerUnreachable(f"{step} with {self.address} failed: {e!r}")
 
 
+class SentRequest:
+    """A request on its way to an owner; ``reply()`` reads the answer.
+
+    Holds its connection until the ``with`` block ends; leaving the block
+    without ``reply()`` (the caller gave up on the owner) drops the
+    connection, so the late reply is never read.
+    """
+
+    def __init__(
+        self, proxy: EncodeProxy, link: _Link, request: PeerRequest, deadline: Deadline, incarnation: Hashable, *, reused: bool
+    ):
+        self._proxy, self._request = proxy, request
+        self._link: _Link | None = link
+        self._deadline, self._incarnation, self._reused = deadline, incarnation, reused
+        self._answered = False
+
+    def reply(self) -> PeerReply | None:
+        """The owner's reply, or None for a delta whose fingerprint matches nothing it keeps."""
+        assert self._link is not None, "a reply is read once, inside the with block"
+        try:
+            message = self._proxy._receive_on(self._link)
+        except _StaleConnection:
+            if not self._reused:
+                raise
+            # The owner closed a reused connection (it restarted, or it was
+            # idle): once more on a new one, by the same deadline.
+            self._release()
+            self._reused = False
+            self._link = self._proxy._send_fresh(self._request, self._deadline, self._incarnation)
+            message = self._proxy._receive_on(self._link)
+        self._answered = True  # whatever it says, the stream is intact
+        return _reply_from(self._proxy.address, message)
+
+    def __enter__(self) -> SentRequest:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._link is not None and not self._answered:
+            self._link.close()  # the reply, if it comes, is never read
+        self._release()
+
+    def _release(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.in_use.release()
+
+
 def _reply_from(address: str, reply: object) -> PeerReply | None:
-    """The ``PeerReply`` an owner's ``('#RETURN', (version, reused, int32 bytes))`` carries, its ids
-    an int32 ``memoryview`` of those bytes; None for ``('#RETURN', None)``; else ``OwnerError``."""
+    """The ``PeerReply`` an owner's ``('#RETURN', reply)`` carries; None for
+    ``('#RETURN', None)``; else ``OwnerError``."""
     kind, result = reply if isinstance(reply, tuple) and len(reply) == 2 else (None, reply)
     if kind == "#RETURN" and result is None:
         return None
-    if (
-        kind == "#RETURN"
-        and isinstance(result, tuple)
-        and len(result) == 3
-        and type(result[0]) is int
-        and type(result[1]) is int
-        and result[1] >= 0
-        and isinstance(result[2], bytes)
-    ):
-        try:
-            ids = memoryview(result[2]).cast(INT32)  # the received bytes themselves, no copy
-        except TypeError as e:
-            raise OwnerError(f"{address} sent {len(result[2])} bytes, not int32 ids") from e
-        return PeerReply(result[0], result[1], ids)
     if kind == "#RETURN" and isinstance(result, str):
         raise OwnerError(f"{address} could not tokenize the prompt: {result}")
-    raise OwnerError(f"{address} answered {kind!r}: {str(result)[:200]}")
+    if kind != "#RETURN":
+        raise OwnerError(f"{address} answered {kind!r}: {str(result)[:200]}")
+    try:
+        return PeerReply.from_wire(result)
+    except ValueError as e:
+        raise OwnerError(f"{address} answered: {e}") from e

@@ -11,10 +11,9 @@ with a deadline on every message, a cap on its size, and an unpickler that
 refuses globals, so a request cannot run code in the owner (nor a reply in
 the peer).
 
-Token ids cross as native int32 bytes (``int32_payload``): building a
-38k-element list costs as much as the rest of the call, so neither end
-builds one; the owner's ids are copied once, into the message, and the
-asker reads them where the message put them.
+What crosses is ``mptok.core.protocol``'s two records, which encode and
+decode themselves; this module moves their bytes and nothing else. Every
+message ends by the ``mptok.core.deadline.Deadline`` its call was given.
 """
 
 from __future__ import annotations
@@ -25,12 +24,10 @@ import os
 import pickle
 import socket
 import struct
-import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from mptok.core.ids import INT32
+from mptok.core.deadline import Deadline
 
 SOCKET_NAME = "tokenize-{}.sock"
 # The well-known ident under which an owner publishes its cache service, so a
@@ -57,8 +54,6 @@ _MAX_INBOX_BYTES = 1 << 20
 # A header alone never makes a buffer larger than this: a longer message's
 # buffer grows as its bytes arrive (at most the connection's message cap).
 _FIRST_READ_BYTES = 4 << 20
-# How a buffer of native int32 describes itself (numpy may spell the byte order).
-_NATIVE_INT32_FORMATS = frozenset({INT32, f"@{INT32}", f"={INT32}", f"{'<' if sys.byteorder == 'little' else '>'}{INT32}"})
 # A kernel timeout armed for a deadline is re-armed once it is this much older
 # than the time left: a read or write then ends at most this late.
 _REARM_AFTER_S = 0.01
@@ -89,47 +84,6 @@ class MessageTooLarge(OSError):
     """A message longer than the connection accepts; the connection was shut down unread."""
 
 
-def time_left(deadline: float | None) -> float | None:
-    """Seconds left before ``deadline`` (None: no limit); ``TimeoutError`` once it has passed."""
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
-
-
-def left_or_zero(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
-
-
-def int32_bytes(ids: Sequence[int]) -> bytes:
-    """``ids`` as native int32 bytes, from a list or any 1-D int32 buffer (numpy, ``array('i')``).
-
-    A buffer is copied as it is, without a Python int per id; a list is
-    packed in one call (about 2.5x faster than ``array("i", ids)``, whose
-    constructor parses every element generically). Raises ``TypeError`` for
-    a buffer of anything but int32.
-    """
-    payload = int32_payload(ids)
-    return payload if isinstance(payload, bytes) else payload.raw().tobytes()
-
-
-def int32_payload(ids: Sequence[int]) -> bytes | pickle.PickleBuffer:
-    """What an owner's reply carries for ``ids``: ``int32_bytes``' bytes,
-    except that a buffer is wrapped, not copied; pickled, it becomes the
-    same bytes, copied once, straight into the message. Raises as ``int32_bytes``."""
-    if isinstance(ids, list):
-        return struct.Struct(f"{len(ids)}{INT32}").pack(*ids)
-    view = memoryview(ids)  # type: ignore[arg-type]
-    if view.ndim != 1 or view.itemsize != 4 or view.format not in _NATIVE_INT32_FORMATS:
-        raise TypeError(f"ids must be int32, not a buffer of {view.format!r} x {view.ndim}-D")
-    if not view.c_contiguous:  # a strided view: gathered into bytes
-        return view.tobytes()
-    # Read-only, so that it is pickled as bytes (a writable one would be a bytearray).
-    return pickle.PickleBuffer(view.toreadonly())
-
-
 class _NoGlobalsUnpickler(pickle.Unpickler):
     """Unpickles plain data only; a reference to any class or function is refused.
 
@@ -157,7 +111,7 @@ class TimedConnection:
     larger than ``_FIRST_READ_BYTES`` is allocated on the word of a header
     alone.
 
-    ``deadline`` (a ``time.monotonic()`` instant, None: no limit) bounds
+    ``deadline`` (a ``Deadline``; ``Deadline.never()``: no limit) bounds
     every read and write: each message checks the time left, and the
     kernel's SO_RCVTIMEO/SO_SNDTIMEO are set to it once per deadline (again
     only for a message still in flight ``_REARM_AFTER_S`` later), so a call
@@ -188,10 +142,11 @@ class TimedConnection:
         # Bytes read but not yet consumed are self._inbox[self._start:self._end].
         self._inbox = bytearray(_INBOX_BYTES)
         self._start = self._end = 0
-        self.deadline: float | None = None
+        self.deadline = Deadline.never()
         # Per direction: the deadline its kernel timeout was set for, and when
         # (a new socket has none: as if set for no deadline).
-        self._armed: dict[int, tuple[float | None, float]] = {socket.SO_RCVTIMEO: (None, 0.0), socket.SO_SNDTIMEO: (None, 0.0)}
+        never = self.deadline
+        self._armed: dict[int, tuple[Deadline, float]] = {socket.SO_RCVTIMEO: (never, 0.0), socket.SO_SNDTIMEO: (never, 0.0)}
 
     def send(self, obj: Any) -> None:
         self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
@@ -304,12 +259,12 @@ class TimedConnection:
 
     def _arm(self, option: int) -> None:
         """Check the deadline; set ``option`` to the time left unless it is set for this deadline already."""
-        left = time_left(self.deadline)
+        left = self.deadline.left_or_raise()
         now = time.monotonic()
         armed_for, armed_at = self._armed[option]
-        if armed_for == self.deadline and (left is None or now - armed_at < _REARM_AFTER_S):
+        if armed_for == self.deadline and (not self.deadline.bounded or now - armed_at < _REARM_AFTER_S):
             return
-        if left is None:
+        if not self.deadline.bounded:
             timeval = _TIMEVAL.pack(0, 0)  # no timeout
         else:
             seconds = int(left)
