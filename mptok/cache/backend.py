@@ -664,7 +664,19 @@ def _overlapping_added_tokens(tokens: Any) -> tuple[str, str] | None:
     raw = [t.content for t in tokens if not t.normalized and t.content]
     if not normalized or not raw:
         return None
+    # A tokenizer may have a thousand raw tokens: trying every pair is
+    # millions of string operations at every start. Sets of what a raw token
+    # can be in a normalized one (itself, or a proper start of it) find the
+    # normalized tokens that overlap one; only their pairs are then tried,
+    # in order, for the same answer.
+    whole = set(raw)
+    starts = {b[:n] for b in raw for n in range(1, len(b))}
     for a in normalized:
+        if not (
+            any(a[i:j] in whole for i in range(len(a)) for j in range(i + 1, len(a) + 1))
+            or any(a[-n:] in starts for n in range(1, len(a)))
+        ):
+            continue
         for b in raw:
             if b in a or any(a.endswith(b[:n]) for n in range(1, min(len(a), len(b)))):
                 return a, b
@@ -697,9 +709,12 @@ def _space_marker_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[froze
         return frozenset(), frozenset()
     vocab = tokenizer.get_vocab(with_added_tokens=False)
     for piece in vocab:
-        for i in range(1, len(piece)):
-            if piece[i] == marker and piece[i - 1] != marker:
+        # str.find, not a Python loop over every character of a large vocabulary.
+        i = piece.find(marker, 1)
+        while i != -1:
+            if piece[i - 1] != marker:
                 return frozenset(), frozenset()
+            i = piece.find(marker, i + 1)
     opens = frozenset(i for piece, i in vocab.items() if piece.startswith(marker))
     closes = frozenset(i for piece, i in vocab.items() if piece.endswith(marker))
     return opens, closes
