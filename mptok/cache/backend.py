@@ -27,7 +27,10 @@ each engine that loads is checked id for id against the Rust tokenizer on an
 adversarial corpus and timed in CPU time, and the cheapest exact one is used
 (``choice="auto"``; long prompts may go to the other engine, timed apart on
 long texts), or the one ``CacheConfig.tokenizer_backend`` names if it
-passes the check; a process decides once per tokenizer specification.
+passes the check; a process decides once per tokenizer specification, and
+a machine once per specification and versions: the verdict is kept in the
+engine memo (``mptok.cache.engine_memo``), and a later start reads it and
+loads only the engines it names.
 Results are re-checked in the background within a CPU budget, and one
 difference switches the backend back to the Rust tokenizer, and the engine
 is not trusted for that tokenizer again in this process.
@@ -44,6 +47,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +56,7 @@ from typing import Any
 import orjson
 from tokenizers import Encoding, Tokenizer
 
-from mptok.cache import fast_backends
+from mptok.cache import engine_memo, fast_backends
 from mptok.cache.config import CacheConfig
 from mptok.cache.fast_backends import CHOICES, ENGINES, FIRST_CHECKS, VERIFIER, EngineUnavailable, IdsEngine
 from mptok.cache.segments import SegmentOpeners
@@ -351,11 +355,19 @@ class TokenizerBackend:
         if engine is not None:
             self._engine = engine
         self._spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
+        # What a verdict kept in the engine memo was made for: set when the
+        # engine was chosen here (not handed over), so that a difference
+        # found later can remove it.
+        self._memo_inputs = (split_special, choice) if engine is None else None
         engine_to_reference = DEFAULT_ENGINE_TO_REFERENCE
         if engine is None and choice != "tokenizers":
             self._engine, self.choice_report, engine_to_reference = self._chosen_engine(spec_json, split_special, choice)
         self._check_budget = fast_backends.CheckBudget(check_share * engine_to_reference)
-        logger.info("tokenizer backend for %s: %s (%s)", self.name, self.engine_name, self.choice_report or choice)
+        names = self.engine_names
+        engines = names["short"] if names["long"] == names["short"] else (
+            f"{names['short']}, {names['long']} for texts of {LONG_TEXT_CHARS:,} characters or more"
+        )
+        logger.info("tokenizer backend for %s: %s (%s)", self.name, engines, self.choice_report or choice)
 
     # -- the fast engine ---------------------------------------------------------
 
@@ -442,6 +454,7 @@ class TokenizerBackend:
             return
         self._engine = self._long_engine = None
         _distrusted.add((self._spec_digest, engine.name))
+        self._forget_memo()
         # The cache keys what it keeps by the serial: a new one forgets every
         # prompt the engine tokenized, so none of them is answered or spliced
         # onto again.
@@ -461,7 +474,10 @@ class TokenizerBackend:
     ) -> tuple[IdsEngine | None, str, float]:
         """``_choose_engine``'s verdict, made once per process for a
         specification (a tokenizer loaded again, or by another caller, has
-        the same one): its engines are shared, unless one was distrusted since."""
+        the same one): its engines are shared, unless one was distrusted
+        since. A process's first verdict for it comes from the engine memo
+        when that holds one for the same key, else it is made here and kept
+        there."""
         slot = (self._spec_digest, split_special, choice)
         with _verdicts_lock:
             verdict = _verdicts.get(slot)
@@ -470,19 +486,90 @@ class TokenizerBackend:
         ):
             engine, self._long_engine, report, ratio = verdict
             return engine, report + " (decided earlier in this process)", ratio
-        engine, report, ratio = self._choose_engine(spec_json, split_special, choice)
+        texts = fast_backends.self_check_texts(self._added_contents())
+        memo = engine_memo.from_env()
+        if memo is None:
+            engine, report, ratio, _ = self._choose_engine(spec_json, split_special, choice, texts)
+            report = f"decided at this start, engine memo off: {report}"
+        else:
+            key = engine_memo.memo_key(self._spec_digest, split_special, choice, texts)
+            remembered = self._remembered(memo, key, spec_json, split_special)
+            if remembered is None:
+                # Processes that start at once: one decides, the others wait
+                # for its verdict rather than each timing the engines
+                # against the others' load and choosing apart.
+                with memo.deciding(key) as held:
+                    remembered = self._remembered(memo, key, spec_json, split_special) if held else None
+                    if remembered is None:
+                        remembered = self._decided(memo, key, spec_json, split_special, choice, texts)
+            engine, report, ratio = remembered
         if not any((self._spec_digest, name) in _distrusted for name in ENGINES):
             with _verdicts_lock:
                 _verdicts[slot] = (engine, self._long_engine, report, ratio)
         return engine, report, ratio
 
-    def _choose_engine(
-        self, spec_json: str, split_special: bool, choice: str
+    def _remembered(
+        self, memo: engine_memo.EngineMemo, key: dict[str, Any], spec_json: str, split_special: bool
+    ) -> tuple[IdsEngine | None, str, float] | None:
+        """The verdict ``memo`` keeps for ``key`` with its engines loaded (and
+        ``_long_engine`` set), or None: none kept, one naming an engine
+        distrusted here, or one whose engine does not load now."""
+        verdict = memo.read(key)
+        if verdict is None or any((self._spec_digest, name) in _distrusted for name in verdict.engines):
+            return None
+        loaded = {}
+        for name in verdict.engines:
+            try:
+                loaded[name] = fast_backends.load_engine(name, spec_json, split_special)
+            except EngineUnavailable as e:
+                logger.warning("engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), name, e)
+                return None
+        engine = loaded.get(verdict.short)
+        self._long_engine = loaded.get(verdict.long) if engine is not None and verdict.long != verdict.short else None
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(verdict.decided_at))
+        source = f"from the engine memo {memo.path(key)}, decided by pid {verdict.decided_by} at {when}"
+        return engine, f"{source}: {verdict.report}", verdict.ratio
+
+    def _decided(
+        self,
+        memo: engine_memo.EngineMemo,
+        key: dict[str, Any],
+        spec_json: str,
+        split_special: bool,
+        choice: str,
+        texts: list[str],
     ) -> tuple[IdsEngine | None, str, float]:
-        """The engine to use (None: `tokenizers`), why, and its CPU per
-        character against the reference's."""
+        """``_choose_engine``'s verdict, kept in ``memo`` unless an engine
+        was found wrong for this tokenizer in this process (the check and
+        the timing then did not see every engine)."""
+        engine, report, ratio, passed = self._choose_engine(spec_json, split_special, choice, texts)
+        if any((self._spec_digest, name) in _distrusted for name in ENGINES):
+            return engine, f"decided at this start, not kept: an engine was found wrong here: {report}", ratio
+        short = engine.name if engine is not None else "tokenizers"
+        longer = self._long_engine.name if self._long_engine is not None and engine is not None else short
+        verdict = engine_memo.Verdict(short, longer, passed, ratio, report, os.getpid(), time.time())
+        kept = f"kept in the engine memo {memo.path(key)}" if memo.write(key, verdict) else "the engine memo could not be written"
+        return engine, f"decided at this start, {kept}: {report}", ratio
+
+    def _forget_memo(self) -> None:
+        """Remove the verdict the engine memo keeps for this backend's
+        tokenizer: an engine it trusted gave a wrong result, so the next
+        start checks the engines again."""
+        if self._memo_inputs is None:
+            return
+        memo = engine_memo.from_env()
+        if memo is not None:
+            split_special, choice = self._memo_inputs
+            texts = fast_backends.self_check_texts(self._added_contents())
+            memo.forget(engine_memo.memo_key(self._spec_digest, split_special, choice, texts))
+
+    def _choose_engine(
+        self, spec_json: str, split_special: bool, choice: str, texts: list[str]
+    ) -> tuple[IdsEngine | None, str, float, tuple[str, ...]]:
+        """The engine to use (None: `tokenizers`), why, its CPU per
+        character against the reference's, and the engines that passed
+        the check on ``texts``."""
         names = ENGINES if choice == "auto" else (choice,)
-        texts = fast_backends.self_check_texts(self._added_contents())
         expected: dict[str, list[int] | None] = {}
 
         def reference(text: str) -> list[int] | None:
@@ -501,7 +588,7 @@ class TokenizerBackend:
             # tokenizers matches non-normalized added tokens before normalized
             # ones; both engines match them in one pass, and so does the
             # segment splice's proof. Where the two kinds overlap they differ.
-            return None, f"added tokens {two_pass} overlap across the normalized and raw passes", DEFAULT_ENGINE_TO_REFERENCE
+            return None, f"added tokens {two_pass} overlap across the normalized and raw passes", DEFAULT_ENGINE_TO_REFERENCE, ()
         for name in names:
             if (self._spec_digest, name) in _distrusted:
                 notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
@@ -520,15 +607,16 @@ class TokenizerBackend:
             candidates.append((cost.cpu_seconds, engine))
         if choice != "auto" and not candidates:
             logger.warning("tokenizer backend %s refused for %s (%s); using tokenizers", choice, self.name, notes[0])
+        passed = tuple(e.name for _, e in candidates)
         if not candidates:
-            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
+            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE, passed
         # `tokenizers` is linear in the text and ~30x slower: timed on a tenth.
         tenth = fast_backends.cost_of(lambda t: self.encode(t).ids, [t[: len(t) // 10] for t in timing])
         reference_cost = fast_backends.Cost(tenth.cpu_seconds * 10, tenth.wall_seconds * 10)
         notes.append(f"tokenizers: {reference_cost.cpu_seconds * 1e3:.2f} ms CPU")
         cpu, engine = min(candidates, key=lambda c: c[0])
         if choice == "auto" and cpu >= reference_cost.cpu_seconds:
-            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
+            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE, passed
         ratio = cpu / reference_cost.cpu_seconds if reference_cost.cpu_seconds > 0 else DEFAULT_ENGINE_TO_REFERENCE
         report = f"{len(timing[0])} characters: " + "; ".join(notes)
         if len(candidates) > 1:
@@ -541,7 +629,7 @@ class TokenizerBackend:
                 report += f"; {len(long_timing[0])} characters: " + "; ".join(
                     f"{e.name}: {c * 1e3:.2f} ms CPU" for c, e in costs
                 )
-        return engine, report, ratio
+        return engine, report, ratio, passed
 
     def _added_contents(self) -> list[str]:
         return [t.content for t in self._full.get_added_tokens_decoder().values()]
