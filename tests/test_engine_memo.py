@@ -24,20 +24,29 @@ from mptok_harness.checks import HANG_GUARD_S, expected_ids
 from mptok_harness.serve import REPO, Server, scrape, tokenize, wait_for_snapshots
 
 # A process that loads a tokenizer (the embedded one, or the file given) as
-# the library does, tokenizes a text, compares the ids with the tokenizer's
-# own, and prints its engines as JSON on its last line.
+# the library does, tokenizes a short text and, with --long, a text past the
+# long-text threshold twice (the second time by the long texts' engine once
+# it is loaded), compares every id list with the tokenizer's own, and prints
+# what it chose as JSON on its last line.
 _LIBRARY_START = r"""
-import json, logging, sys
+import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
 import mptok
-from mptok.cache.backend import backend_for
+from mptok.cache.backend import LONG_TEXT_CHARS, backend_for
 from mptok_harness.vllm_requests import text_source
 args = sys.argv[1:]
 tokenizer = mptok.load_tokenizer(None if args[0] == "-" else args[0])
 backend = backend_for(tokenizer, "auto")
-text = text_source(3)(2_000)
-assert backend.encode_ids(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
-print(json.dumps({"engines": backend.engine_names}))
+texts = [text_source(3)(2_000)]
+if "--long" in args:
+    texts += [text_source(4)(LONG_TEXT_CHARS + 50_000)] * 2
+for i, text in enumerate(texts):
+    if i == 2:
+        deadline = time.monotonic() + 120
+        while backend.engine_names != backend.chosen_engine_names and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert backend.encode_ids(text) == tokenizer(text, add_special_tokens=False)["input_ids"], i
+print(json.dumps({"engines": backend.engine_names, "chosen": backend.chosen_engine_names}))
 """
 
 
@@ -102,7 +111,18 @@ def test_a_second_start_reads_the_verdict_the_first_kept(tmp_path, tokenizer):
     chosen = verdict["short"] if verdict["long"] == verdict["short"] else f"{verdict['short']}, {verdict['long']} for texts"
     assert re.search(rf"tokenizer backend for \S+: {chosen}", line), line
     assert path.stat().st_mtime_ns == written  # read, not decided again
-    assert engines == {"0": {"short": verdict["short"], "long": verdict["long"]}}, engines
+    # The metric says what tokenizes now: the long texts' engine is loaded
+    # on the first long text, and the short texts' engine stands in until then.
+    assert engines == {"0": {"short": verdict["short"], "long": verdict["short"]}}, engines
+
+
+def test_the_long_texts_engine_a_memo_names_is_loaded_on_the_first_long_text_and_exact(memo):
+    chosen, log = _library_start(memo, "--long")
+    [line] = _backend_lines(log)
+    assert "from the engine memo" in line, line
+    verdict = json.loads(_memo_files(memo)[0].read_bytes())["verdict"]
+    assert chosen["chosen"] == {"short": verdict["short"], "long": verdict["long"]}
+    assert chosen["engines"] == chosen["chosen"], log[-3000:]
 
 
 def test_a_corrupt_memo_is_ignored_and_decided_again(memo):

@@ -349,8 +349,9 @@ class TokenizerBackend:
         self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         self._results = itertools.count()
         self._engine: IdsEngine | None = None
-        # Set by _choose_engine when another engine is cheaper on long texts.
-        self._long_engine: IdsEngine | None = None
+        # Set when another engine is cheaper on long texts: by _choose_engine,
+        # or, from the engine memo, one loaded on the first long text.
+        self._long_engine: IdsEngine | _LoadedOnFirstUse | None = None
         self.choice_report = "forced" if engine is not None else ""
         if engine is not None:
             self._engine = engine
@@ -363,10 +364,12 @@ class TokenizerBackend:
         if engine is None and choice != "tokenizers":
             self._engine, self.choice_report, engine_to_reference = self._chosen_engine(spec_json, split_special, choice)
         self._check_budget = fast_backends.CheckBudget(check_share * engine_to_reference)
-        names = self.engine_names
+        names = self.chosen_engine_names
         engines = names["short"] if names["long"] == names["short"] else (
             f"{names['short']}, {names['long']} for texts of {LONG_TEXT_CHARS:,} characters or more"
         )
+        if isinstance(self._long_engine, _LoadedOnFirstUse):
+            engines += f" (loaded on the first one; {names['short']} until then)"
         logger.info("tokenizer backend for %s: %s (%s)", self.name, engines, self.choice_report or choice)
 
     # -- the fast engine ---------------------------------------------------------
@@ -379,11 +382,21 @@ class TokenizerBackend:
 
     @property
     def engine_names(self) -> dict[str, str]:
-        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``):
-        what ``auto`` picked at start, or "tokenizers" once no fast engine is trusted."""
+        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``)
+        now: what ``auto`` picked at start (the short texts' engine for long ones until the long
+        texts' engine, named by the engine memo, is loaded), or "tokenizers" once no fast engine is trusted."""
         short, longer = self._engine, self._long_engine
         name = "tokenizers" if short is None else short.name
         return {"short": name, "long": longer.name if longer is not None and short is not None else name}
+
+    @property
+    def chosen_engine_names(self) -> dict[str, str]:
+        """``engine_names`` as chosen at start: the long texts' engine even before it is loaded."""
+        names = self.engine_names
+        longer = self._long_engine
+        if isinstance(longer, _LoadedOnFirstUse) and self._engine is not None:
+            names["long"] = longer.chosen
+        return names
 
     @property
     def fast(self) -> bool:
@@ -401,7 +414,9 @@ class TokenizerBackend:
 
     def _engine_for(self, text: str) -> IdsEngine | None:
         engine, longer = self._engine, self._long_engine
-        return longer if longer is not None and engine is not None and len(text) >= LONG_TEXT_CHARS else engine
+        if longer is None or engine is None or len(text) < LONG_TEXT_CHARS:
+            return engine
+        return longer.current() if isinstance(longer, _LoadedOnFirstUse) else longer
 
     def encode_id_array(self, text: str) -> Any:
         """``encode_ids`` as an int array where the engine gives one (the
@@ -442,9 +457,15 @@ class TokenizerBackend:
         to the Rust tokenizer, with a WARNING; a new ``serial`` makes every
         cache forget what the engine tokenized, and the engine is not
         trusted for this tokenizer again in this process."""
+        short, longer = self._engine, self._long_engine
         engine = self._engine_for(text)
         if engine is None:
             return
+        # A long text tokenized while its engine was loading went to the
+        # short texts' engine: either may have made these ids.
+        suspects = {engine.name}
+        if isinstance(longer, _LoadedOnFirstUse) and short is not None and len(text) >= LONG_TEXT_CHARS:
+            suspects |= {short.name, longer.chosen}
         got = ids.to_list() if hasattr(ids, "to_list") else ids.tolist() if hasattr(ids, "tolist") else list(ids)
         try:
             expected = self.encode(text).ids
@@ -453,7 +474,7 @@ class TokenizerBackend:
         if got == expected:
             return
         self._engine = self._long_engine = None
-        _distrusted.add((self._spec_digest, engine.name))
+        _distrusted.update((self._spec_digest, name) for name in suspects)
         self._forget_memo()
         # The cache keys what it keeps by the serial: a new one forgets every
         # prompt the engine tokenized, so none of them is answered or spliced
@@ -482,7 +503,7 @@ class TokenizerBackend:
         with _verdicts_lock:
             verdict = _verdicts.get(slot)
         if verdict is not None and not any(
-            (self._spec_digest, e.name) in _distrusted for e in verdict[:2] if e is not None
+            (self._spec_digest, name) in _distrusted for e in verdict[:2] if e is not None for name in _names_of(e)
         ):
             engine, self._long_engine, report, ratio = verdict
             return engine, report + " (decided earlier in this process)", ratio
@@ -517,15 +538,22 @@ class TokenizerBackend:
         verdict = memo.read(key)
         if verdict is None or any((self._spec_digest, name) in _distrusted for name in verdict.engines):
             return None
-        loaded = {}
-        for name in verdict.engines:
+        engine = None
+        if verdict.short != "tokenizers":
             try:
-                loaded[name] = fast_backends.load_engine(name, spec_json, split_special)
+                engine = fast_backends.load_engine(verdict.short, spec_json, split_special)
             except EngineUnavailable as e:
-                logger.warning("engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), name, e)
+                logger.warning(
+                    "engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), verdict.short, e
+                )
                 return None
-        engine = loaded.get(verdict.short)
-        self._long_engine = loaded.get(verdict.long) if engine is not None and verdict.long != verdict.short else None
+        # The long texts' engine only when a long text comes: a process that
+        # never sees one does not pay for loading it (seconds for a large vocabulary).
+        self._long_engine = (
+            _LoadedOnFirstUse(verdict.long, spec_json, split_special, meanwhile=engine)
+            if engine is not None and verdict.long != verdict.short
+            else None
+        )
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(verdict.decided_at))
         source = f"from the engine memo {memo.path(key)}, decided by pid {verdict.decided_by} at {when}"
         return engine, f"{source}: {verdict.report}", verdict.ratio
@@ -732,10 +760,54 @@ class TokenizerBackend:
         return whole == head + tail
 
 
+class _LoadedOnFirstUse:
+    """The engine the engine memo names for long texts, loaded on a
+    background thread when the first long text asks for it; until it is
+    loaded, long texts go to the short texts' engine (``meanwhile``), which
+    passed the same check. ``name`` is the engine that tokenizes long texts
+    now; ``chosen`` the one named. Shared by the backends of one
+    specification, as the engines are."""
+
+    def __init__(self, chosen: str, spec_json: str, split_special: bool, *, meanwhile: IdsEngine):
+        self.chosen = chosen
+        self._spec: tuple[str, bool] | None = (spec_json, split_special)
+        self._meanwhile = meanwhile
+        self._engine: IdsEngine | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return (self._engine or self._meanwhile).name
+
+    def current(self) -> IdsEngine:
+        """The engine for a long text now; starts loading the chosen one."""
+        engine = self._engine
+        if engine is not None:
+            return engine
+        with self._lock:
+            spec, self._spec = self._spec, None
+        if spec is not None:
+            threading.Thread(target=self._load, args=spec, name="mptok-long-engine", daemon=True).start()
+        return self._meanwhile
+
+    def _load(self, spec_json: str, split_special: bool) -> None:
+        try:
+            self._engine = fast_backends.load_engine(self.chosen, spec_json, split_special)
+        except EngineUnavailable as e:
+            logger.warning("tokenizer backend %s did not load for long texts (%s); %s tokenizes them", self.chosen, e, self._meanwhile.name)
+        else:
+            logger.info("tokenizer backend %s loaded for texts of %s characters or more", self.chosen, f"{LONG_TEXT_CHARS:,}")
+
+
+def _names_of(engine: IdsEngine | _LoadedOnFirstUse) -> set[str]:
+    """The engines ``engine`` stands for (a long texts' engine not loaded yet: both)."""
+    return {engine.name, engine.chosen} if isinstance(engine, _LoadedOnFirstUse) else {engine.name}
+
+
 # (spec digest, split_special, choice) -> (engine, long-text engine, report,
 # engine CPU per character against the reference's): the start-up check and
 # timing take seconds, and their verdict depends only on the specification.
-_verdicts: dict[tuple[str, bool, str], tuple[IdsEngine | None, IdsEngine | None, str, float]] = {}
+_verdicts: dict[tuple[str, bool, str], tuple[IdsEngine | None, IdsEngine | _LoadedOnFirstUse | None, str, float]] = {}
 _verdicts_lock = threading.Lock()
 
 # (tokenizer spec digest, engine) pairs that gave a wrong result in this
