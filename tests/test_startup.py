@@ -75,6 +75,7 @@ BAD_VARIABLES = [
     ("MPTOK_CACHE_TOKENIZER_BACKEND", "fastest", "must be one of auto, tokenizers, fastokens, gigatoken"),
     ("MPTOK_ROUTING", "sometimes", "must be one of always, cheaper, never"),
     ("MPTOK_LOG_LEVEL", "loud", "is not a log level"),
+    ("MPTOK_ENGINE_MEMO", "relative/memo", "must be an absolute directory path, or 'off'"),
 ]
 
 
