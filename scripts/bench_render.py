@@ -21,14 +21,29 @@ mptok's hits from its ``/metrics`` over the turns that can hit, and every
 answer's ids against ``vllm``'s for the same request. The clients share the
 machine with the services. Writes ``docs/results/bench_render.md``.
 
+``--long``: the lengths coding agents send (``scripts/lengths.py``: 40k to
+180k tokens, median about 70k, about 1,000 tokens a turn). An agent at such
+a length has a long session behind it, and a client that resumes it sends
+its long prefix first: each chat is sent from ``--long-turns`` turns before
+its end (the prefix the agent resumes at, new to every service), not from
+its first turn, which would spend the run on short prompts. Each client
+thread runs one chat of every length, in an order rotated by its index, so
+every thread carries the same work until the end and the concurrency stays
+C. The model directory and every service take a context of
+``LONG_CONTEXT`` tokens. Writes ``docs/results/bench_render_long.md``.
+
     .venv-vllm33/bin/python -m scripts.bench_render              # about 10 minutes on 2 cores
     .venv-vllm33/bin/python -m scripts.bench_render --target-tokens 70000 --concurrency 8
+    .venv-vllm33/bin/python -m scripts.bench_render --long       # about 25 minutes on 2 cores
+    .venv-vllm33/bin/python -m scripts.bench_render --long --smoke  # two short lengths at C=2, no report
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -44,28 +59,67 @@ from mptok_harness.nginx import Nginx, render_nginx
 from mptok_harness.serve import free_port, request, scrape
 from mptok_harness.vllm import RENDER, MptokRender, VllmServer, write_model_dir
 from mptok_harness.vllm_requests import TOOLS, agent_turns, text_source
+from scripts.lengths import LONG_DELTA_TOKENS, LONG_TARGETS, SMOKE_LONG_TARGETS
 from scripts.percentiles import percentile
 from scripts.report import print_report
+from scripts.smoke import parse_args_with_smoke
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "docs" / "results" / "bench_render.md"
 NGINX_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 SERVICES = ("vllm", "fastokens", "nginx-2x-fastokens", "mptok-render")
-CHARS_PER_TOKEN = 3.3  # the embedded tokenizer on source code, roughly
+# Characters of these chats per token of the embedded tokenizer: at 3.3, 33
+# turns of 4000 characters reached 32.7k tokens where --target-tokens asked
+# for 40k.
+CHARS_PER_TOKEN = 4.0
 FASTOKENS = {"VLLM_USE_FASTOKENS": "1"}
 PATH = "/v1/chat/completions/render"
 TITLE = "A render tier beside its anchors: vllm launch render, with fastokens, two behind nginx, mptok render"
+LONG_TITLE = "A render tier beside its anchors at coding-agent lengths"
+CONTEXT = 131072  # the model directory's context and every service's --max-model-len
+LONG_CONTEXT = 196608  # --long: the longest chat (about 181k tokens) and a margin
+# --long: the characters of text a turn adds (agent_turns: a tool output, or
+# an answer and a user message): about LONG_DELTA_TOKENS tokens of this text
+# (measured with the model's tokenizer: a chat of 180 turns ends near 180k).
+LONG_TURN_CHARS = 4450
 PACKAGES = ("mptok", "vllm", "transformers", "tokenizers", "fastokens", "gigatoken")
 
 
 def agent_chat(seed: int, target_tokens: int, turn_chars: int, system: str) -> list[bytes]:
     """One keyless agent's request bodies, turn by turn (JSON), growing to about ``target_tokens``."""
     turns = max(2, int(target_tokens * CHARS_PER_TOKEN / turn_chars))
+    return chat_bodies(seed, turns, turn_chars, system)
+
+
+def resumed_chat(seed: int, target_tokens: int, sent_turns: int, system: str) -> list[bytes]:
+    """The last ``sent_turns`` request bodies of a keyless agent's chat that
+    grows by about ``LONG_DELTA_TOKENS`` a turn to about ``target_tokens``:
+    the agent resumed at a long prefix, the rest of its session not sent."""
+    turns = max(sent_turns, round(target_tokens / LONG_DELTA_TOKENS))
+    return chat_bodies(seed, turns, LONG_TURN_CHARS, system, first=turns - sent_turns)
+
+
+def chat_bodies(seed: int, turns: int, turn_chars: int, system: str, first: int = 0) -> list[bytes]:
+    """The JSON bodies of turns ``first`` to ``turns`` of agent ``seed``'s chat, ``system`` its system prompt."""
     bodies = []
-    for messages in agent_turns(seed, turns, turn_chars):
+    for turn, messages in enumerate(agent_turns(seed, turns, turn_chars)):
+        if turn < first:
+            continue
         messages[0] = {"role": "system", "content": system}
         bodies.append(json.dumps({"messages": messages, "tools": TOOLS, "tool_choice": "none"}).encode())
     return bodies
+
+
+def long_workload(concurrency: int, targets: tuple[int, ...], sent_turns: int, system: str) -> list[list[bytes]]:
+    """``concurrency`` threads' chats for --long: chat ``i`` runs on thread
+    ``i % concurrency`` (``drive``), so thread ``w`` runs one chat of every
+    length of ``targets``, starting at the ``w``-th."""
+    chats = []
+    for index in range(concurrency * len(targets)):
+        worker, rank = index % concurrency, index // concurrency
+        target = targets[(worker + rank) % len(targets)]
+        chats.append(resumed_chat(1000 * concurrency + index, target, sent_turns, system))
+    return chats
 
 
 @dataclass
@@ -111,7 +165,9 @@ class Run:
     hits: float = float("nan")
 
 
-def drive(service: Service, chats: list[list[bytes]], concurrency: int, expected: dict[tuple[int, int], list[int]], record: bool) -> Run:
+def drive(
+    service: Service, chats: list[list[bytes]], concurrency: int, expected: dict[tuple[int, int], array.array], record: bool
+) -> Run:
     """Chats ``chats`` split over ``concurrency`` threads, each turn after turn."""
     run = Run()
     lock = threading.Lock()
@@ -125,7 +181,7 @@ def drive(service: Service, chats: list[list[bytes]], concurrency: int, expected
                 started = time.perf_counter()
                 status, answer, _ = request(service.port, "POST", PATH, payload, timeout_s=300)
                 elapsed = time.perf_counter() - started
-                ids = json.loads(answer)["token_ids"] if status == 200 else None
+                ids = array.array("i", json.loads(answer)["token_ids"]) if status == 200 else None
                 with lock:
                     if ids is None:
                         run.failed += 1
@@ -160,27 +216,40 @@ def main() -> int:
     parser.add_argument("--turn-chars", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--chats-per-client", type=int, default=1)
+    parser.add_argument(
+        "--long", action="store_true",
+        help=f"chats at coding-agent lengths ({', '.join(f'{t // 1000}k' for t in LONG_TARGETS)} tokens), each resumed "
+        "--long-turns turns before its end, one of each length per client thread; writes docs/results/bench_render_long.md",
+    )  # fmt: skip
+    parser.add_argument("--long-turns", type=int, default=10, help="--long: the turns each chat sends (default 10)")
     parser.add_argument("--report-dir", type=Path, default=REPORT.parent)
-    args = parser.parse_args()
+    parser.add_argument("--no-write", action="store_true", help="print the report, write no file")
+    smoke = {"concurrency": [2], "target_tokens": 6_000, "long_turns": 3, "no_write": True}
+    args = parse_args_with_smoke(parser, smoke)
 
     system = "You are a coding agent. " + text_source(1)(3000)
-    workloads = {
-        c: [agent_chat(1000 * c + n, args.target_tokens, args.turn_chars, system) for n in range(c * args.chats_per_client)]
-        for c in args.concurrency
-    }
+    if args.long:
+        targets = SMOKE_LONG_TARGETS if args.smoke else LONG_TARGETS
+        workloads = {c: long_workload(c, targets, args.long_turns, system) for c in args.concurrency}
+    else:
+        workloads = {
+            c: [agent_chat(1000 * c + n, args.target_tokens, args.turn_chars, system) for n in range(c * args.chats_per_client)]
+            for c in args.concurrency
+        }
+    context = LONG_CONTEXT if args.long else CONTEXT
     results: dict[str, dict[int, Run]] = defaultdict(dict)
-    tokens: list[int] = []
+    lengths: dict[tuple[int, int, int], int] = {}  # (C, chat, turn) -> prompt tokens
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_model_dir(Path(tmp) / "model")
+        model = write_model_dir(Path(tmp) / "model", context=context)
         started: list[Any] = []
         try:
-            plain = VllmServer(model, Path(tmp) / "vllm.log", mptok=False, api_servers=1, command=RENDER, max_model_len=131072)
-            fast = VllmServer(model, Path(tmp) / "fastokens.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=131072)
+            plain = VllmServer(model, Path(tmp) / "vllm.log", mptok=False, api_servers=1, command=RENDER, max_model_len=context)
+            fast = VllmServer(model, Path(tmp) / "fastokens.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=context)
             replicas = [
-                VllmServer(model, Path(tmp) / f"replica{i}.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=131072)
+                VllmServer(model, Path(tmp) / f"replica{i}.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=context)
                 for i in range(2)
             ]
-            tier = MptokRender(model, Path(tmp) / "mptok-render.log", frontends=2, max_model_len=131072)
+            tier = MptokRender(model, Path(tmp) / "mptok-render.log", frontends=2, max_model_len=context)
             for server in (plain, fast, *replicas, tier):
                 started.append(server.launch())
             for server in started:
@@ -198,7 +267,7 @@ def main() -> int:
                 "mptok-render": Service("mptok-render", tier.port, tier.model, [tier.process.pid]),
             }
             for concurrency, chats in workloads.items():
-                expected: dict[tuple[int, int], list[int]] = {}
+                expected: dict[tuple[int, int], array.array] = {}
                 for name in SERVICES:
                     service = services[name]
                     before = mptok_hits(service) if name == "mptok-render" else 0.0
@@ -209,16 +278,22 @@ def main() -> int:
                     results[name][concurrency] = run
                     print(f"C={concurrency} {name}: p50 {percentile(run.seconds, 0.5) * 1000:.1f} ms, "
                           f"{len(run.seconds) / run.wall_s:.1f} req/s, wrong {run.wrong}, failed {run.failed}", flush=True)
-                tokens += [len(ids) for ids in expected.values()]
+                lengths.update({(concurrency, chat, turn): len(ids) for (chat, turn), ids in expected.items()})
         finally:
             for server in reversed(started):
                 server.stop()
-    body = _report(results, workloads, tokens, args)
-    print_report(TITLE, body, python=".venv-vllm33/bin/python", packages=PACKAGES, directory=args.report_dir)
+    body = _report(results, workloads, lengths, args)
+    if args.no_write:
+        print(body)
+    else:
+        print_report(
+            LONG_TITLE if args.long else TITLE, body, python=".venv-vllm33/bin/python", packages=PACKAGES,
+            directory=args.report_dir, file="bench_render_long" if args.long else None,
+        )  # fmt: skip
     return 1 if any(run.wrong or run.failed for runs in results.values() for run in runs.values()) else 0
 
 
-def _report(results: dict[str, dict[int, Run]], workloads: dict[int, list[list[bytes]]], tokens: list[int], args: Any) -> str:
+def _report(results: dict[str, dict[int, Run]], workloads: dict[int, list[list[bytes]]], lengths: dict[tuple[int, int, int], int], args: Any) -> str:
     rows = []
     for concurrency, chats in workloads.items():
         turns = sum(len(chat) for chat in chats)
@@ -240,12 +315,32 @@ def _report(results: dict[str, dict[int, Run]], workloads: dict[int, list[list[b
             f"{rate['mptok-render'] / rate['vllm']:.2f}x vLLM without fastokens."
         )
     chats_per_c = ", ".join(f"{len(chats)} at C={c}" for c, chats in workloads.items())
-    return "\n".join(
-        [
+    tokens = list(lengths.values())
+    if args.long:
+        targets = SMOKE_LONG_TARGETS if args.smoke else LONG_TARGETS
+        sent = len(next(iter(workloads.values()))[0])
+        last = [n for (_, _, turn), n in lengths.items() if turn == sent - 1]
+        first = [n for (_, _, turn), n in lengths.items() if turn == 0]
+        chats = (
+            f"Keyless agentic chats (shared system prompt, tool calls and outputs, no session id) at coding-agent lengths: "
+            f"chats growing by about {LONG_DELTA_TOKENS:,} tokens a turn to {min(last):,}-{max(last):,} prompt tokens "
+            f"(median {statistics.median(last):,.0f}; one chat of each of {', '.join(f'{t // 1000}k' for t in targets)} "
+            f"tokens per client thread, "
+            f"in an order rotated by the thread's index). Each chat is resumed at a long prefix, as a client resuming an "
+            f"agent's session sends it: its last {sent} turns, the first of them ({min(first):,}-{max(first):,} tokens) "
+            f"new to every service, so {sent - 1} of its {sent} turns can hit; the requests' median is "
+            f"{statistics.median(tokens):,.0f} tokens. {chats_per_c}, each client thread running its chats one after "
+            f"another, turn after turn,"
+        )
+    else:
+        chats = (
             f"Keyless agentic chats (shared system prompt, tool calls and outputs, no session id) of "
             f"{len(next(iter(workloads.values()))[0])} turns growing to {max(tokens):,} prompt tokens "
-            f"({min(tokens):,} at the first turn); {chats_per_c}, each client thread running its chats turn after turn, "
-            f"every request `{PATH}` on a new connection. Every service runs while another is measured (idle). "
+            f"({min(tokens):,} at the first turn); {chats_per_c}, each client thread running its chats turn after turn,"
+        )
+    return "\n".join(
+        [
+            f"{chats} every request `{PATH}` on a new connection. Every service runs while another is measured (idle). "
             "CPU per request: user + system seconds of the service's processes (nginx included) over the run, per request; "
             "the clients run on the same machine.",
             "",

@@ -121,17 +121,13 @@ from mptok.cache.fast_backends import CHOICES  # noqa: E402
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx  # noqa: E402
 from mptok_harness.serve import Server, free_port, request, scrape, total, wait_for_snapshots  # noqa: E402
 from mptok_harness.texts import license_texts, package_descriptions, package_file_lists, stdlib_sources  # noqa: E402
+from scripts.lengths import LONG_DELTA_TOKENS, LONG_TARGETS, SMOKE_LONG_TARGETS  # noqa: E402
 from scripts.percentiles import percentile  # noqa: E402
 from scripts.report import REPO, RESULTS_DIR, write_report  # noqa: E402
 from scripts.smoke import parse_args_with_smoke  # noqa: E402
 
 STICKY_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
 PLOT = RESULTS_DIR / "replay_bench.png"
-# --long: the lengths coding agents send (a median near 70k tokens, a tail
-# near 180k), a larger step a turn (a file read, a test run's output).
-LONG_TARGETS = (40_000, 52_000, 62_000, 68_000, 72_000, 90_000, 125_000, 180_000)
-LONG_DELTA_TOKENS = 1_000
-SMOKE_LONG_TARGETS = (3_000, 6_000)  # --long --smoke: two lengths, a few turns each
 LONG_TITLE = "The replay at coding-agent lengths"
 BUILD_CACHE = REPO / ".cache" / "replay"
 MODES = ("no-cache-tokenizers", "no-cache", "no-route", "mptok", "keyless", "sticky", "mptok-always", "mptok-never")
@@ -1032,7 +1028,7 @@ def main() -> int:
         if drawn.startswith("plot:"):
             markdown += f"\n![server tokenize ms and end-to-end ms against prompt tokens, a line per mode]({plot_path.name})\n"
         path = write_report(
-            name, LONG_TITLE if args.long else TITLE, markdown, preamble=ABOUT,
+            "replay_bench", LONG_TITLE if args.long else TITLE, markdown, preamble=ABOUT, file=name,
             command=command_line("replay_bench", parser, args), extra={"nginx": nginx_version()}, packages=PACKAGES,
         )  # fmt: skip
         print(f"report: {path.relative_to(REPO)}")

@@ -115,8 +115,10 @@ def write_report(
     section: str | None = None,
     preamble: str = "",
     directory: Path = RESULTS_DIR,
+    file: str | None = None,
 ) -> Path:
-    """Write ``docs/results/<script>.md``: ``# title``, ``preamble`` (Markdown
+    """Write ``docs/results/<script>.md`` (``<file>.md`` when a script writes
+    more than one report, one per workload): ``# title``, ``preamble`` (Markdown
     that explains the report: what the rows and columns are), the header
     (today's date, ``command`` or the command line of this process, the
     machine and ``packages``' versions), then ``body`` (Markdown).
@@ -125,7 +127,7 @@ def write_report(
     its own header): that section is replaced, or added at the end, the other
     sections are kept, and the title and preamble are rewritten. Returns the
     file's path."""
-    path = directory / f"{script}.md"
+    path = directory / f"{file or script}.md"
     block = header(command or script_command(), packages, extra) + "\n" + body.strip("\n") + "\n"
     intro = f"# {title}\n\n_Written by `scripts/{script}.py`; "
     if section is None:
@@ -142,10 +144,12 @@ def write_report(
     return path
 
 
-def print_report(title: str, body: str, *, python: str, packages: Iterable[str], directory: Path = RESULTS_DIR) -> Path:
+def print_report(
+    title: str, body: str, *, python: str, packages: Iterable[str], directory: Path = RESULTS_DIR, file: str | None = None
+) -> Path:
     """``write_report`` for this script (named by its command line, run by ``python``), then print the report."""
     path = write_report(
-        Path(sys.argv[0]).stem, title, body, command=script_command(python=python), packages=packages, directory=directory
+        Path(sys.argv[0]).stem, title, body, command=script_command(python=python), packages=packages, directory=directory, file=file
     )
     print(path.read_text())
     return path

@@ -10,6 +10,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `tokenizers` path names that backend itself and says why.
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_memo_of_the_session(tmp_path_factory):
+    """The engine memo in a directory of this session's, not the user's cache.
+
+    Not another setting: the memo is on, as it is by default, so the first
+    start of the session decides and every later process (the servers and
+    frontends the tests start inherit the variable) reads its verdict, as
+    on a user's machine. What the suite must not do is write into the home
+    directory of whoever runs it, or depend on what an earlier run left
+    there: each session decides once, then reads what it decided.
+    """
+    previous = os.environ.get("MPTOK_ENGINE_MEMO")
+    os.environ["MPTOK_ENGINE_MEMO"] = str(tmp_path_factory.mktemp("engine-memo"))
+    yield
+    if previous is None:
+        os.environ.pop("MPTOK_ENGINE_MEMO", None)
+    else:
+        os.environ["MPTOK_ENGINE_MEMO"] = previous
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The embedded default tokenizer, loaded once for every test that names it."""

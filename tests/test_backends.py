@@ -197,11 +197,13 @@ def test_config_names_the_backend(monkeypatch):
         CacheConfig(tokenizer_backend="fast")
 
 
-def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypatch, caplog):
+def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "gigatoken", None)  # a real ImportError on import
     monkeypatch.setattr(fast_backends, "_import_failures", {})
-    # A process decides once per tokenizer; this one is a process in which gigatoken never imported.
+    # A process decides once per tokenizer; this one is a process in which
+    # gigatoken never imported, on a machine where no start decided before.
     monkeypatch.setattr(backend_module, "_verdicts", {})
+    monkeypatch.setenv("MPTOK_ENGINE_MEMO", str(tmp_path))
     tokenizer = load_family("deepseek")
     with caplog.at_level(logging.INFO, logger="mptok.cache.fast_backends"):
         first = TokenizerBackend(tokenizer, "auto")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import pickle
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from multiprocessing import connection, managers
 
@@ -40,6 +42,8 @@ def fallbacks(stats: dict) -> dict[str, int]:
 
 
 NO_FALLBACKS = dict.fromkeys(FALLBACK_REASONS, 0)
+# The harness's frontends keep TokenizationOwners' default back-off.
+OWNER_BACKOFF_S = inspect.signature(TokenizationOwners).parameters["backoff_s"].default
 
 
 # -- owner_order -------------------------------------------------------------
@@ -122,15 +126,25 @@ def test_64_threads_in_each_frontend_at_once(cluster, tokenizer):
         results = f.recv()
         for (key, text), result in zip(work[f.frontend_id], results, strict=True):
             assert result == ("ok", expected(tokenizer, text)), (key, result[:2])
-    for f in frontends:
-        stats = f.stats()
+    all_stats = [f.stats() for f in frontends]
+    given_up = 0
+    for stats in all_stats:
         # No call failed, no owner was skipped as gone. A call that ran past
         # the asker's patience or timeout is allowed: 4 x 64 threads on a
         # small machine under other load can starve an owner, and giving up
         # on it (then tokenizing here, exactly) is what routing is for.
         slow = {reason: 0 for reason in (PATIENCE, TIMEOUT)}
         assert {**fallbacks(stats), **slow} == NO_FALLBACKS
-        assert stats["routing"]["refused"] == 0 and stats["routing"]["handshake_failures"] == 0
+        assert stats["routing"]["refused"] == 0
+        given_up += stats["routing"][f"fallback_{PATIENCE}"] + stats["routing"][f"fallback_{TIMEOUT}"]
+    # An asker that gives up while its handshake is under way leaves the
+    # owner a handshake that failed; no handshake fails otherwise.
+    handshake_failures = sum(stats["routing"]["handshake_failures"] for stats in all_stats)
+    assert handshake_failures <= given_up, (handshake_failures, given_up)
+    if given_up:
+        # An owner that timed out is skipped for the back-off; the tests
+        # after this one, on the same cluster, expect every owner called.
+        time.sleep(OWNER_BACKOFF_S)
 
 
 def test_text_the_owner_cannot_tokenize_fails_with_the_askers_own_error(cluster, tokenizer):

@@ -37,6 +37,20 @@ def test_importing_the_supervisor_loads_no_tokenizer_stack():
     assert _loaded_after("import mptok.serve.supervisor") == []
 
 
+def test_the_render_supervisor_spawns_its_processes_without_loading_the_stack():
+    # What ``mptok render``'s supervisor does for each slot: ask its kind for
+    # the spawn target and settings, and pickle them (spawn sends them by reference).
+    loaded = _loaded_after(
+        "import pickle, tempfile; from mptok.render.cli import add_render_command; "
+        "from mptok.render.frontends import RenderFrontends; "
+        "from mptok.render.options import render_options; from mptok.serve.cli import build_parser; "
+        "options = render_options(*build_parser(add_render_command).parse_known_args(['render', 'MODEL', '--frontends', '2'])); "
+        "target, settings = RenderFrontends(options).target(0, tempfile.mkdtemp(), options.serve); "
+        "pickle.dumps((target, settings))"
+    )
+    assert loaded == ["mptok.cache", "mptok.cache.config"]
+
+
 def test_the_mptok_command_reads_the_cache_configuration_and_nothing_else_of_the_stack():
     # What ``mptok serve`` runs in its own process before it spawns: parse
     # the options, check the environment (the supervisor's preflight).
@@ -61,6 +75,7 @@ BAD_VARIABLES = [
     ("MPTOK_CACHE_TOKENIZER_BACKEND", "fastest", "must be one of auto, tokenizers, fastokens, gigatoken"),
     ("MPTOK_ROUTING", "sometimes", "must be one of always, cheaper, never"),
     ("MPTOK_LOG_LEVEL", "loud", "is not a log level"),
+    ("MPTOK_ENGINE_MEMO", "relative/memo", "must be an absolute directory path, or 'off'"),
 ]
 
 

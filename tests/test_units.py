@@ -1,7 +1,8 @@
 """Pure logic the rest of the suite reaches only through real processes, tested on its own.
 
 The supervisor's restart policy, the cache's content index, a route's
-deadline, sizes as an operator writes them, and what crosses the wire
+deadline, sizes and the engine memo's directory as an operator writes
+them, and what crosses the wire
 between frontends: framing, the owner's reply record and the fingerprint.
 Real objects throughout (a real socket pair for the wire); the whole file
 runs in about a second.
@@ -24,9 +25,9 @@ import pytest
 from mptok.cache.prefix_index import BLOCK_CHARS as INDEX_BLOCK_CHARS
 from mptok.cache.prefix_index import SAMPLE_CHARS, PrefixIndex
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, extend_chain
-from mptok.core.settings import parse_bytes
 from mptok.core.deadline import Deadline
 from mptok.core.protocol import PeerReply, PeerRequest
+from mptok.core.settings import engine_memo_dir, parse_bytes
 from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
 from mptok.serve.supervisor import RestartPolicy
 from mptok.transport import MessageTooLarge, OwnerError
@@ -196,6 +197,29 @@ def test_parse_bytes_reads_sizes_in_units_of_1024(text, size):
 def test_parse_bytes_refuses_anything_else(text):
     with pytest.raises(ValueError, match="is not a size in bytes"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    "environ, directory",
+    [
+        ({"HOME": "/home/u"}, "/home/u/.cache/mptok"),
+        ({"HOME": "/home/u", "XDG_CACHE_HOME": "/var/cache/u"}, "/var/cache/u/mptok"),
+        # XDG: a relative XDG_CACHE_HOME is ignored.
+        ({"HOME": "/home/u", "XDG_CACHE_HOME": "cache"}, "/home/u/.cache/mptok"),
+        ({"HOME": "/home/u", "MPTOK_ENGINE_MEMO": "/srv/memo/"}, "/srv/memo"),
+        ({"HOME": "/home/u", "MPTOK_ENGINE_MEMO": " "}, "/home/u/.cache/mptok"),
+        ({"HOME": "/home/u", "MPTOK_ENGINE_MEMO": "off"}, None),
+        ({"HOME": "/home/u", "MPTOK_ENGINE_MEMO": "Off"}, None),
+    ],
+)
+def test_the_engine_memo_is_in_the_users_cache_unless_the_variable_says_where_or_off(environ, directory):
+    assert engine_memo_dir(environ) == directory
+
+
+@pytest.mark.parametrize("value", ["memo", "./memo", "~/memo", "of"])
+def test_the_engine_memo_variable_refuses_a_relative_path_in_one_line(value):
+    with pytest.raises(ValueError, match=r"^MPTOK_ENGINE_MEMO=.* must be an absolute directory path, or 'off'$"):
+        engine_memo_dir({"HOME": "/home/u", "MPTOK_ENGINE_MEMO": value})
 
 
 # -- the wire: framing ---------------------------------------------------------------

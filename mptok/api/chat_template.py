@@ -92,8 +92,7 @@ class ChatTemplate:
         own = getattr(tokenizer, "chat_template", None)
         if isinstance(own, str) and own:
             return cls(own, "tokenizer")
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        if all(token in vocab for token in _DEEPSEEK_TOKENS):
+        if _has_tokens(tokenizer, _DEEPSEEK_TOKENS):
             return cls(DEEPSEEK_V3_TEMPLATE, "built-in deepseek-v3")
         return cls(None, "none")
 
@@ -240,3 +239,17 @@ def vllm_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return normalized
+
+
+def _has_tokens(tokenizer: Any, tokens: tuple[str, ...]) -> bool:
+    """Whether ``tokenizer``'s vocabulary, added tokens included, holds every one of ``tokens``.
+
+    Asked of the Rust tokenizer token by token where there is one: its
+    ``get_vocab`` builds a dict of the whole vocabulary (128k entries for
+    the embedded tokenizer) at every frontend's start, for four lookups.
+    """
+    rust = getattr(tokenizer, "backend_tokenizer", None)
+    if rust is not None and hasattr(rust, "token_to_id"):
+        return all(rust.token_to_id(token) is not None for token in tokens)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return all(token in vocab for token in tokens)

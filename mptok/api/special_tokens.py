@@ -63,7 +63,3 @@ class SpecialTokenFrame:
     def suffix_ids(self) -> np.ndarray:
         """``suffix`` in the compact form (``mptok.core.ids``)."""
         return as_id_array(list(self.suffix))
-
-    def around(self, ids: list[int]) -> list[int]:
-        """``ids`` as ``tokenizer(text, add_special_tokens=True)`` returns them."""
-        return [*self.prefix, *ids, *self.suffix]

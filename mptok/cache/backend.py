@@ -27,7 +27,10 @@ each engine that loads is checked id for id against the Rust tokenizer on an
 adversarial corpus and timed in CPU time, and the cheapest exact one is used
 (``choice="auto"``; long prompts may go to the other engine, timed apart on
 long texts), or the one ``CacheConfig.tokenizer_backend`` names if it
-passes the check; a process decides once per tokenizer specification.
+passes the check; a process decides once per tokenizer specification, and
+a machine once per specification and versions: the verdict is kept in the
+engine memo (``mptok.cache.engine_memo``), and a later start reads it and
+loads only the engines it names.
 Results are re-checked in the background within a CPU budget, and one
 difference switches the backend back to the Rust tokenizer, and the engine
 is not trusted for that tokenizer again in this process.
@@ -44,6 +47,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +56,7 @@ from typing import Any
 import orjson
 from tokenizers import Encoding, Tokenizer
 
-from mptok.cache import fast_backends
+from mptok.cache import engine_memo, fast_backends
 from mptok.cache.config import CacheConfig
 from mptok.cache.fast_backends import CHOICES, ENGINES, FIRST_CHECKS, VERIFIER, EngineUnavailable, IdsEngine
 from mptok.cache.segments import SegmentOpeners
@@ -345,17 +349,28 @@ class TokenizerBackend:
         self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         self._results = itertools.count()
         self._engine: IdsEngine | None = None
-        # Set by _choose_engine when another engine is cheaper on long texts.
-        self._long_engine: IdsEngine | None = None
+        # Set when another engine is cheaper on long texts: by _choose_engine,
+        # or, from the engine memo, one loaded on the first long text.
+        self._long_engine: IdsEngine | _LoadedOnFirstUse | None = None
         self.choice_report = "forced" if engine is not None else ""
         if engine is not None:
             self._engine = engine
         self._spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
+        # What a verdict kept in the engine memo was made for: set when the
+        # engine was chosen here (not handed over), so that a difference
+        # found later can remove it.
+        self._memo_inputs = (split_special, choice) if engine is None else None
         engine_to_reference = DEFAULT_ENGINE_TO_REFERENCE
         if engine is None and choice != "tokenizers":
             self._engine, self.choice_report, engine_to_reference = self._chosen_engine(spec_json, split_special, choice)
         self._check_budget = fast_backends.CheckBudget(check_share * engine_to_reference)
-        logger.info("tokenizer backend for %s: %s (%s)", self.name, self.engine_name, self.choice_report or choice)
+        names = self.chosen_engine_names
+        engines = names["short"] if names["long"] == names["short"] else (
+            f"{names['short']}, {names['long']} for texts of {LONG_TEXT_CHARS:,} characters or more"
+        )
+        if isinstance(self._long_engine, _LoadedOnFirstUse):
+            engines += f" (loaded on the first one; {names['short']} until then)"
+        logger.info("tokenizer backend for %s: %s (%s)", self.name, engines, self.choice_report or choice)
 
     # -- the fast engine ---------------------------------------------------------
 
@@ -367,11 +382,21 @@ class TokenizerBackend:
 
     @property
     def engine_names(self) -> dict[str, str]:
-        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``):
-        what ``auto`` picked at start, or "tokenizers" once no fast engine is trusted."""
+        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``)
+        now: what ``auto`` picked at start (the short texts' engine for long ones until the long
+        texts' engine, named by the engine memo, is loaded), or "tokenizers" once no fast engine is trusted."""
         short, longer = self._engine, self._long_engine
         name = "tokenizers" if short is None else short.name
         return {"short": name, "long": longer.name if longer is not None and short is not None else name}
+
+    @property
+    def chosen_engine_names(self) -> dict[str, str]:
+        """``engine_names`` as chosen at start: the long texts' engine even before it is loaded."""
+        names = self.engine_names
+        longer = self._long_engine
+        if isinstance(longer, _LoadedOnFirstUse) and self._engine is not None:
+            names["long"] = longer.chosen
+        return names
 
     @property
     def fast(self) -> bool:
@@ -389,7 +414,9 @@ class TokenizerBackend:
 
     def _engine_for(self, text: str) -> IdsEngine | None:
         engine, longer = self._engine, self._long_engine
-        return longer if longer is not None and engine is not None and len(text) >= LONG_TEXT_CHARS else engine
+        if longer is None or engine is None or len(text) < LONG_TEXT_CHARS:
+            return engine
+        return longer.current() if isinstance(longer, _LoadedOnFirstUse) else longer
 
     def encode_id_array(self, text: str) -> Any:
         """``encode_ids`` as an int array where the engine gives one (the
@@ -430,9 +457,15 @@ class TokenizerBackend:
         to the Rust tokenizer, with a WARNING; a new ``serial`` makes every
         cache forget what the engine tokenized, and the engine is not
         trusted for this tokenizer again in this process."""
+        short, longer = self._engine, self._long_engine
         engine = self._engine_for(text)
         if engine is None:
             return
+        # A long text tokenized while its engine was loading went to the
+        # short texts' engine: either may have made these ids.
+        suspects = {engine.name}
+        if isinstance(longer, _LoadedOnFirstUse) and short is not None and len(text) >= LONG_TEXT_CHARS:
+            suspects |= {short.name, longer.chosen}
         got = ids.to_list() if hasattr(ids, "to_list") else ids.tolist() if hasattr(ids, "tolist") else list(ids)
         try:
             expected = self.encode(text).ids
@@ -441,7 +474,8 @@ class TokenizerBackend:
         if got == expected:
             return
         self._engine = self._long_engine = None
-        _distrusted.add((self._spec_digest, engine.name))
+        _distrusted.update((self._spec_digest, name) for name in suspects)
+        self._forget_memo()
         # The cache keys what it keeps by the serial: a new one forgets every
         # prompt the engine tokenized, so none of them is answered or spliced
         # onto again.
@@ -461,28 +495,109 @@ class TokenizerBackend:
     ) -> tuple[IdsEngine | None, str, float]:
         """``_choose_engine``'s verdict, made once per process for a
         specification (a tokenizer loaded again, or by another caller, has
-        the same one): its engines are shared, unless one was distrusted since."""
+        the same one): its engines are shared, unless one was distrusted
+        since. A process's first verdict for it comes from the engine memo
+        when that holds one for the same key, else it is made here and kept
+        there."""
         slot = (self._spec_digest, split_special, choice)
         with _verdicts_lock:
             verdict = _verdicts.get(slot)
         if verdict is not None and not any(
-            (self._spec_digest, e.name) in _distrusted for e in verdict[:2] if e is not None
+            (self._spec_digest, name) in _distrusted for e in verdict[:2] if e is not None for name in _names_of(e)
         ):
             engine, self._long_engine, report, ratio = verdict
             return engine, report + " (decided earlier in this process)", ratio
-        engine, report, ratio = self._choose_engine(spec_json, split_special, choice)
+        texts = fast_backends.self_check_texts(self._added_contents())
+        memo = engine_memo.from_env()
+        if memo is None:
+            engine, report, ratio, _ = self._choose_engine(spec_json, split_special, choice, texts)
+            report = f"decided at this start, engine memo off: {report}"
+        else:
+            key = engine_memo.memo_key(self._spec_digest, split_special, choice, texts)
+            remembered = self._remembered(memo, key, spec_json, split_special)
+            if remembered is None:
+                # Processes that start at once: one decides, the others wait
+                # for its verdict rather than each timing the engines
+                # against the others' load and choosing apart.
+                with memo.deciding(key) as held:
+                    remembered = self._remembered(memo, key, spec_json, split_special) if held else None
+                    if remembered is None:
+                        remembered = self._decided(memo, key, spec_json, split_special, choice, texts)
+            engine, report, ratio = remembered
         if not any((self._spec_digest, name) in _distrusted for name in ENGINES):
             with _verdicts_lock:
                 _verdicts[slot] = (engine, self._long_engine, report, ratio)
         return engine, report, ratio
 
-    def _choose_engine(
-        self, spec_json: str, split_special: bool, choice: str
+    def _remembered(
+        self, memo: engine_memo.EngineMemo, key: dict[str, Any], spec_json: str, split_special: bool
+    ) -> tuple[IdsEngine | None, str, float] | None:
+        """The verdict ``memo`` keeps for ``key`` with its engines loaded (and
+        ``_long_engine`` set), or None: none kept, one naming an engine
+        distrusted here, or one whose engine does not load now."""
+        verdict = memo.read(key)
+        if verdict is None or any((self._spec_digest, name) in _distrusted for name in verdict.engines):
+            return None
+        engine = None
+        if verdict.short != "tokenizers":
+            try:
+                engine = fast_backends.load_engine(verdict.short, spec_json, split_special)
+            except EngineUnavailable as e:
+                logger.warning(
+                    "engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), verdict.short, e
+                )
+                return None
+        # The long texts' engine only when a long text comes: a process that
+        # never sees one does not pay for loading it (seconds for a large vocabulary).
+        self._long_engine = (
+            _LoadedOnFirstUse(verdict.long, spec_json, split_special, meanwhile=engine)
+            if engine is not None and verdict.long != verdict.short
+            else None
+        )
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(verdict.decided_at))
+        source = f"from the engine memo {memo.path(key)}, decided by pid {verdict.decided_by} at {when}"
+        return engine, f"{source}: {verdict.report}", verdict.ratio
+
+    def _decided(
+        self,
+        memo: engine_memo.EngineMemo,
+        key: dict[str, Any],
+        spec_json: str,
+        split_special: bool,
+        choice: str,
+        texts: list[str],
     ) -> tuple[IdsEngine | None, str, float]:
-        """The engine to use (None: `tokenizers`), why, and its CPU per
-        character against the reference's."""
+        """``_choose_engine``'s verdict, kept in ``memo`` unless an engine
+        was found wrong for this tokenizer in this process (the check and
+        the timing then did not see every engine)."""
+        engine, report, ratio, passed = self._choose_engine(spec_json, split_special, choice, texts)
+        if any((self._spec_digest, name) in _distrusted for name in ENGINES):
+            return engine, f"decided at this start, not kept: an engine was found wrong here: {report}", ratio
+        short = engine.name if engine is not None else "tokenizers"
+        longer = self._long_engine.name if self._long_engine is not None and engine is not None else short
+        verdict = engine_memo.Verdict(short, longer, passed, ratio, report, os.getpid(), time.time())
+        kept = f"kept in the engine memo {memo.path(key)}" if memo.write(key, verdict) else "the engine memo could not be written"
+        return engine, f"decided at this start, {kept}: {report}", ratio
+
+    def _forget_memo(self) -> None:
+        """Remove the verdict the engine memo keeps for this backend's
+        tokenizer: an engine it trusted gave a wrong result, so the next
+        start checks the engines again."""
+        if self._memo_inputs is None:
+            return
+        memo = engine_memo.from_env()
+        if memo is not None:
+            split_special, choice = self._memo_inputs
+            texts = fast_backends.self_check_texts(self._added_contents())
+            memo.forget(engine_memo.memo_key(self._spec_digest, split_special, choice, texts))
+
+    def _choose_engine(
+        self, spec_json: str, split_special: bool, choice: str, texts: list[str]
+    ) -> tuple[IdsEngine | None, str, float, tuple[str, ...]]:
+        """The engine to use (None: `tokenizers`), why, its CPU per
+        character against the reference's, and the engines that passed
+        the check on ``texts``."""
         names = ENGINES if choice == "auto" else (choice,)
-        texts = fast_backends.self_check_texts(self._added_contents())
         expected: dict[str, list[int] | None] = {}
 
         def reference(text: str) -> list[int] | None:
@@ -501,7 +616,7 @@ class TokenizerBackend:
             # tokenizers matches non-normalized added tokens before normalized
             # ones; both engines match them in one pass, and so does the
             # segment splice's proof. Where the two kinds overlap they differ.
-            return None, f"added tokens {two_pass} overlap across the normalized and raw passes", DEFAULT_ENGINE_TO_REFERENCE
+            return None, f"added tokens {two_pass} overlap across the normalized and raw passes", DEFAULT_ENGINE_TO_REFERENCE, ()
         for name in names:
             if (self._spec_digest, name) in _distrusted:
                 notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
@@ -520,15 +635,16 @@ class TokenizerBackend:
             candidates.append((cost.cpu_seconds, engine))
         if choice != "auto" and not candidates:
             logger.warning("tokenizer backend %s refused for %s (%s); using tokenizers", choice, self.name, notes[0])
+        passed = tuple(e.name for _, e in candidates)
         if not candidates:
-            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
+            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE, passed
         # `tokenizers` is linear in the text and ~30x slower: timed on a tenth.
         tenth = fast_backends.cost_of(lambda t: self.encode(t).ids, [t[: len(t) // 10] for t in timing])
         reference_cost = fast_backends.Cost(tenth.cpu_seconds * 10, tenth.wall_seconds * 10)
         notes.append(f"tokenizers: {reference_cost.cpu_seconds * 1e3:.2f} ms CPU")
         cpu, engine = min(candidates, key=lambda c: c[0])
         if choice == "auto" and cpu >= reference_cost.cpu_seconds:
-            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE
+            return None, "; ".join(notes), DEFAULT_ENGINE_TO_REFERENCE, passed
         ratio = cpu / reference_cost.cpu_seconds if reference_cost.cpu_seconds > 0 else DEFAULT_ENGINE_TO_REFERENCE
         report = f"{len(timing[0])} characters: " + "; ".join(notes)
         if len(candidates) > 1:
@@ -541,7 +657,7 @@ class TokenizerBackend:
                 report += f"; {len(long_timing[0])} characters: " + "; ".join(
                     f"{e.name}: {c * 1e3:.2f} ms CPU" for c, e in costs
                 )
-        return engine, report, ratio
+        return engine, report, ratio, passed
 
     def _added_contents(self) -> list[str]:
         return [t.content for t in self._full.get_added_tokens_decoder().values()]
@@ -644,10 +760,54 @@ class TokenizerBackend:
         return whole == head + tail
 
 
+class _LoadedOnFirstUse:
+    """The engine the engine memo names for long texts, loaded on a
+    background thread when the first long text asks for it; until it is
+    loaded, long texts go to the short texts' engine (``meanwhile``), which
+    passed the same check. ``name`` is the engine that tokenizes long texts
+    now; ``chosen`` the one named. Shared by the backends of one
+    specification, as the engines are."""
+
+    def __init__(self, chosen: str, spec_json: str, split_special: bool, *, meanwhile: IdsEngine):
+        self.chosen = chosen
+        self._spec: tuple[str, bool] | None = (spec_json, split_special)
+        self._meanwhile = meanwhile
+        self._engine: IdsEngine | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return (self._engine or self._meanwhile).name
+
+    def current(self) -> IdsEngine:
+        """The engine for a long text now; starts loading the chosen one."""
+        engine = self._engine
+        if engine is not None:
+            return engine
+        with self._lock:
+            spec, self._spec = self._spec, None
+        if spec is not None:
+            threading.Thread(target=self._load, args=spec, name="mptok-long-engine", daemon=True).start()
+        return self._meanwhile
+
+    def _load(self, spec_json: str, split_special: bool) -> None:
+        try:
+            self._engine = fast_backends.load_engine(self.chosen, spec_json, split_special)
+        except EngineUnavailable as e:
+            logger.warning("tokenizer backend %s did not load for long texts (%s); %s tokenizes them", self.chosen, e, self._meanwhile.name)
+        else:
+            logger.info("tokenizer backend %s loaded for texts of %s characters or more", self.chosen, f"{LONG_TEXT_CHARS:,}")
+
+
+def _names_of(engine: IdsEngine | _LoadedOnFirstUse) -> set[str]:
+    """The engines ``engine`` stands for (a long texts' engine not loaded yet: both)."""
+    return {engine.name, engine.chosen} if isinstance(engine, _LoadedOnFirstUse) else {engine.name}
+
+
 # (spec digest, split_special, choice) -> (engine, long-text engine, report,
 # engine CPU per character against the reference's): the start-up check and
 # timing take seconds, and their verdict depends only on the specification.
-_verdicts: dict[tuple[str, bool, str], tuple[IdsEngine | None, IdsEngine | None, str, float]] = {}
+_verdicts: dict[tuple[str, bool, str], tuple[IdsEngine | None, IdsEngine | _LoadedOnFirstUse | None, str, float]] = {}
 _verdicts_lock = threading.Lock()
 
 # (tokenizer spec digest, engine) pairs that gave a wrong result in this
@@ -664,7 +824,19 @@ def _overlapping_added_tokens(tokens: Any) -> tuple[str, str] | None:
     raw = [t.content for t in tokens if not t.normalized and t.content]
     if not normalized or not raw:
         return None
+    # A tokenizer may have a thousand raw tokens: trying every pair is
+    # millions of string operations at every start. Sets of what a raw token
+    # can be in a normalized one (itself, or a proper start of it) find the
+    # normalized tokens that overlap one; only their pairs are then tried,
+    # in order, for the same answer.
+    whole = set(raw)
+    starts = {b[:n] for b in raw for n in range(1, len(b))}
     for a in normalized:
+        if not (
+            any(a[i:j] in whole for i in range(len(a)) for j in range(i + 1, len(a) + 1))
+            or any(a[-n:] in starts for n in range(1, len(a)))
+        ):
+            continue
         for b in raw:
             if b in a or any(a.endswith(b[:n]) for n in range(1, min(len(a), len(b)))):
                 return a, b
@@ -697,9 +869,12 @@ def _space_marker_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[froze
         return frozenset(), frozenset()
     vocab = tokenizer.get_vocab(with_added_tokens=False)
     for piece in vocab:
-        for i in range(1, len(piece)):
-            if piece[i] == marker and piece[i - 1] != marker:
+        # str.find, not a Python loop over every character of a large vocabulary.
+        i = piece.find(marker, 1)
+        while i != -1:
+            if piece[i - 1] != marker:
                 return frozenset(), frozenset()
+            i = piece.find(marker, i + 1)
     opens = frozenset(i for piece, i in vocab.items() if piece.startswith(marker))
     closes = frozenset(i for piece, i in vocab.items() if piece.endswith(marker))
     return opens, closes

@@ -26,7 +26,11 @@ order:
    runs, byte-order marks and controls, the tokenizer's own added-token
    strings alone, doubled and inside words), the places where
    implementations have diverged before. One difference and the engine is not
-   used for that tokenizer.
+   used for that tokenizer. The check is made by the first start on the
+   machine and kept in the engine memo (``mptok.cache.engine_memo``) under
+   a key that holds everything its result is a function of (the
+   specification, the corpus, the engines' and `tokenizers`' builds);
+   later starts with the same key read it.
 3. While serving, the first ``FIRST_CHECKS`` results, and then as many as
    a CPU budget allows (``CheckBudget``: the checks cost at most a share,
    5% by default, of what the engine itself spends), are re-tokenized by

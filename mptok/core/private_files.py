@@ -19,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 
@@ -33,6 +34,26 @@ def secure_ipc_dir(path: str) -> str:
     the opened directory itself, so a path swapped between the check and
     the open cannot pass. Returns the absolute path.
     """
+    return _own_directory(path, "ipc dir", 0o077, "have no access to it (chmod 700 {path})")
+
+
+def private_cache_dir(path: str) -> str:
+    """Create ``path`` and its parents (mode 0700) if missing and check that only this user can write in it.
+
+    For what this user keeps between runs (``mptok.cache.engine_memo``):
+    others may read it, as they may read the rest of a home directory, but
+    nothing in it may come from them. Raises as ``secure_ipc_dir`` does,
+    with ``PermissionError`` for a directory group or others may write.
+    Returns the absolute path.
+    """
+    return _own_directory(path, "directory", 0o022, "not write in it (chmod go-w {path})")
+
+
+def _own_directory(path: str, what: str, forbidden: int, rule: str) -> str:
+    """``path`` made absolute, created (mode 0700) if missing; raises
+    ``PermissionError`` for a link, another user's directory, or one whose
+    mode has a ``forbidden`` bit (the message says group and others must
+    ``rule``, formatted with the path)."""
     path = os.path.abspath(path)
     with contextlib.suppress(FileExistsError):
         os.makedirs(path, mode=0o700)
@@ -40,9 +61,9 @@ def secure_ipc_dir(path: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         if os.path.islink(path):
-            raise PermissionError(f"ipc dir {path} is a symbolic link; give mptok a real directory") from None
+            raise PermissionError(f"{what} {path} is a symbolic link; give mptok a real directory") from None
         if e.errno == errno.ENOTDIR:
-            raise NotADirectoryError(f"ipc dir {path} is not a directory") from None
+            raise NotADirectoryError(f"{what} {path} is not a directory") from None
         raise
     try:
         st = os.fstat(fd)
@@ -50,13 +71,12 @@ def secure_ipc_dir(path: str) -> str:
         os.close(fd)
     if st.st_uid != os.geteuid():
         raise PermissionError(
-            f"ipc dir {path} belongs to uid {st.st_uid}, not to this process's uid "
+            f"{what} {path} belongs to uid {st.st_uid}, not to this process's uid "
             f"{os.geteuid()}; give mptok a directory of its own"
         )
-    if st.st_mode & 0o077:
+    if st.st_mode & forbidden:
         raise PermissionError(
-            f"ipc dir {path} has mode {stat.S_IMODE(st.st_mode):04o}: group and others "
-            f"must have no access to it (chmod 700 {path})"
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: group and others must {rule.format(path=path)}"
         )
     return path
 
@@ -85,6 +105,26 @@ def open_private_file(path: str, flags: int) -> int:
             f"(mode {stat.S_IMODE(st.st_mode):04o}); mptok refuses to use it"
         )
     return fd
+
+
+def replace_private_file(path: str, data: bytes) -> None:
+    """Write ``data`` as the file at ``path`` (mode 0600), atomically: a
+    reader sees the file before or after, whole, never part of it.
+
+    The data goes to a new file beside it, named for this process and a
+    random token, that then replaces ``path``; writers that race each leave
+    a whole file, the last one to rename wins. Raises ``OSError``.
+    """
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 # Held by the process that made a server's directory (``mptok serve``'s

@@ -7,6 +7,9 @@ to do so (``mptok.cache.config`` holds the cache's limits built on these).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 MiB = 1024 * 1024
 
 # The engines ``mptok.cache.fast_backends`` runs, and what
@@ -28,3 +31,39 @@ def parse_bytes(text: str) -> int:
     if unit not in _BYTE_UNITS or not number.isdigit():
         raise ValueError(f"{text!r} is not a size in bytes (say 536870912, 512M or 1GiB)")
     return int(number) * _BYTE_UNITS[unit]
+
+
+# Where a start keeps its verdict on the fast engines for the next start on
+# this machine (``mptok.cache.engine_memo``): a directory, or "off".
+ENGINE_MEMO_VARIABLE = "MPTOK_ENGINE_MEMO"
+ENGINE_MEMO_OFF = "off"
+
+
+def engine_memo_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The engine memo's directory: ``MPTOK_ENGINE_MEMO`` if set, else
+    ``$XDG_CACHE_HOME/mptok``, else ``~/.cache/mptok``; None when the
+    variable says "off" or there is no home to put it in.
+
+    Raises ``ValueError`` with one line for the operator when the variable
+    is a relative path: each process would read it from its own working
+    directory (the XDG rule for a relative ``XDG_CACHE_HOME`` is to ignore
+    it, which is what is done with that one).
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENGINE_MEMO_VARIABLE, "")
+    value = raw.strip()
+    if value.lower() == ENGINE_MEMO_OFF:
+        return None
+    if value:
+        if not os.path.isabs(value):
+            raise ValueError(
+                f"{ENGINE_MEMO_VARIABLE}={raw!r} must be an absolute directory path, or {ENGINE_MEMO_OFF!r}"
+            )
+        return os.path.normpath(value)
+    base = environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(base):
+        home = environ.get("HOME", "").strip() or os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return None
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "mptok")

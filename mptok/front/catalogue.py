@@ -217,7 +217,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes of the fingerprints held here of the conversations this process routed."),
     _gauge("mptok_held_reply_entries", "routing", "held_entries", "Fingerprints held here, one per routed conversation and owner."),
     _gauge("mptok_held_reply_max_bytes", "routing", "held_max_bytes", "The budget of the fingerprints held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
-    Metric("mptok_tokenizer_engine", "gauge", "1 for the engine that tokenizes this process's texts in full, per length (texts: short, or long from the long-text threshold on); a start's timing chose it.",
+    Metric("mptok_tokenizer_engine", "gauge", "1 for the engine that tokenizes this process's texts in full now, per length (texts: short, or long from the long-text threshold on); the machine's first start chose it by a timing, later ones read it from the engine memo.",
            Grid(("engines",), ("texts", TEXT_LENGTHS), ("engine", ENGINE_NAMES))),
     _gauge("mptok_tokenizer_backend_tokenizers", "cache", "backend_tokenizers", "Tokenizers this process tokenizes in full with `tokenizers` (no fast engine trusted, or switched back)."),
     _gauge("mptok_tokenizer_backend_fastokens", "cache", "backend_fastokens", "Tokenizers this process tokenizes in full with fastokens (passed the start-up check)."),

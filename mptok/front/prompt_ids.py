@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,9 +40,6 @@ from mptok.front.catalogue import (
     PROMPT_TOKENS,
     TEXT_LENGTHS,
 )
-
-_Ids = TypeVar("_Ids", list[int], np.ndarray)
-
 
 class Routing(Encoder, Protocol):
     """Routing above a cache (``TokenizationOwners``): it encodes, and counts what it did."""
@@ -89,11 +86,8 @@ class PromptIds:
         """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``; None when only the tokenizer's own call gives them."""
         if not self.through_mptok(text, add_special_tokens):
             return None
-        ids = self._encoded(self.encoder.encode, text, identity)
-        if add_special_tokens:
-            assert self.frame is not None
-            ids = self.frame.around(ids)
-        return self._counted(ids, identity)
+        # The frame goes on the array: one list is made, of the final ids.
+        return self._framed_array(text, add_special_tokens, identity).tolist()
 
     def ids_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> np.ndarray:
         """``ids`` as a 1-D int32 array (the cache's own when unframed: no list is made), never None."""
@@ -102,11 +96,7 @@ class PromptIds:
                 direct = as_id_array(self._tokenizer(text, add_special_tokens=True)["input_ids"])
             self.count_direct(len(direct))
             return direct
-        ids = self._encoded(self.encoder.encode_array, text, identity)
-        if add_special_tokens:
-            assert self.frame is not None
-            ids = np.concatenate((self.frame.prefix_ids, ids, self.frame.suffix_ids))
-        return self._counted(ids, identity)
+        return self._framed_array(text, add_special_tokens, identity)
 
     def count_direct(self, tokens: int) -> None:
         """One prompt of ``tokens`` tokens that the tokenizer's own call tokenized, not mptok."""
@@ -132,14 +122,21 @@ class PromptIds:
             names = {}
         return {texts: {engine: int(names.get(texts) == engine) for engine in ENGINE_NAMES} for texts in TEXT_LENGTHS}
 
-    def _encoded(self, encode: Callable[..., _Ids], text: str, identity: ConversationIdentity) -> _Ids:
+    def _framed_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> np.ndarray:
+        ids = self._encoded(self.encoder.encode_array, text, identity)
+        if add_special_tokens:
+            assert self.frame is not None
+            ids = np.concatenate((self.frame.prefix_ids, ids, self.frame.suffix_ids))
+        return self._counted(ids, identity)
+
+    def _encoded(self, encode: Callable[..., np.ndarray], text: str, identity: ConversationIdentity) -> np.ndarray:
         try:
             return encode(self._tokenizer, text, key=identity.key)
         except Exception:
             self._counts.add(ERRORS)
             raise
 
-    def _counted(self, ids: _Ids, identity: ConversationIdentity) -> _Ids:
+    def _counted(self, ids: np.ndarray, identity: ConversationIdentity) -> np.ndarray:
         self._counts.add(identity.kind.value)
         self._counts.add(PROMPT_TOKENS, len(ids))
         return ids

@@ -10,8 +10,9 @@ one of the ``--spares``, when a slot needs it). When a process has exited,
 its live gauges are removed from that directory (``mark_process_dead``);
 its counters stay, so totals never go down.
 
-The supervisor itself never imports vLLM: a missing vLLM is found here
-with a lookup, and every render process imports it on its own.
+The supervisor itself never imports vLLM or the tokenizer stack: a missing
+vLLM is found here with a lookup, and every render process imports the
+worker, and with it vLLM, on its own.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def prometheus_dir(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, PROMETHEUS_DIR)
 
 
+def run_render_process(settings: RenderSettings, authkey: bytes, conn: Any) -> None:
+    """The supervisor's spawn target: ``mptok.render.worker.render_main``, imported in the child.
+
+    Spawning pickles the target by reference, so naming the worker's own
+    function would import the worker, and with it the tokenizer stack, into
+    the supervisor.
+    """
+    from mptok.render.worker import render_main
+
+    render_main(settings, authkey, conn)
+
+
 class RenderFrontends:
     """``FrontendKind`` of ``mptok render``: vLLM render processes that beat (``--hang-timeout``),
     start without an id, and are kept warm as ``--spares``."""
@@ -61,10 +74,8 @@ class RenderFrontends:
             raise StartupError("mptok render runs vLLM's render server, and vLLM is not installed: pip install 'mptok[vllm]'")
 
     def target(self, frontend_id: int | None, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
-        from mptok.render.worker import render_main
-
         os.makedirs(prometheus_dir(ipc_dir), mode=0o700, exist_ok=True)
-        return render_main, RenderSettings(ipc_dir, self._options.with_port(options.port))
+        return run_render_process, RenderSettings(ipc_dir, self._options.with_port(options.port))
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         from prometheus_client import multiprocess

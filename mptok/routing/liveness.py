@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from mptok.core.private_files import open_private_file
+from mptok.core.private_files import open_private_file, replace_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -137,17 +137,7 @@ def publish(ipc_dir: str, frontend_id: int, address: str) -> OwnerRecord:
     """
     pid = os.getpid()
     record = OwnerRecord(pid, psutil.Process().create_time(), address, secrets.token_hex(8), start_ticks(pid))
-    path = record_path(ipc_dir, frontend_id)
-    tmp = f"{path}.{record.pid}.{record.nonce}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(record), f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    replace_private_file(record_path(ipc_dir, frontend_id), json.dumps(asdict(record)).encode())
     return record
 
 

@@ -61,6 +61,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mptok.api.chat_template import ChatTemplateError, check_template_source
+from mptok.core.settings import engine_memo_dir
 from mptok.routing.policy import routing_policy
 from mptok.serve import heartbeat
 from mptok.serve.launch import FrontendSettings, run_frontend, tcp_socket
@@ -666,6 +667,7 @@ def _check_environment(options: ServeOptions) -> None:
             warnings.simplefilter("ignore", FutureWarning)  # each frontend warns of a deprecated setting in its log
             CacheConfig.from_env(**options.arguments_for(Use.CACHE))
         routing_policy(options.routing)
+        engine_memo_dir()
     except ValueError as e:
         raise StartupError(str(e)) from None
 

@@ -205,7 +205,7 @@ class PromptTokens:
         choice = self._cache.config.tokenizer_backend
         try:
             backend = backend_for(self._tokenizer, choice)
-            engines = backend.engine_names
+            engines = backend.chosen_engine_names
             backend_text = (
                 f"{engines['short']}, {engines['long']} for texts of {LONG_TEXT_CHARS:,} characters or more "
                 f"(chosen from {choice!r}: {backend.choice_report or 'no fast engine asked for'})"

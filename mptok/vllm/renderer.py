@@ -32,6 +32,7 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from typing import Any
 
+from vllm.inputs import TokensPrompt
 from vllm.renderers.hf import HfRenderer
 
 from mptok.api.affinity import ConversationIdentity, chat_identity, named
@@ -73,7 +74,9 @@ class MptokRenderer(HfRenderer):
         identity = named(session_id(), prompt.pop(CONVERSATION_FIELD, None))
         ids = self._ids_through_mptok(prompt, params, identity)
         if ids is not None:
-            return self._build_tokens_prompt(ids, prompt)
+            # What _build_tokens_prompt builds, without its copy of the list:
+            # this one is new, made for this prompt alone.
+            return TokensPrompt(prompt_token_ids=ids, **prompt)
         tokens_prompt = super()._tokenize_prompt(prompt, params)
         if self._prompt_tokens is not None:
             self._prompt_tokens.count_vllm(len(tokens_prompt["prompt_token_ids"]))

@@ -231,7 +231,19 @@ def test_a_session_header_names_the_conversation_as_mptok_serve_does(switched):
     assert sum(grown('mptok_prompts_total{identity="keyed"}').values()) == len(SESSION_CASES)
     assert sum(grown('mptok_prompts_total{identity="derived"}').values()) == 0
     owners = Counter(str(owner_of(session, 2)) for session in set(SESSIONS.values()))
-    assert grown("mptok_cache_entries") == {rank: owners[rank] for rank in ("0", "1")}, (before, after)
+    entries = grown("mptok_cache_entries")
+    # Every session is kept by its owner. An API server keeps a copy of a
+    # session it does not own only where it tokenized a turn itself: the
+    # crossing chose here (the default policy), or the owner was too slow
+    # (a loaded machine). Those are counted, so the copies are bounded by them.
+    tokenized_here = {
+        rank: grown('mptok_crossing_choices_total{choice="local_cheaper"}')[rank]
+        + grown('mptok_crossing_choices_total{choice="local_kept"}')[rank]
+        + grown("mptok_route_fallbacks_total")[rank]
+        for rank in ("0", "1")
+    }
+    for rank in ("0", "1"):
+        assert owners[rank] <= entries[rank] <= owners[rank] + tokenized_here[rank], (entries, owners, before, after)
     assert sum(grown("mptok_routed_total").values()) > 0, (before, after)
     assert sum(grown("mptok_cache_hits_total").values()) >= 2 * (SESSION_TURNS - 2)
 

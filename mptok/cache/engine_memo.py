@@ -1,0 +1,312 @@
+"""The engine memo: a start's verdict on the fast engines, kept for the next start on this machine.
+
+Choosing the engine of a tokenizer (``mptok.cache.backend``) loads every
+fast engine, checks each one id for id against `tokenizers` on the
+start-up corpus and times the ones that pass, per length of text. That is
+seconds of CPU in every process that starts, and the timing is a race:
+fastokens and gigatoken are close, so two processes of one server, or two
+starts of it, could pick different engines and run at different speeds.
+
+The first start that decides writes the verdict here; a later start whose
+inputs are the same reads it and loads only the engines it names, and
+skips the check and the timing. So every process on a machine tokenizes a
+tokenizer with the same engines, until something the verdict rests on
+changes.
+
+**Why skipping the start-up check keeps exactness.** The check is a pure
+function of what it is given: the specification the engines load (its
+digest, with ``split_special_tokens``), the engines' and the reference's
+code (each package's version and the identity of its compiled library:
+name, size and modification time, so a rebuilt or reinstalled engine does
+not pass for the old one), the corpus (its digest), and the code that
+decides (mptok's version and the digest of the two modules that choose).
+The key holds all of them, with Python's version and the machine's
+processor, and a memo is used only when its key is equal to the start's,
+field by field. An engine that passed the check once passes it again on
+the same inputs, so reading the verdict gives the trust the check would
+give; everything after the start is unchanged: the background checks
+(``fast_backends.SampledVerifier``) sample the engine's results as before,
+and one difference switches the process back to `tokenizers` and removes
+the memo, so the next start decides afresh.
+
+**What cannot be used is ignored.** A memo that is missing, unreadable,
+not valid, written under another key, or in a directory that another user
+owns or that others may write, is ignored (a WARNING once per process and
+directory) and the start decides as it would without one. The directory is
+``MPTOK_ENGINE_MEMO`` (``off`` turns the memo off), else
+``$XDG_CACHE_HOME/mptok`` or ``~/.cache/mptok`` (``mptok.core.settings``).
+Files are written whole (a new file renamed over the old one, mode 0600);
+processes that start at once take a lock per key while they decide, so one
+decides and the others read its verdict, and a process that finds the lock
+held longer than ``LOCK_WAIT_S`` decides without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+from mptok.core.private_files import open_private_file, private_cache_dir, replace_private_file
+from mptok.core.settings import ENGINE_MEMO_VARIABLE, ENGINES, engine_memo_dir
+
+logger = logging.getLogger(__name__)
+
+# Raised when what a memo holds, or how its key is made, changes meaning.
+FORMAT = 1
+_PREFIX = "engines-"
+# A start that finds another deciding the same key waits this long for its
+# verdict (a decision takes seconds; far longer means that process is stuck).
+LOCK_WAIT_S = 60.0
+_LOCK_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a start decided for one key.
+
+    ``short`` and ``long``: the engine of texts shorter than the long-text
+    threshold and of longer ones ("tokenizers" for no fast engine);
+    ``passed``: the engines that gave `tokenizers`' ids on the start-up
+    corpus; ``ratio``: the chosen engine's CPU per character against
+    `tokenizers`' (the background checks' budget); ``report``: the start's
+    own account (its timings, why an engine was refused); ``decided_by``
+    and ``decided_at``: the process and the time (seconds since the epoch).
+    """
+
+    short: str
+    long: str
+    passed: tuple[str, ...]
+    ratio: float
+    report: str
+    decided_by: int
+    decided_at: float
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The fast engines a start that reads this loads."""
+        return tuple(name for name in ENGINES if name in (self.short, self.long))
+
+    @classmethod
+    def from_json(cls, data: Any) -> Verdict:
+        """``ValueError`` unless ``data`` is a verdict whose engines are ones mptok knows."""
+        names = ("tokenizers", *ENGINES)
+        try:
+            verdict = cls(
+                short=data["short"],
+                long=data["long"],
+                passed=tuple(data["passed"]),
+                ratio=float(data["ratio"]),
+                report=str(data["report"]),
+                decided_by=int(data["decided_by"]),
+                decided_at=float(data["decided_at"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a verdict: {e!r}") from None
+        if verdict.short not in names or verdict.long not in names or not set(verdict.passed) <= set(ENGINES):
+            raise ValueError("names an engine mptok does not have")
+        if not set(verdict.engines) <= set(verdict.passed) or not verdict.ratio > 0:
+            raise ValueError("chooses an engine that did not pass, or has no cost ratio")
+        return verdict
+
+
+def memo_key(spec_digest: str, split_special: bool, choice: str, check_texts: Iterable[str]) -> dict[str, Any]:
+    """Everything a verdict depends on, for the tokenizer specification
+    ``spec_digest`` (with ``split_special``), the backend choice and the
+    start-up corpus."""
+    corpus = hashlib.sha256()
+    for text in check_texts:
+        corpus.update(text.encode("utf-8", "surrogatepass") + b"\0")
+    return {
+        "format": FORMAT,
+        "spec": spec_digest,
+        "split_special": split_special,
+        "choice": choice,
+        "check_texts": corpus.hexdigest(),
+        "mptok": _decider(),
+        "packages": {name: _package(name) for name in ("tokenizers", *ENGINES)},
+        "python": f"{sys.implementation.name} {sys.version}",
+        "machine": _machine(),
+    }
+
+
+class EngineMemo:
+    """The verdicts kept in one directory: a file per key, named by its digest."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def path(self, key: dict[str, Any]) -> str:
+        return os.path.join(self.directory, f"{_PREFIX}{_digest(key)}.json")
+
+    def read(self, key: dict[str, Any]) -> Verdict | None:
+        """The verdict kept for ``key``, or None (none kept, or one that
+        cannot be used: said once, as a WARNING)."""
+        path = self.path(key)
+        try:
+            fd = open_private_file(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            _warn_once(self.directory, f"engine memo {path} is not used: {e}")
+            return None
+        try:
+            with open(fd, "rb") as f:
+                data = orjson.loads(f.read())
+            if not isinstance(data, dict) or data.get("key") != key:
+                # The digest names the file; the key inside is compared whole.
+                raise ValueError("it was written for another key")
+            return Verdict.from_json(data.get("verdict"))
+        except (OSError, ValueError) as e:  # orjson.JSONDecodeError is a ValueError
+            _warn_once(self.directory, f"engine memo {path} is not used: {e}")
+            return None
+
+    def write(self, key: dict[str, Any], verdict: Verdict) -> bool:
+        """Keep ``verdict`` for ``key``; False (said once) if it cannot be written."""
+        try:
+            replace_private_file(self.path(key), orjson.dumps({"key": key, "verdict": asdict(verdict)}))
+        except OSError as e:
+            _warn_once(self.directory, f"engine memo in {self.directory} cannot be written: {e}")
+            return False
+        return True
+
+    def forget(self, key: dict[str, Any]) -> None:
+        """Remove the verdict kept for ``key``, if any."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path(key))
+
+    @contextlib.contextmanager
+    def deciding(self, key: dict[str, Any]) -> Iterator[bool]:
+        """Hold ``key``'s lock while deciding it: yields True once held, or
+        False (said once) when it could not be taken within ``LOCK_WAIT_S``
+        or at all; the caller then decides without it."""
+        path = os.path.join(self.directory, f"{_PREFIX}{_digest(key)}.lock")
+        try:
+            fd = open_private_file(path, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            _warn_once(self.directory, f"engine memo lock {path} cannot be used: {e}")
+            yield False
+            return
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        _warn_once(
+                            self.directory,
+                            f"engine memo lock {path} held for more than {LOCK_WAIT_S:g} s; deciding without it",
+                        )
+                        yield False
+                        return
+                    time.sleep(_LOCK_POLL_S)
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def from_env() -> EngineMemo | None:
+    """The memo ``MPTOK_ENGINE_MEMO`` names (default: the user's cache
+    directory), or None: turned off, or a directory that cannot be used
+    (said once, as a WARNING)."""
+    try:
+        directory = engine_memo_dir()
+    except ValueError as e:
+        # mptok serve refuses this before it starts; a library user is told here.
+        _warn_once(ENGINE_MEMO_VARIABLE, f"engine memo off: {e}")
+        return None
+    if directory is None:
+        return None
+    try:
+        return EngineMemo(private_cache_dir(directory))
+    except OSError as e:
+        _warn_once(directory, f"engine memo off: {e}")
+        return None
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(topic: str, message: str) -> None:
+    """A WARNING, the first time in this process that ``topic`` (a directory) has a problem."""
+    with _warned_lock:
+        if topic in _warned:
+            return
+        _warned.add(topic)
+    logger.warning("%s; the engines are chosen as if there were no memo", message)
+
+
+def _digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+_identities: dict[str, Any] = {}
+
+
+def _decider() -> dict[str, Any]:
+    """mptok's version, and the digest of the modules whose code makes a verdict."""
+    if "mptok" not in _identities:
+        from mptok.cache import backend, fast_backends
+
+        sources = hashlib.sha256()
+        for module in (backend, fast_backends):
+            with open(module.__file__, "rb") as f:
+                sources.update(f.read())
+        _identities["mptok"] = {"version": _version("mptok"), "sources": sources.hexdigest()}
+    return _identities["mptok"]
+
+
+def _package(name: str) -> dict[str, Any] | None:
+    """A package's version and its compiled libraries (name, size, mtime),
+    found without importing it; None if it is not installed."""
+    if name not in _identities:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            _identities[name] = None
+        else:
+            libraries = []
+            for location in spec.submodule_search_locations or ():
+                with contextlib.suppress(OSError), os.scandir(location) as entries:
+                    for entry in entries:
+                        if entry.name.endswith((".so", ".pyd", ".dylib")):
+                            st = entry.stat()
+                            libraries.append([entry.name, st.st_size, st.st_mtime_ns])
+            _identities[name] = {"version": _version(name), "libraries": sorted(libraries)}
+    return _identities[name]
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _machine() -> dict[str, Any]:
+    """The processor (its model and how many): an engine's code may take
+    other paths on another one, and the timing surely would."""
+    if "machine" not in _identities:
+        model = ""
+        with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "CPU part")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        _identities["machine"] = {"arch": platform.machine(), "model": model, "cpus": os.cpu_count()}
+    return _identities["machine"]
