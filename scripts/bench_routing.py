@@ -48,6 +48,7 @@ import mptok
 from mptok.routing.liveness import OwnerLiveness
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners, lower_switch_interval
+from mptok.routing.policy import ALWAYS
 from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.transport import EncodeProxy, serve_encode
 
@@ -59,6 +60,10 @@ from scripts.report import write_report
 AUTHKEY = os.urandom(16)
 TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
 BACKOFF_S = 2.0  # how long an asker skips an owner that it gave up on
+# The askers route every keyed prompt (the "always" policy): what a crossing
+# costs is measured on every turn, not only where the default policy would
+# judge it cheaper than tokenizing here.
+ROUTE_EVERY_PROMPT = ALWAYS
 _LENGTH = struct.Struct("!q")
 
 
@@ -247,7 +252,7 @@ def main() -> None:
             local_cache = mptok.PrefixTokenCache()
             local_cache.encode(tokenizer, "warm up")
             with TokenizationOwners(
-                ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S
+                ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, routing=ROUTE_EVERY_PROMPT
             ) as owners:
                 rows = measure(args, tokenizer, local_cache, owners, ipc_dir)
                 rows += owner_busy_rows(args, tokenizer, owners, parent, "patience (default)")
@@ -255,13 +260,13 @@ def main() -> None:
             # routed prompt goes whole, and all its ids come back.
             with TokenizationOwners(
                 ipc_dir, 1, 2, mptok.PrefixTokenCache(mptok.CacheConfig(max_held_bytes=1)), tokenizer,
-                authkey=AUTHKEY, backoff_s=BACKOFF_S,
+                authkey=AUTHKEY, backoff_s=BACKOFF_S, routing=ROUTE_EVERY_PROMPT,
             ) as owners:
                 rows += whole_prompt_rows(args, tokenizer, local_cache, owners)
             # The same busy owner, asked by a frontend that waits for its timeout.
             with TokenizationOwners(
                 ipc_dir, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S,
-                patience_factor=0,
+                patience_factor=0, routing=ROUTE_EVERY_PROMPT,
             ) as owners:
                 rows += owner_busy_rows(args, tokenizer, owners, parent, "no patience (waits up to timeout_s)")
             rows += overhead_rows(ipc_dir)
