@@ -60,6 +60,7 @@ from typing import Any
 
 import orjson
 
+from mptok.core.deadline import Deadline
 from mptok.core.private_files import open_private_file, private_cache_dir, replace_private_file
 from mptok.core.settings import ENGINE_MEMO_VARIABLE, ENGINES, engine_memo_dir
 
@@ -201,13 +202,13 @@ class EngineMemo:
             yield False
             return
         try:
-            deadline = time.monotonic() + LOCK_WAIT_S
+            deadline = Deadline.after(LOCK_WAIT_S)
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() >= deadline:
+                    if deadline.passed:
                         _warn_once(
                             self.directory,
                             f"engine memo lock {path} held for more than {LOCK_WAIT_S:g} s; deciding without it",

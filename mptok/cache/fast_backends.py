@@ -66,6 +66,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mptok.core.deadline import Deadline
 from mptok.core.settings import CHOICES, ENGINES
 
 logger = logging.getLogger(__name__)
@@ -340,8 +341,8 @@ class SampledVerifier:
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the queued checks; True if done."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = Deadline.after(timeout)
+        while not deadline.passed:
             if self._queue.unfinished_tasks == 0:
                 return True
             time.sleep(0.005)
