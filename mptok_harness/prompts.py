@@ -14,13 +14,26 @@ _WORDS = (
 ).split()
 
 
-def conversation(seed: int, turns: int, *, first_chars: int = 2000, turn_chars: int = 1200) -> list[str]:
+# The DeepSeek V3 template's markers, which its tokenizer (the embedded
+# default) holds as added tokens, and look-alikes in ASCII that it does not:
+# prompts with the look-alikes are plain text to the tokenizer.
+CHAT_MARKERS = ("<｜begin▁of▁sentence｜>", "<｜Assistant｜>", "<｜User｜>")
+PLAIN_MARKERS = ("<|begin▁of▁sentence|>", "<|Assistant|>", "<|User|>")
+
+
+def conversation(
+    seed: int, turns: int, *, first_chars: int = 2000, turn_chars: int = 1200, markers: tuple[str, str, str] = PLAIN_MARKERS
+) -> list[str]:
     """Prompts of one conversation: each is the last plus about 300 tokens.
 
     Like a chat template, each prompt ends with a generation prompt that the
-    next turn rewrites, so prompts do not extend each other literally.
+    next turn rewrites, so prompts do not extend each other literally. The
+    ``markers`` (begin, assistant, user) are plain text by default; with
+    ``CHAT_MARKERS`` they are the default tokenizer's added tokens, as its
+    chat template writes them.
     """
     rng = random.Random(seed)
+    begin, assistant, user = markers
 
     def prose(chars: int) -> str:
         out: list[str] = []
@@ -32,9 +45,9 @@ def conversation(seed: int, turns: int, *, first_chars: int = 2000, turn_chars: 
             size += len(word) + len(sep)
         return "".join(out)
 
-    history = "<|begin▁of▁sentence|>You are a helpful assistant.\n" + prose(first_chars)
+    history = begin + "You are a helpful assistant.\n" + prose(first_chars)
     prompts = []
     for _ in range(turns):
-        prompts.append(history + "<|Assistant|><think>\n")
-        history += "<|Assistant|>" + prose(turn_chars // 2) + "<|User|>" + prose(turn_chars // 2)
+        prompts.append(history + assistant + "<think>\n")
+        history += assistant + prose(turn_chars // 2) + user + prose(turn_chars // 2)
     return prompts

@@ -7,7 +7,11 @@ in the same run (the machine is noisy; read the ratios):
   process) vs a local hit (this process's cache) vs full tokenization, for
   conversations of about 38k and 200k tokens growing about 300 tokens a turn,
   through ``encode`` (a list) and ``encode_array`` (the int32 array, as
-  ``mptok serve`` writes it to JSON);
+  ``mptok serve`` writes it to JSON). The turns carry the chat template's
+  markers, which the tokenizer holds as added tokens, so each turn is a hit
+  spliced at one; the run stops if a measured turn missed in either cache
+  (plain prompts this long turn after turn, faster than the background work
+  that gives a kept prompt its offsets, would measure misses);
 * a routed hit whose asker holds no fingerprint (all of the prompt sent, all
   of its ids back), as under a tight ``max_held_bytes``;
 * the transport round trip of ``EncodeProxy`` (150k characters in, 38k ids
@@ -54,7 +58,7 @@ from mptok.transport import EncodeProxy, serve_encode
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
-from mptok_harness.prompts import conversation
+from mptok_harness.prompts import CHAT_MARKERS, conversation
 from scripts.report import write_report
 
 AUTHKEY = os.urandom(16)
@@ -129,6 +133,8 @@ def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None
             while busy.is_set() and not conn.poll():
                 sum(i * i for i in range(2000))
             busy.clear()
+        elif command == "stats":
+            conn.send(cache.stats())
         elif command == "exit":
             break
     raw.close()
@@ -145,18 +151,24 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def owner_hits(owner_conn) -> int:
+    owner_conn.send("stats")
+    return owner_conn.recv()["hits"]
+
+
 def conversation_run(
-    tokenizer, local_cache, owners, seed: int, first_chars: int, turns: int, full_reps: int
+    tokenizer, local_cache, owners, owner_conn, seed: int, first_chars: int, turns: int, full_reps: int
 ) -> dict[str, float]:
     """Median seconds per turn of a routed hit (a list, and an int32 array),
     a local hit (both ways), and full tokenization."""
     routed_before = owners.stats()["routed"]
-    prompts = conversation(seed, turns + 1, first_chars=first_chars, turn_chars=TURN_CHARS)
+    prompts = conversation(seed, turns + 1, first_chars=first_chars, turn_chars=TURN_CHARS, markers=CHAT_MARKERS)
     routed_key = _key_owned_by(0, f"routed-{seed}")
     local_key = f"local-{seed}"
     # Turn 0 fills both caches (a miss); the measured turns are hits.
     owners.encode(tokenizer, prompts[0], key=routed_key)
     local_cache.encode(tokenizer, prompts[0], key=local_key)
+    hits_before = (owner_hits(owner_conn), local_cache.stats()["hits"])
     routed, local, routed_array, local_array = [], [], [], []
     for i, text in enumerate(prompts[1:]):
         # Each turn once, alternately as a list or an array, so that every
@@ -175,6 +187,9 @@ def conversation_run(
         raise SystemExit("a cached result differs from full tokenization")
     if owners.stats()["routed"] - routed_before != turns + 2:
         raise SystemExit(f"routed calls fell back to local tokenization: {owners.stats()}")
+    hits = (owner_hits(owner_conn) - hits_before[0], local_cache.stats()["hits"] - hits_before[1])
+    if hits != (turns + 1, turns + 1):  # the measured turns, and the last again
+        raise SystemExit(f"measured turns missed: {hits} hits at the owner and here of {turns + 1} turns each")
     full = [timed(lambda: tokenizer(last, add_special_tokens=False)) for _ in range(full_reps)]
     return {
         "routed": statistics.median(routed),
@@ -254,7 +269,7 @@ def main() -> None:
             with TokenizationOwners(
                 ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, routing=ROUTE_EVERY_PROMPT
             ) as owners:
-                rows = measure(args, tokenizer, local_cache, owners, ipc_dir)
+                rows = measure(args, tokenizer, local_cache, owners, ipc_dir, parent)
                 rows += owner_busy_rows(args, tokenizer, owners, parent, "patience (default)")
             # An asker that holds no fingerprint (a budget of 1 byte): every
             # routed prompt goes whole, and all its ids come back.
@@ -262,7 +277,7 @@ def main() -> None:
                 ipc_dir, 1, 2, mptok.PrefixTokenCache(mptok.CacheConfig(max_held_bytes=1)), tokenizer,
                 authkey=AUTHKEY, backoff_s=BACKOFF_S, routing=ROUTE_EVERY_PROMPT,
             ) as owners:
-                rows += whole_prompt_rows(args, tokenizer, local_cache, owners)
+                rows += whole_prompt_rows(args, tokenizer, local_cache, owners, parent)
             # The same busy owner, asked by a frontend that waits for its timeout.
             with TokenizationOwners(
                 ipc_dir, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S,
@@ -279,12 +294,12 @@ def main() -> None:
     print_table(rows, args)
 
 
-def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
+def measure(args, tokenizer, local_cache, owners, ipc_dir: str, owner_conn) -> list[tuple]:
     rows = []
     for label, first_chars, full_reps in (("38k", 137_000, 7), ("200k", 720_000, 3)):
         runs = [
             conversation_run(
-                tokenizer, local_cache, owners, 100 * r + len(label), first_chars, args.turns, full_reps
+                tokenizer, local_cache, owners, owner_conn, 100 * r + len(label), first_chars, args.turns, full_reps
             )
             for r in range(args.runs)
         ]
@@ -330,9 +345,10 @@ def measure(args, tokenizer, local_cache, owners, ipc_dir: str) -> list[tuple]:
     return rows
 
 
-def whole_prompt_rows(args, tokenizer, local_cache, owners: TokenizationOwners) -> list[tuple]:
+def whole_prompt_rows(args, tokenizer, local_cache, owners: TokenizationOwners, owner_conn) -> list[tuple]:
     runs = [
-        conversation_run(tokenizer, local_cache, owners, 7000 + r, 137_000, args.turns, 1) for r in range(args.runs)
+        conversation_run(tokenizer, local_cache, owners, owner_conn, 7000 + r, 137_000, args.turns, 1)
+        for r in range(args.runs)
     ]
     routed = statistics.median(r["routed"] for r in runs)
     vs_local = statistics.median(r["routed"] / r["local"] for r in runs)
@@ -360,7 +376,7 @@ def busy_run(tokenizer, owners: TokenizationOwners, owner_conn, seed: int, turns
     """Seconds per turn of a conversation the owner holds while its main
     thread runs Python (its serving threads then starve for its GIL)."""
     key = _key_owned_by(0, f"busy-{seed}")
-    prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS)
+    prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS, markers=CHAT_MARKERS)
     routed_before = owners.stats()["routed"]
     owners.encode(tokenizer, prompts[0], key=key)  # the owner holds it, this frontend its fingerprint
     before = owners.stats()
