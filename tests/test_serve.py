@@ -186,6 +186,15 @@ def test_the_running_supervisor_maps_no_tokenizer_stack(server):
     assert "/tokenizers/" not in supervisor_maps and "/numpy/" not in supervisor_maps
 
 
+def test_frontends_serve_on_uvloop(server):
+    # uvloop is a dependency wherever it installs, so the frontends run on
+    # it as shipped; each says so when ready, and maps its library.
+    for frontend in range(FRONTENDS):
+        server.wait_for_log(rf"role=frontend frontend={frontend} .*event=frontend_ready .* loop=uvloop")
+    with open(f"/proc/{server.frontend_pids()[0]}/maps") as f:
+        assert "/uvloop/" in f.read()
+
+
 def test_routing_policy_is_the_operators(tmp_path, tokenizer, monkeypatch):
     """--routing never: each frontend a cache of its own (nothing crosses),
     every answer exact; MPTOK_ROUTING is the default the flag overrides; the

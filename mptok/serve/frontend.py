@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -309,7 +309,8 @@ class Frontend:
         if self._server.started:
             ready.send(("ready", os.getpid()))
             log_event(
-                logger, logging.INFO, "frontend_ready", url=f"http://{options.host}:{options.port}", routing=self.owners.policy
+                logger, logging.INFO, "frontend_ready", url=f"http://{options.host}:{options.port}",
+                routing=self.owners.policy, loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
             )
         await serving
 
@@ -356,6 +357,22 @@ def _server_noting_its_stop(uvicorn: Any) -> type:
     return StopNotingServer
 
 
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` to completion on uvloop's event loop where uvloop is
+    installed, else on asyncio's own (what uvicorn's ``loop="auto"`` picks).
+
+    The frontend runs its loop itself, so uvicorn's choice never applies:
+    made here, it spares every request and every new connection the pure
+    Python selector loop's transport work.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> None:
     """Body of a frontend process (the supervisor's spawn target).
 
@@ -382,7 +399,7 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
             ready.send(("failed", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     try:
-        asyncio.run(frontend.serve(ready, stop))
+        run_event_loop(frontend.serve(ready, stop))
     finally:
         frontend.close()
         if os.getppid() != supervisor_pid:
