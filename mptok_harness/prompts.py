@@ -17,7 +17,7 @@ _WORDS = (
 # The DeepSeek V3 template's markers, which its tokenizer (the embedded
 # default) holds as added tokens, and look-alikes in ASCII that it does not:
 # prompts with the look-alikes are plain text to the tokenizer.
-CHAT_MARKERS = ("<｜begin▁of▁sentence｜>", "<｜Assistant｜>", "<｜User｜>")
+TEMPLATE_MARKERS = ("<｜begin▁of▁sentence｜>", "<｜Assistant｜>", "<｜User｜>")
 PLAIN_MARKERS = ("<|begin▁of▁sentence|>", "<|Assistant|>", "<|User|>")
 
 
@@ -29,7 +29,7 @@ def conversation(
     Like a chat template, each prompt ends with a generation prompt that the
     next turn rewrites, so prompts do not extend each other literally. The
     ``markers`` (begin, assistant, user) are plain text by default; with
-    ``CHAT_MARKERS`` they are the default tokenizer's added tokens, as its
+    ``TEMPLATE_MARKERS`` they are the default tokenizer's added tokens, as its
     chat template writes them.
     """
     rng = random.Random(seed)

@@ -58,7 +58,7 @@ from mptok.transport import EncodeProxy, serve_encode
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
-from mptok_harness.prompts import CHAT_MARKERS, conversation
+from mptok_harness.prompts import TEMPLATE_MARKERS, conversation
 from scripts.report import write_report
 
 AUTHKEY = os.urandom(16)
@@ -162,7 +162,7 @@ def conversation_run(
     """Median seconds per turn of a routed hit (a list, and an int32 array),
     a local hit (both ways), and full tokenization."""
     routed_before = owners.stats()["routed"]
-    prompts = conversation(seed, turns + 1, first_chars=first_chars, turn_chars=TURN_CHARS, markers=CHAT_MARKERS)
+    prompts = conversation(seed, turns + 1, first_chars=first_chars, turn_chars=TURN_CHARS, markers=TEMPLATE_MARKERS)
     routed_key = _key_owned_by(0, f"routed-{seed}")
     local_key = f"local-{seed}"
     # Turn 0 fills both caches (a miss); the measured turns are hits.
@@ -376,7 +376,7 @@ def busy_run(tokenizer, owners: TokenizationOwners, owner_conn, seed: int, turns
     """Seconds per turn of a conversation the owner holds while its main
     thread runs Python (its serving threads then starve for its GIL)."""
     key = _key_owned_by(0, f"busy-{seed}")
-    prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS, markers=CHAT_MARKERS)
+    prompts = conversation(seed, turns + 1, first_chars=137_000, turn_chars=TURN_CHARS, markers=TEMPLATE_MARKERS)
     routed_before = owners.stats()["routed"]
     owners.encode(tokenizer, prompts[0], key=key)  # the owner holds it, this frontend its fingerprint
     before = owners.stats()

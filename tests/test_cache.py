@@ -20,6 +20,7 @@ from mptok import CacheConfig, PrefixTokenCache
 from mptok_harness.checks import expected_ids as full_ids
 from mptok_harness.conversations import adversarial_delta, plain_delta
 from mptok_harness.families import CHAT_MARKERS, load_family
+from mptok_harness.prompts import TEMPLATE_MARKERS, conversation
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -359,3 +360,30 @@ def test_tokens_reused_and_tokenized_add_up_to_the_ids_returned(tokenizer):
     assert stats["tokens_reused"] + stats["tokens_tokenized"] == returned
     # The hit tokenized only its tail: most of the second prompt was reused.
     assert stats["tokens_reused"] > len(tokenizer(first, add_special_tokens=False)["input_ids"]) // 2
+
+
+def test_a_copy_turns_behind_is_extended_at_a_segment_by_the_engine(tokenizer, monkeypatch):
+    """A frontend's copy of a chat, many turns behind the prompt that reaches
+    it (the new prompt more than twice as long), is extended at the last
+    added token by the fast engine (the default configuration), with no
+    pass of the reference tokenizer, which costs tens of times more."""
+    from mptok.cache.backend import TokenizerBackend, backend_for
+
+    assert backend_for(tokenizer, "auto").fast, "the default configuration tokenizes with a fast engine"
+    prompts = conversation(3, 7, first_chars=6000, turn_chars=1200, markers=TEMPLATE_MARKERS)
+    assert len(prompts[-1]) > 2 * len(prompts[0])
+    cache = PrefixTokenCache()
+    cache.encode(tokenizer, prompts[0], key="chat")
+    reference_calls = []
+    real_encode = TokenizerBackend.encode
+
+    def counted(self, text):
+        # Only this thread's: the background checker re-checks samples of the engine's results.
+        if threading.current_thread() is threading.main_thread():
+            reference_calls.append(len(text))
+        return real_encode(self, text)
+
+    monkeypatch.setattr(TokenizerBackend, "encode", counted)
+    assert cache.encode(tokenizer, prompts[-1], key="chat") == full_ids(tokenizer, prompts[-1])
+    assert cache.stats()["hits"] == 1
+    assert reference_calls == []

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
-from mptok.cache.seam import CachedPrompt, extend_prompt, tokenize_prompt, with_window
+from mptok.cache.seam import CachedPrompt, extend_prompt, splices_at_segments, tokenize_prompt, with_window
 import numpy as np
 
 from mptok.core.counting import Counters
@@ -434,12 +434,13 @@ class PrefixTokenCache:
             if prompt is None:
                 self._count("resync_failures")
         missed = prompt is None
+        # A conversation's next turn that missed is tokenized with offsets
+        # (by the reference tokenizer, where a fast engine gives ids only),
+        # so that its turns after can splice anywhere; not one whose turns
+        # splice at segments, nor a first turn: those go to the fastest engine.
+        needs_offsets = missed and continues and backend.fast and not splices_at_segments(backend, text)
         if missed:
-            # A conversation's next turn is tokenized with offsets (by the
-            # reference tokenizer, where a fast engine gives ids only), so
-            # that its turns after can splice anywhere; a first turn goes to
-            # the fastest engine.
-            offsets_now = continues and len(text) <= config.max_reference_chars
+            offsets_now = needs_offsets and len(text) <= config.max_reference_chars
             prompt = tokenize_prompt(backend, text, config.seam_window_tokens, with_window=offsets_now)
             self._count("misses")
         else:
@@ -452,7 +453,7 @@ class PrefixTokenCache:
             chain = extend_chain(text, reused)
         entry = _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
-        if continues and missed and not len(prompt.starts):
+        if needs_offsets and not len(prompt.starts):
             # A conversation going on past a fast engine's ids, too long to
             # re-tokenize now: its offsets come in the background.
             backend.submit_check(_WindowCheck(self, backend, holder, entry), text, prompt.ids)

@@ -47,8 +47,12 @@ tile the same text from the end), the new prompt matches it there too
 (``s`` plus that token's reach lies inside the shared prefix,
 ``mptok.cache.segments``), and every segment before ``s`` is the same text
 in both. The new ids are the kept ones before ``s`` and ``text[s:]``
-tokenized whole. A segment splice that would re-tokenize more than half the
-prompt is not tried: a full tokenization costs less.
+tokenized whole. A segment splice that would re-tokenize more than three
+quarters of the prompt is not tried: a full tokenization costs about as
+much. A prompt with an added token in its last quarter (a chat template's
+markers open every turn) is never given offsets: its later turns splice at
+segments, and where one cannot, the engine tokenizes it whole for less than
+the reference tokenizer's offsets would cost.
 """
 
 from __future__ import annotations
@@ -165,7 +169,12 @@ def extend_prompt(
         spliced = _extend_at_segment(backend, cached, text, shared, max_attempts, window_tokens)
         if spliced is None and len(cached.starts):
             spliced = _extend_in_window(backend, cached, text, shared, window_tokens, max_attempts)
-        if spliced is None and not len(cached.starts) and len(cached.text) <= max_reference_chars:
+        if (
+            spliced is None
+            and not len(cached.starts)
+            and len(cached.text) <= max_reference_chars
+            and not splices_at_segments(backend, cached.text, shared)
+        ):
             # Kept from a fast engine's ids, with no added token to splice
             # at: the reference tokenizer gives it offsets.
             windowed = with_window(backend, cached, window_tokens)
@@ -175,6 +184,15 @@ def extend_prompt(
     return _extend_in_window(backend, cached, text, shared, window_tokens, max_attempts) or _extend_at_segment(
         backend, cached, text, shared, max_attempts, window_tokens
     )
+
+
+def splices_at_segments(backend: TokenizerBackend, text: str, end: int | None = None) -> bool:
+    """Whether ``text[:end]`` has a segment opener (an added token) in its
+    last quarter: then a later turn that grows it by less than its length
+    splices there with a fast engine, and an offsets window, which costs the
+    reference tokenizer's pass over the whole prompt, would buy nothing."""
+    end = len(text) if end is None else end
+    return next(backend.segment_openers.starts_before(text, end, end - end // 4), None) is not None
 
 
 def with_window(backend: TokenizerBackend, cached: CachedPrompt, window_tokens: int) -> CachedPrompt | None:
@@ -309,8 +327,9 @@ def _extend_at_segment(
     openers = backend.segment_openers
     kept = cached.ids.length
     # Re-tokenizing len(cached.text) - s plus len(text) - s characters must
-    # stay within half the prompt.
-    lowest = max(0, (len(cached.text) + len(text) - len(text) // 2 + 1) // 2)
+    # stay within three quarters of the prompt: past that a full
+    # tokenization costs about as much.
+    lowest = max(0, (len(cached.text) + len(text) // 4 + 1) // 2)
     for attempt, seam in enumerate(openers.starts_before(cached.text, shared, lowest)):
         if attempt >= max_attempts:
             return None
