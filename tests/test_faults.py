@@ -41,11 +41,14 @@ def pool(tmp_path):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """Owner 0 and asker 1, shared by the tests that leave both running."""
+    """Owner 0 and asker 1, shared by the tests that leave both running. The
+    asker sends every prompt to the owner (``routing="always"``): under the
+    default policy it keeps the owner's answer as its own copy and extends
+    the next turn itself, and these tests are about the calls to the owner."""
     frontends = FrontendPool(str(tmp_path_factory.mktemp("pair") / "ipc"))
     try:
         owner, asker = frontends.start(
-            [0, 1], 2, timeout_s=0.5, backoff_s=1.0, limits={"handshake_timeout_s": 0.5}
+            [0, 1], 2, timeout_s=0.5, backoff_s=1.0, limits={"handshake_timeout_s": 0.5}, routing="always"
         )
         yield frontends, owner, asker
     finally:
@@ -148,7 +151,8 @@ def test_an_owner_stopped_since_its_last_check_is_given_up_mid_call(pair, tokeni
 
 
 def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, tokenizer):
-    owner, asker = pool.start([0, 1], 2, timeout_s=60.0, backoff_s=1.0)
+    # Every prompt to the owner, as in `pair`.
+    owner, asker = pool.start([0, 1], 2, timeout_s=60.0, backoff_s=1.0, routing="always")
     key = key_owned_by(0, 2, "patience")
     turns = conversation(11, 2, first_chars=6000)  # long enough for a fingerprint: the next turn is a delta
     assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
@@ -413,7 +417,7 @@ def test_both_calls_of_a_routed_prompt_share_one_deadline(pool, tokenizer):
     from mptok_harness.frontends import SLOW_MARKER
 
     pool.start_scripted_owner(0, delay_s=0.7)
-    (asker,) = pool.start([1], 2, timeout_s=1.0)
+    (asker,) = pool.start([1], 2, timeout_s=1.0, routing="always")  # every prompt to the owner, as in `pair`
     key = key_owned_by(0, 2, "deadline")
     first, second = conversation(12, 2, first_chars=6000)  # long enough for a fingerprint
     second += SLOW_MARKER

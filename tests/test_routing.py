@@ -374,38 +374,82 @@ def test_crossing_routes_unless_the_prompt_is_cheaper_here():
     assert CrossingCosts(None).choose("a", 1) == ROUTE_UNKNOWN
 
 
+@contextlib.contextmanager
+def owner_and_asker(ipc_dir: str, tokenizer, asker_config: mptok.CacheConfig):
+    """Frontends 0 and 1 in this process under the default policy, 1's
+    cache under ``asker_config`` and holding a keyless prompt first, which
+    is yielded with the caches and owners; closed after."""
+    caches = [mptok.PrefixTokenCache(), mptok.PrefixTokenCache(asker_config)]
+    owners = []
+    try:
+        owners = [TokenizationOwners(ipc_dir, i, 2, caches[i], tokenizer, authkey=AUTHKEY) for i in range(2)]
+        unrelated = conversation(9, 1)[0]
+        assert owners[1].encode(tokenizer, unrelated) == expected(tokenizer, unrelated)
+        yield caches, owners, unrelated
+    finally:
+        for owner in owners:
+            owner.close()
+
+
+def assert_kept_what_it_had(cache, tokenizer, key: str, unrelated: str) -> None:
+    """A cache with room for one entry kept its keyless prompt, not ``key``'s conversation."""
+    assert cache.stats()["entries"] == 1 and not cache.holds(tokenizer, key)
+    assert cache.encode(tokenizer, unrelated) == expected(tokenizer, unrelated)
+    assert cache.stats()["hits"] == 1
+
+
+def test_an_owners_answer_is_kept_as_the_askers_copy_where_there_is_room(tmp_path, tokenizer):
+    """Under the default policy a frontend that routed a prompt keeps the
+    owner's ids as its own copy where that evicts nothing (nothing is
+    tokenized for it), so the conversation's next turn to land there is
+    extended there: a hit, with no crossing and no miss. A cache with no
+    room keeps what it had. Every id list is exact."""
+    from mptok_harness.conversations import chat_turns
+
+    for max_entries in (None, 1):
+        config = mptok.CacheConfig() if max_entries is None else mptok.CacheConfig(max_entries=max_entries)
+        with owner_and_asker(str(tmp_path / "ipc"), tokenizer, config) as (caches, owners, unrelated):
+            key = key_owned_by(0, 2, f"copy-{max_entries}")
+            first, second = chat_turns(random.Random(3), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=2, words_per_message=900)
+            assert owners[1].encode(tokenizer, first, key=key) == expected(tokenizer, first)
+            stats = owners[1].stats()
+            assert stats["routed"] == 1 and caches[0].stats()["misses"] == 1  # the owner tokenized it
+            assert owners[1].encode(tokenizer, second, key=key) == expected(tokenizer, second)
+            after = owners[1].stats()
+            if max_entries == 1:
+                assert stats["copies_kept"] == 0
+                assert_kept_what_it_had(caches[1], tokenizer, key, unrelated)
+            else:
+                assert stats["copies_kept"] == 1 and caches[1].stats()["misses"] == 1  # the keyless prompt only
+                assert after["routed"] == 1 and after["crossing_local_kept"] == 1
+                assert caches[1].stats()["hits"] == 1  # the second turn extended the copy
+
+
 def test_a_prompt_cheaper_here_is_kept_here_where_there_is_room(tmp_path, tokenizer):
     """With a fast engine a short prompt costs less here than a crossing:
     it is tokenized here and kept here if that evicts nothing, and the
     conversation's next turns then extend that copy here (a hit, not a
     crossing). A cache with no room keeps what it had and the turn is
-    tokenized here all the same; every id list is exact."""
+    tokenized here all the same; every id list is exact. (The roomy cache
+    forgets the copies the owner's answers leave in it, until a turn is
+    cheaper here: a copy kept would be extended here without weighing.)"""
     from mptok_harness.conversations import chat_turns
 
-    ipc_dir = str(tmp_path / "ipc")
-    configs = [mptok.CacheConfig(tokenizer_backend="auto"), mptok.CacheConfig(tokenizer_backend="auto", max_entries=1)]
-    for config in configs:
-        caches = [mptok.PrefixTokenCache(mptok.CacheConfig(tokenizer_backend="auto")), mptok.PrefixTokenCache(config)]
-        owners = []
-        try:
-            owners = [TokenizationOwners(ipc_dir, i, 2, caches[i], tokenizer, authkey=AUTHKEY) for i in range(2)]
-            unrelated = conversation(9, 1)[0]
-            assert owners[1].encode(tokenizer, unrelated) == expected(tokenizer, unrelated)  # keyless: kept here
-            key = key_owned_by(0, 2, f"cheaper-here-{config.max_entries}")
+    for max_entries in (None, 1):
+        config = mptok.CacheConfig() if max_entries is None else mptok.CacheConfig(max_entries=max_entries)
+        with owner_and_asker(str(tmp_path / "ipc"), tokenizer, config) as (caches, owners, unrelated):
+            key = key_owned_by(0, 2, f"cheaper-here-{max_entries}")
             prompts = chat_turns(random.Random(8), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=12, words_per_message=900)
             for prompt in prompts:
                 assert owners[1].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
+                if max_entries is None and owners[1].stats()["crossing_local_cheaper"] == 0:
+                    caches[1].clear()
             stats = owners[1].stats()
             assert stats["crossing_local_cheaper"] >= 1, stats
-            if config.max_entries == 1:
-                assert caches[1].stats()["entries"] == 1 and caches[1].holds(tokenizer, key) is False
+            if max_entries == 1:
                 assert stats["crossing_local_kept"] == 0
-                assert caches[1].encode(tokenizer, unrelated) == expected(tokenizer, unrelated)
-                assert caches[1].stats()["hits"] == 1  # the keyless prompt stayed
+                assert_kept_what_it_had(caches[1], tokenizer, key, unrelated)
             else:
                 assert caches[1].holds(tokenizer, key)
                 assert stats["crossing_local_kept"] >= 1
                 assert caches[1].stats()["hits"] >= stats["crossing_local_kept"]
-        finally:
-            for owner in owners:
-                owner.close()

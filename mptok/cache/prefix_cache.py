@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
-from mptok.cache.seam import CachedPrompt, extend_prompt, splices_at_segments, tokenize_prompt, with_window
+from mptok.cache.seam import CachedPrompt, extend_prompt, prompt_of_ids, splices_at_segments, tokenize_prompt, with_window
 import numpy as np
 
 from mptok.core.counting import Counters
@@ -263,6 +263,27 @@ class PrefixTokenCache:
         if not self._keeps(text):
             return Holding.NOT_KEPT
         return Holding.KEPT_HERE if key is not None and self.holds(tokenizer, key) else Holding.NOT_HERE
+
+    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray) -> bool:
+        """Keep ``ids``, all the exact ids of ``text`` from elsewhere (its
+        conversation's owner), as this cache's copy of conversation ``key``,
+        only where that evicts nothing; a later prompt of it is then
+        extended here. Returns whether it was kept. Nothing is tokenized."""
+        _check_input(text, key)
+        if key is None or not self._keeps(text):
+            return False
+        try:
+            backend = backend_for(tokenizer, self.config.tokenizer_backend)
+        except SlowTokenizerError:
+            return False
+        holder, known, shared = self._branch_for(backend, key, text)
+        reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
+        prompt = prompt_of_ids(text, ids)
+        chain = extend_chain(text, reused)
+        entry = _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
+        self._keep(holder, entry, by_content=False, room_only=True)
+        with self._lock:
+            return self._entries.get(holder) is entry
 
     def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
         """``encode_array``'s ids as a peer's reply, and whether the prompt was kept."""

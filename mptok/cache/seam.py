@@ -308,6 +308,13 @@ def _splice(
     )
 
 
+def prompt_of_ids(text: str, ids: np.ndarray) -> CachedPrompt:
+    """``text`` kept with ``ids``, its exact ids from elsewhere (a peer's
+    answer), copied, with no offsets window: a later turn splices at a
+    segment, or gets a window as a fast engine's prompt does."""
+    return _without_window(text, IdPieces.of(ids))
+
+
 def _without_window(text: str, ids: IdPieces, reused: int = 0) -> CachedPrompt:
     offsets = _offset_type(text)
     return CachedPrompt(text, ids, ids.length, array(offsets), array(offsets), b"", reused)

@@ -228,6 +228,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _gauge("mptok_cache_disabled", "cache", "disabled", "1 once the cache disabled itself after an internal error."),
     _counter("mptok_routed_total", "routing", "routed", "Prompts arriving here that their conversation's owner (another process) tokenized."),
     _counter("mptok_routed_since_total", "routing", "routed_since", "Routed prompts sent as the characters after a held fingerprint."),
+    _counter("mptok_routed_copies_kept_total", "routing", "copies_kept", "Routed prompts whose owner's ids this process also kept as its own copy (where that evicted nothing), to extend here."),
     _counter("mptok_route_failures_total", "routing", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
     _counter("mptok_owned_here_total", "routing", "owned_here", "Keyed prompts whose owner is this process."),
     _counter("mptok_taken_over_here_total", "routing", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),

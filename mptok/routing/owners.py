@@ -155,7 +155,9 @@ class TokenizationOwners:
     def stats(self) -> dict[str, int]:
         """Counters since start, for /metrics.
 
-        routed: prompts a peer tokenized. owned_here: prompts whose owner is
+        routed: prompts a peer tokenized. copies_kept: routed prompts whose
+        ids this frontend also kept as its own copy (the cheaper policy, where
+        that evicted nothing). owned_here: prompts whose owner is
         this frontend. taken_over_here: prompts tokenized here because every
         frontend before this one in their order was skipped.
         route_failures: calls that failed (each also counts as

@@ -36,7 +36,7 @@ from mptok.transport import EncodeProxy, OwnerError, OwnerTimeout, OwnerUnreacha
 logger = logging.getLogger(__name__)
 
 ROUTE_COUNTERS = (
-    ("routed", "routed_since", "owned_here", "taken_over_here", "route_failures")
+    ("routed", "routed_since", "copies_kept", "owned_here", "taken_over_here", "route_failures")
     + tuple(f"fallback_{reason}" for reason in FALLBACK_REASONS)
     + tuple(f"crossing_{choice}" for choice in CHOICES)
 )
@@ -51,6 +51,11 @@ class RoutableCache(TokenCache, PeerCache, Protocol):
     ) -> np.ndarray:
         """``encode``'s ids as an int32 array; with ``room_only`` the prompt
         is kept only if that evicts no other."""
+        ...
+
+    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray) -> bool:
+        """Keep the owner's ``ids`` of ``text`` as this frontend's copy, only
+        where that evicts nothing; whether it was kept."""
         ...
 
 
@@ -145,6 +150,11 @@ class Router:
                 self._route_seconds.observe(took_s)
                 if outcome.delta:
                     self._crossing.observe(outcome.owner, took_s)
+                if self._crossing.weighing and self._cache.keep_copy(tokenizer, text, key, outcome.ids):
+                    # Where there is room, the owner's answer is also this
+                    # frontend's copy: the conversation's next prompt to land
+                    # here is extended here, with no crossing and no miss.
+                    self._counters.add("copies_kept")
                 return Decision(outcome.ids)
             self._counters.add(f"fallback_{outcome.reason}")
             if not outcome.skip:
