@@ -370,8 +370,18 @@ def test_crossing_routes_unless_the_prompt_is_cheaper_here():
     for _ in range(30):
         costs.observe("a", 0.0005)
     assert costs.choose("a", 1_000) == ROUTE_CHEAPER
+    # What a character costs here follows the prompts tokenized here: under
+    # load they wait for the CPUs as the crossing does.
+    costs.observe("a", 0.002)
+    for _ in range(30):
+        costs.observe("a", 0.002)
+    assert costs.choose("a", 1_000) in (LOCAL_CHEAPER, ROUTE_PROBE)  # 1 ms here against 2 ms
+    for _ in range(30):
+        costs.observe_here(1_000, 0.004)
+    assert costs.choose("a", 1_000) == ROUTE_CHEAPER  # 4 ms here now
     # Without a cost per character (a lone frontend, or not weighing), always route.
     assert CrossingCosts(None).choose("a", 1) == ROUTE_UNKNOWN
+    CrossingCosts(None).observe_here(1_000, 1.0)  # nothing to learn
 
 
 @contextlib.contextmanager

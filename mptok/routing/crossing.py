@@ -3,10 +3,13 @@
 A delta call to an owner costs a round trip (the transport, the owner's
 wait for its GIL, its work on the new characters, this side's fingerprint
 of the prompt); tokenizing the whole prompt here costs its characters times
-what a character costs this frontend's backend (``mptok.routing.calibration``).
-With a fast backend a short prompt is cheaper here; with ``tokenizers`` a
-long one is cheaper at its owner. ``CrossingCosts`` learns each owner's
-round trip from recent delta calls (an EWMA) and chooses the cheaper.
+what a character costs this frontend's backend: learned at start
+(``mptok.routing.calibration``), then from the prompts it tokenized here
+because that was cheaper. With a fast backend a short prompt is cheaper
+here; with ``tokenizers`` a long one is cheaper at its owner.
+``CrossingCosts`` learns each owner's round trip from recent delta calls
+and a character's cost here from recent local choices (EWMAs, both in
+wall time: under load both wait for the same CPUs) and chooses the cheaper.
 
 A prompt tokenized here because that was cheaper is kept here only where
 the cache has room for it without evicting anything, and a conversation
@@ -22,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
-# Weight of the newest round trip in the moving average.
+# Weight of the newest observation in the moving averages.
 EWMA_WEIGHT = 0.2
 # One prompt in this many that would go local for an owner is routed
 # anyway, so that an estimate made under load does not keep routing off
@@ -39,8 +42,9 @@ CHOICES = (ROUTE_CHEAPER, ROUTE_UNKNOWN, ROUTE_PROBE, LOCAL_CHEAPER, LOCAL_KEPT)
 
 
 class CrossingCosts:
-    """Per owner, the moving average of a delta route's seconds, and the
-    choice it implies for a prompt. Thread-safe."""
+    """Per owner, the moving average of a delta route's seconds; the moving
+    average of what a character costs here; and the choice they imply for a
+    prompt. Thread-safe."""
 
     def __init__(self, seconds_per_char: float | None):
         self._seconds_per_char = seconds_per_char
@@ -59,8 +63,8 @@ class CrossingCosts:
         characters here is expected to cost less than a delta call to ``owner``."""
         if self._seconds_per_char is None:
             return ROUTE_UNKNOWN
-        here_s = self._seconds_per_char * prompt_chars
         with self._lock:
+            here_s = self._seconds_per_char * prompt_chars
             route_s = self._route_s.get(owner)
             if route_s is None:
                 return ROUTE_UNKNOWN
@@ -78,6 +82,16 @@ class CrossingCosts:
         with self._lock:
             previous = self._route_s.get(owner)
             self._route_s[owner] = seconds if previous is None else previous + EWMA_WEIGHT * (seconds - previous)
+
+    def observe_here(self, prompt_chars: int, seconds: float) -> None:
+        """A prompt of ``prompt_chars`` characters, chosen ``LOCAL_CHEAPER``,
+        took ``seconds`` to tokenize here (nothing if choices are not weighed)."""
+        if prompt_chars <= 0:
+            return
+        with self._lock:
+            previous = self._seconds_per_char
+            if previous is not None:
+                self._seconds_per_char = previous + EWMA_WEIGHT * (seconds / prompt_chars - previous)
 
     def estimate(self, owner: Hashable) -> float | None:
         with self._lock:

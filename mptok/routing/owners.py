@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
@@ -150,7 +151,11 @@ class TokenizationOwners:
         decision = self._router.decide(tokenizer, text, key)
         if decision.ids is not None:
             return decision.ids
-        return self._cache.encode_array(tokenizer, text, key, room_only=decision.room_only)
+        started = time.perf_counter()
+        ids = self._cache.encode_array(tokenizer, text, key, room_only=decision.room_only)
+        if decision.timed:
+            self._router.tokenized_here(len(text), time.perf_counter() - started)
+        return ids
 
     def stats(self) -> dict[str, int]:
         """Counters since start, for /metrics.

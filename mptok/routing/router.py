@@ -63,14 +63,18 @@ class RoutableCache(TokenCache, PeerCache, Protocol):
 class Decision:
     """What becomes of one prompt: ``ids`` (int32) from its owner, or, when
     None, tokenize it here and keep it (``room_only``: only where that
-    evicts nothing, because its owner keeps the conversation)."""
+    evicts nothing, because its owner keeps the conversation). ``timed``:
+    tokenized here because that was judged cheaper than its owner; what it
+    takes goes to ``Router.tokenized_here``."""
 
     ids: np.ndarray | None = None
     room_only: bool = False
+    timed: bool = False
 
 
 TOKENIZE_HERE = Decision()
 TOKENIZE_HERE_IF_ROOM = Decision(room_only=True)
+TOKENIZE_HERE_TIMED = Decision(room_only=True, timed=True)
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,11 @@ class Router:
                 return TOKENIZE_HERE
         raise AssertionError("this frontend is in every order")
 
+    def tokenized_here(self, prompt_chars: int, seconds: float) -> None:
+        """A prompt ``decide`` timed took ``seconds`` to tokenize here: the
+        crossing's estimate of what a character costs here follows it."""
+        self._crossing.observe_here(prompt_chars, seconds)
+
     def stats(self) -> dict[str, int]:
         """The route counters (see ``TokenizationOwners.stats``) and the held fingerprints'."""
         return {**self._counters.snapshot(), **self._held.stats()}
@@ -202,8 +211,10 @@ class Router:
             weighing_kept = self._crossing.weighing and holding is Holding.KEPT_HERE
             choice = LOCAL_KEPT if weighing_kept else self._crossing.choose(owner, len(text))
             self._counters.add(f"crossing_{choice}")
-            if choice in (LOCAL_KEPT, LOCAL_CHEAPER):
+            if choice == LOCAL_KEPT:
                 return TOKENIZE_HERE_IF_ROOM
+            if choice == LOCAL_CHEAPER:
+                return TOKENIZE_HERE_TIMED
         return self._ask(frontend, record, key, text, deadline, checked)
 
     def _ask(
