@@ -277,13 +277,8 @@ class PrefixTokenCache:
         except SlowTokenizerError:
             return False
         holder, known, shared = self._branch_for(backend, key, text)
-        reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
-        prompt = prompt_of_ids(text, ids)
-        chain = extend_chain(text, reused)
-        entry = _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
-        self._keep(holder, entry, by_content=False, room_only=True)
-        with self._lock:
-            return self._entries.get(holder) is entry
+        entry = _new_entry(holder, prompt_of_ids(text, ids), key, known, shared)
+        return self._keep(holder, entry, by_content=False, room_only=True)
 
     def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
         """``encode_array``'s ids as a peer's reply, and whether the prompt was kept."""
@@ -468,11 +463,7 @@ class PrefixTokenCache:
             self._count("hits")
         self._counters.add("tokens_reused", prompt.reused)
         self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
-        chain = b""
-        if key is not None:  # peers ask for keyed prompts only
-            reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
-            chain = extend_chain(text, reused)
-        entry = _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
+        entry = _new_entry(holder, prompt, key, known, shared)
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
         if needs_offsets and not len(prompt.starts):
             # A conversation going on past a fast engine's ids, too long to
@@ -545,19 +536,19 @@ class PrefixTokenCache:
         """The kept branches of ``key``, newest first; the caller holds the lock."""
         return [(holder, self._entries[holder]) for holder in reversed(self._branches.get((serial, key), ()))]
 
-    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool, room_only: bool = False) -> None:
+    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool, room_only: bool = False) -> bool:
         """Keep ``entry`` as the newest, then evict the least recently used
         until every limit holds; an entry over the byte budget by itself is
         not kept (and what ``holder`` had is forgotten). With ``room_only``
         it is kept only where it fits without evicting another entry, and
-        otherwise what ``holder`` had stays."""
+        otherwise what ``holder`` had stays. Returns whether it was kept."""
         config = self.config
         with self._lock:
             if room_only and not self._fits(holder, entry):
-                return
+                return False
             self._drop(holder)
             if entry.nbytes > config.max_bytes:
-                return
+                return False
             self._entries[holder] = entry
             self._cached_chars += len(entry.prompt.text)
             self._cached_bytes += entry.nbytes
@@ -569,6 +560,7 @@ class PrefixTokenCache:
                 if len(branches) > MAX_BRANCHES:
                     self._drop(branches[0])
             self._evict_over_limits()
+            return self._entries.get(holder) is entry
 
     def _evict_over_limits(self) -> None:
         """Drop the least recently used until every limit holds; the caller holds the lock."""
@@ -644,6 +636,17 @@ class PrefixTokenCache:
                 "it tokenizes every prompt in full with the tokenizer itself",
                 stacklevel=5,
             )
+
+
+def _new_entry(holder: Hashable, prompt: CachedPrompt, key: str | None, known: _Entry | None, shared: int) -> _Entry:
+    """The entry that keeps ``prompt`` under ``holder``: with the fingerprint
+    chain of its text if it has a ``key`` (peers ask for keyed prompts
+    only), reusing ``known``'s digests of the first ``shared`` characters."""
+    chain = b""
+    if key is not None:
+        reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
+        chain = extend_chain(prompt.text, reused)
+    return _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
 
 
 def _reply_of(entry: _Entry | list[int]) -> PeerReply:
