@@ -264,11 +264,14 @@ class PrefixTokenCache:
             return Holding.NOT_KEPT
         return Holding.KEPT_HERE if key is not None and self.holds(tokenizer, key) else Holding.NOT_HERE
 
-    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray) -> bool:
+    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray, chain: bytes = b"") -> bool:
         """Keep ``ids``, all the exact ids of ``text`` from elsewhere (its
         conversation's owner), as this cache's copy of conversation ``key``,
         only where that evicts nothing; a later prompt of it is then
-        extended here. Returns whether it was kept. Nothing is tokenized."""
+        extended here. ``chain``: digests of ``text``'s first blocks that the
+        caller computed already (``mptok.core.fingerprint``), continued
+        instead of hashed again. Returns whether it was kept. Nothing is
+        tokenized."""
         _check_input(text, key)
         if key is None or not self._keeps(text):
             return False
@@ -277,7 +280,8 @@ class PrefixTokenCache:
         except SlowTokenizerError:
             return False
         holder, known, shared = self._branch_for(backend, key, text)
-        entry = _new_entry(holder, prompt_of_ids(text, ids), key, known, shared)
+        reused = max(chain, _shared_digests(known, shared), key=len)
+        entry = _new_entry(holder, prompt_of_ids(text, ids), key, reused)
         return self._keep(holder, entry, by_content=False, room_only=True)
 
     def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
@@ -463,7 +467,7 @@ class PrefixTokenCache:
             self._count("hits")
         self._counters.add("tokens_reused", prompt.reused)
         self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
-        entry = _new_entry(holder, prompt, key, known, shared)
+        entry = _new_entry(holder, prompt, key, _shared_digests(known, shared))
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
         if needs_offsets and not len(prompt.starts):
             # A conversation going on past a fast engine's ids, too long to
@@ -638,14 +642,16 @@ class PrefixTokenCache:
             )
 
 
-def _new_entry(holder: Hashable, prompt: CachedPrompt, key: str | None, known: _Entry | None, shared: int) -> _Entry:
+def _shared_digests(known: _Entry | None, shared: int) -> bytes:
+    """``known``'s digests of the blocks within its first ``shared`` characters."""
+    return known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
+
+
+def _new_entry(holder: Hashable, prompt: CachedPrompt, key: str | None, reused: bytes) -> _Entry:
     """The entry that keeps ``prompt`` under ``holder``: with the fingerprint
     chain of its text if it has a ``key`` (peers ask for keyed prompts
-    only), reusing ``known``'s digests of the first ``shared`` characters."""
-    chain = b""
-    if key is not None:
-        reused = known.chain[: shared // BLOCK_CHARS * DIGEST_BYTES] if known is not None else b""
-        chain = extend_chain(prompt.text, reused)
+    only), continuing ``reused``, digests of its text's first blocks."""
+    chain = extend_chain(prompt.text, reused) if key is not None else b""
     return _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
 
 

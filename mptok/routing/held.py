@@ -54,14 +54,16 @@ class HeldFingerprints:
             return PeerRequest(text, key), chain
         return PeerRequest(text[held.chars :], key, held.since, held.chars), chain
 
-    def remember(self, owner: Hashable, key: str, text: str, chain: bytes, kept: bool) -> None:
+    def remember(self, owner: Hashable, key: str, text: str, chain: bytes, kept: bool) -> bytes:
         """``owner`` answered for ``text`` (``chain`` as ``request`` gave it):
-        hold its fingerprint if the owner ``kept`` the prompt, else forget."""
+        hold its fingerprint if the owner ``kept`` the prompt, else forget.
+        Returns the digests of ``text`` computed so far (a prefix of its chain)."""
         if not kept:
             self.put(owner, key, None)
-            return
+            return chain
         chain = extend_chain(text, chain, upto_blocks=checkpoint_blocks(len(text)))
         self.put(owner, key, Fingerprint.of(text, chain))
+        return chain
 
     def get(self, owner: Hashable, key: str) -> Fingerprint | None:
         with self._lock:

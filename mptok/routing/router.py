@@ -53,9 +53,10 @@ class RoutableCache(TokenCache, PeerCache, Protocol):
         is kept only if that evicts no other."""
         ...
 
-    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray) -> bool:
+    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray, chain: bytes = b"") -> bool:
         """Keep the owner's ``ids`` of ``text`` as this frontend's copy, only
-        where that evicts nothing; whether it was kept."""
+        where that evicts nothing (``chain``: digests of ``text`` computed
+        already); whether it was kept."""
         ...
 
 
@@ -89,12 +90,14 @@ class _Fallback:
 
 @dataclass(frozen=True)
 class _Answered:
-    """The owner's ids, which owner (frontend, incarnation) gave them, and
-    whether a delta request got them."""
+    """The owner's ids, which owner (frontend, incarnation) gave them,
+    whether a delta request got them, and the digests of the prompt's text
+    computed on the way (``HeldFingerprints``)."""
 
     ids: np.ndarray
     owner: tuple
     delta: bool
+    chain: bytes
 
 
 class Router:
@@ -154,7 +157,7 @@ class Router:
                 self._route_seconds.observe(took_s)
                 if outcome.delta:
                     self._crossing.observe(outcome.owner, took_s)
-                if self._crossing.weighing and self._cache.keep_copy(tokenizer, text, key, outcome.ids):
+                if self._crossing.weighing and self._cache.keep_copy(tokenizer, text, key, outcome.ids, outcome.chain):
                     # Where there is room, the owner's answer is also this
                     # frontend's copy: the conversation's next prompt to land
                     # here is extended here, with no crossing and no miss.
@@ -257,12 +260,12 @@ class Router:
         if reply is None:  # the owner asked for a fingerprint it was not given
             self._held.remember(owner, key, text, chain, kept=False)
             return _Fallback(ERROR, skip=False)
-        self._held.remember(owner, key, text, chain, reply.kept)
+        chain = self._held.remember(owner, key, text, chain, reply.kept)
         self._liveness.answered(frontend, record)
         if answered_delta:
             self._counters.add("routed_since")
         self._counters.add("routed")
-        return _Answered(reply.ids, owner, answered_delta)
+        return _Answered(reply.ids, owner, answered_delta, chain)
 
     def _skip_reason(self, frontend: int) -> str | None:
         """Why the liveness check says to skip ``frontend`` now; None: call it."""
