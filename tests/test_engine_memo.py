@@ -111,9 +111,9 @@ def test_a_second_start_reads_the_verdict_the_first_kept(tmp_path, tokenizer):
     chosen = verdict["short"] if verdict["long"] == verdict["short"] else f"{verdict['short']}, {verdict['long']} for texts"
     assert re.search(rf"tokenizer backend for \S+: {chosen}", line), line
     assert path.stat().st_mtime_ns == written  # read, not decided again
-    # The metric says what tokenizes now: the long texts' engine is loaded
-    # on the first long text, and the short texts' engine stands in until then.
-    assert engines == {"0": {"short": verdict["short"], "long": verdict["short"]}}, engines
+    # The metric says what tokenizes now: a frontend loads the long texts'
+    # engine before it listens, not on the first long text.
+    assert engines == {"0": {"short": verdict["short"], "long": verdict["long"]}}, engines
 
 
 def test_the_long_texts_engine_a_memo_names_is_loaded_on_the_first_long_text_and_exact(memo):

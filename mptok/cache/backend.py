@@ -369,7 +369,7 @@ class TokenizerBackend:
             f"{names['short']}, {names['long']} for texts of {LONG_TEXT_CHARS:,} characters or more"
         )
         if isinstance(self._long_engine, _LoadedOnFirstUse):
-            engines += f" (loaded on the first one; {names['short']} until then)"
+            engines += f" (loaded when a server warms the backend, else on the first one; {names['short']} until then)"
         logger.info("tokenizer backend for %s: %s (%s)", self.name, engines, self.choice_report or choice)
 
     # -- the fast engine ---------------------------------------------------------
@@ -402,6 +402,18 @@ class TokenizerBackend:
     def fast(self) -> bool:
         """Whether full tokenizations go through a fast engine (ids only)."""
         return self._engine is not None
+
+    def warm(self) -> None:
+        """Ready this backend for a server's first requests: one short text
+        tokenized, and the long texts' engine the engine memo named loaded
+        now, rather than by the first long text. That load is seconds of CPU
+        for a large vocabulary: on a running server it would slow the
+        requests beside it, and the start would decide which engine tokenizes
+        the first long prompts."""
+        self.encode("warm up")
+        longer = self._long_engine
+        if isinstance(longer, _LoadedOnFirstUse):
+            longer.load_now()
 
     def encode_ids(self, text: str) -> list[int]:
         """Full tokenization's ids by the cheapest exact engine, a new list.
@@ -547,8 +559,9 @@ class TokenizerBackend:
                     "engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), verdict.short, e
                 )
                 return None
-        # The long texts' engine only when a long text comes: a process that
-        # never sees one does not pay for loading it (seconds for a large vocabulary).
+        # The long texts' engine when a long text comes, or when a server
+        # warms the backend: a library process that never sees one does not
+        # pay for loading it (seconds for a large vocabulary).
         self._long_engine = (
             _LoadedOnFirstUse(verdict.long, spec_json, split_special, meanwhile=engine)
             if engine is not None and verdict.long != verdict.short
@@ -762,8 +775,9 @@ class TokenizerBackend:
 
 class _LoadedOnFirstUse:
     """The engine the engine memo names for long texts, loaded on a
-    background thread when the first long text asks for it; until it is
-    loaded, long texts go to the short texts' engine (``meanwhile``), which
+    background thread when the first long text asks for it, or at start by
+    a server (``TokenizerBackend.warm``); until it is loaded, long texts go
+    to the short texts' engine (``meanwhile``), which
     passed the same check. ``name`` is the engine that tokenizes long texts
     now; ``chosen`` the one named. Shared by the backends of one
     specification, as the engines are."""
@@ -789,6 +803,13 @@ class _LoadedOnFirstUse:
         if spec is not None:
             threading.Thread(target=self._load, args=spec, name="mptok-long-engine", daemon=True).start()
         return self._meanwhile
+
+    def load_now(self) -> None:
+        """Load the chosen engine on this thread, unless a load has started."""
+        with self._lock:
+            spec, self._spec = self._spec, None
+        if spec is not None:
+            self._load(*spec)
 
     def _load(self, spec_json: str, split_special: bool) -> None:
         try:

@@ -195,9 +195,10 @@ class PromptTokens:
         return f"on: API server {rank} of {count}, ipc dir {path}"
 
     def _warm_backend(self) -> None:
-        # Building it copies the Rust tokenizer (1.5 s for 128k ids): at start, not on a request.
+        # Building it copies the Rust tokenizer, and warming it loads the long
+        # texts' engine (seconds each for 128k ids): at start, not on a request.
         try:
-            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).encode("warm up")
+            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).warm()
         except SlowTokenizerError:
             pass
 

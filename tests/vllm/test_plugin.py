@@ -197,12 +197,19 @@ def test_the_start_log_says_mptok_is_on_with_backend_limits_and_routing(switched
 
 def test_each_api_server_names_the_engines_of_its_start_on_metrics(switched):
     server, _, _ = switched
-    chosen = sorted(
-        (labels["api_server"], labels["texts"])
+    chosen = {
+        (labels["api_server"], labels["texts"]): labels["engine"]
         for name, labels, value in scrape(server.port)
         if name == "mptok_tokenizer_engine" and value == 1
-    )
-    assert chosen == [(rank, texts) for rank in ("0", "1") for texts in ("long", "short")], chosen
+    }
+    assert sorted(chosen) == [(rank, texts) for rank in ("0", "1") for texts in ("long", "short")], chosen
+    # The long texts' engine the start log names was loaded at start: no
+    # prompt here is long, so the short texts' engine would stand in for it
+    # until the first one.
+    started = set(re.findall(r"backend (\w+), (\w+) for texts of", server.log()))
+    assert len(started) == 1, started
+    [(short, longer)] = started
+    assert chosen == {(rank, texts): name for rank in ("0", "1") for texts, name in (("short", short), ("long", longer))}
 
 
 def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
