@@ -295,6 +295,18 @@ class MptokRender(VllmServer):
     def started(self) -> bool:
         return "event=ready " in self.log()
 
+    def wait_spares_ready(self, spares: int, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until ``spares`` spares have been built since the start.
+
+        A spare is built after the tier is ready, and importing vLLM is many
+        seconds of CPU: a measurement that starts before then counts it.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.log().count("event=spare_ready ") < spares:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"mptok render's {spares} spare(s) were not ready in {timeout_s} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
     def frontend_pids(self) -> dict[int, int]:
         """Frontend id -> pid of its ready process, from the supervisor's log (the latest of each)."""
         pids = {}
