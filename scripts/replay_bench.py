@@ -36,7 +36,7 @@ Modes (F = --frontends):
   no-route  F x `mptok serve --frontends 1` on F ports behind nginx round robin
             (mptok serve has no switch to turn routing off; a cache per
             frontend that only sees the turns that land on it)
-  mptok     `mptok serve --frontends F`: SO_REUSEPORT + mptok's routing
+  mptok     `mptok serve --frontends F`: one listening socket + mptok's routing
   keyless   the same server, the same conversations sent without X-Session-Id:
             routed by the identity mptok derives from each chat's messages up to
             its first user message (what an OpenAI SDK client gets)
@@ -151,7 +151,7 @@ answer is compared with full tokenization computed before any server starts.
 | no-cache-tokenizers | `mptok serve --frontends F --tokenizer-backend tokenizers` with `MPTOK_CACHE_MIN_CHARS=10^12`: every prompt counts as too short and is tokenized in full by `tokenizers` (a frontend without a fast engine) |
 | no-cache | the same on the fast backend: every prompt tokenized in full by the fastest exact engine (what vLLM's fastokens switch gives a frontend) |
 | no-route | F separate `mptok serve --frontends 1` behind nginx round robin: a cache per frontend that sees only the turns that land on it |
-| mptok | `mptok serve --frontends F`: SO_REUSEPORT spreads the connections, mptok routes each conversation to its owner |
+| mptok | `mptok serve --frontends F`: the frontends accept from one listening socket, mptok routes each conversation to its owner |
 | keyless | the same server, the conversations sent without `X-Session-Id`: routed by the identity mptok derives from the messages |
 | sticky | the same F instances behind nginx with `hash $http_x_session_id consistent;` (`deploy/nginx-sticky.conf`) |
 | mptok-always, mptok-never | `mptok serve --frontends F --routing always` (every turn sent to its conversation's owner) or `--routing never` (a cache per frontend behind one port); run when `--modes` names them |

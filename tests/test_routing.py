@@ -319,8 +319,8 @@ def plain_words(rng: random.Random) -> str:
 
 
 def test_turns_asked_from_alternating_frontends_send_only_what_changed(tmp_path, tokenizer):
-    """Turns of one conversation land on different frontends, as SO_REUSEPORT
-    spreads them: each asker sends only the characters after what its
+    """Turns of one conversation land on different frontends, as a port's
+    processes take its connections: each asker sends only the characters after what its
     fingerprint covers, however many turns the owner kept since, and every
     id list is exact. A conversation the owner has forgotten costs one
     whole-text retry."""

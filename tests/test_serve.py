@@ -33,7 +33,8 @@ from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.owners import TokenizationOwners
 from mptok.serve import frontend, supervisor
 from mptok.serve.cli import parse_serve_options
-from mptok.serve.frontend import FrontendSettings, tcp_socket
+from mptok.serve.frontend import FrontendSettings
+from mptok.serve.launch import tcp_socket
 from mptok.serve.metrics import audit
 from mptok.serve.options import Option, ServeOptions, Use, declared_options
 from mptok.serve.service import TokenizeService
@@ -333,6 +334,33 @@ def test_a_killed_frontend_is_replaced_and_service_goes_on(server, tokenizer):
     assert total(samples, "mptok_frontend_up") == FRONTENDS
 
 
+def test_a_stopped_frontend_is_handed_no_new_connection(server, tokenizer):
+    """The frontends accept from one listening socket, so while one is
+    SIGSTOPped the others take every new connection. Sockets of their own
+    in an SO_REUSEPORT group would each be handed a share by the kernel,
+    and a stopped frontend's share would wait until it is continued: this
+    supervisor kills no hung ``mptok serve`` frontend, so forever. Its
+    conversations are tokenized where they land (its owner is stopped)."""
+    victim = 0
+    pid = server.frontend_pids()[victim]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the frontend did not stop"
+            time.sleep(0.05)
+        chats = [Chat(200 + i) for i in range(6)]
+        for turn in range(4):  # 24 new connections: 1 in 4 would reach the stopped one by hash
+            for chat in chats:
+                body, headers, want = chat.turn(turn, tokenizer)
+                status, payload, _ = request(server.port, "POST", "/tokenize", body, headers, timeout_s=10)
+                assert status == 200, payload[:300]
+                answer = json.loads(payload)
+                assert answer["tokens"] == want and answer["frontend"] != victim
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.slow
 def test_a_crash_looping_frontend_is_given_up_loudly(tmp_path):
     with Server(tmp_path / "serve.log", "--frontends", "1", "--max-restarts", "1", "--restart-window", "60") as server:
@@ -387,7 +415,7 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_nothing_behind(tmp_path,
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == [], alive
         assert not os.path.exists(ipc_dir)
-        with tcp_socket("127.0.0.1", server.port, reuse_port=False) as probe:
+        with tcp_socket("127.0.0.1", server.port) as probe:
             probe.listen(1)  # nobody listens on the port any more
         log = server.log()
         assert "event=stopping signal=SIGTERM" in log and "event=stopped" in log

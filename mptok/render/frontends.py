@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ def prometheus_dir(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, PROMETHEUS_DIR)
 
 
-def run_render_process(settings: RenderSettings, authkey: bytes, conn: Any) -> None:
+def run_render_process(settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
     """The supervisor's spawn target: ``mptok.render.worker.render_main``, imported in the child.
 
     Spawning pickles the target by reference, so naming the worker's own
@@ -55,7 +56,7 @@ def run_render_process(settings: RenderSettings, authkey: bytes, conn: Any) -> N
     """
     from mptok.render.worker import render_main
 
-    render_main(settings, authkey, conn)
+    render_main(settings, authkey, conn, listener)
 
 
 class RenderFrontends:

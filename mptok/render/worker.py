@@ -7,15 +7,17 @@ its request models, templates, answers and errors) and serves it. Two names
 of vLLM's render entry module are wrapped for the time of the call
 (``VllmRenderHooks``), nothing else:
 
-- ``setup_server``: vLLM's own socket set-up, asked for SO_REUSEPORT (vLLM
-  passes ``reuse_port=False``), so the N processes share one port;
+- ``setup_server``: vLLM's own checks and start log run on a throwaway
+  port, and the socket it returns is the supervisor's listening socket
+  (``mptok.serve.launch.listening_socket``), so the N processes accept
+  from one socket, each as it is free to;
 - ``serve_http``: vLLM's own server, after ``RenderGate`` is put around its
   app; once uvicorn listens, the heartbeat starts on its event loop and the
   supervisor is told ``("ready", pid)``.
 
 The process starts without a frontend id (the supervisor's standby
-protocol, ``FrontendKind.standby``). vLLM binds its socket (without
-listening, so the kernel hands it no connection), builds its app, its
+protocol, ``FrontendKind.standby``). vLLM takes the shared socket (and
+accepts nothing from it yet), builds its app, its
 renderer and the plugin's cache with its tokenizer backend
 (``mptok.vllm.prompt_tokens.stand_by``), and warms them; then, at the
 start of ``serve_http``, the process tells the supervisor
@@ -25,7 +27,7 @@ slot's process exits for a spare. With its id the process takes its seat
 (``take_seat``: its frontend id of N, the ipc directory and the authkey
 from the supervisor), so the plugin's renderer routes each conversation
 to the process whose cache holds it, exactly as ``mptok serve``'s
-frontends do, and only then listens. It stops when vLLM does: on SIGTERM
+frontends do, and only then accepts. It stops when vLLM does: on SIGTERM
 (from the supervisor, or from the kernel when the supervisor dies:
 ``mptok.serve.lifeline``); a spare stopped while it waits exits 0.
 """
@@ -34,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import io
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -75,10 +79,11 @@ class VllmRenderHooks:
     ``standing_by`` while it waits for its frontend id.
     """
 
-    def __init__(self, settings: RenderSettings, authkey: bytes, conn: Any) -> None:
+    def __init__(self, settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
         self._settings = settings
         self._authkey = authkey
         self._conn = conn
+        self._listener = listener
         self.ready_sent = False
         self.standing_by = False
 
@@ -89,7 +94,13 @@ class VllmRenderHooks:
         setup_server, serve_http = entry.setup_server, entry.serve_http
 
         def shared_setup_server(args: Any, *, reuse_port: bool) -> Any:
-            return setup_server(args, reuse_port=True)
+            # vLLM's own checks and start log, on a throwaway port: the
+            # process accepts from the supervisor's listening socket.
+            throwaway = copy.copy(args)
+            throwaway.port = 0
+            listen_address, sock = setup_server(throwaway, reuse_port=False)
+            sock.close()
+            return f"{listen_address.rpartition(':')[0]}:{args.port}", self._listener
 
         async def gated_serve_http(app: Any, sock: Any, **kwargs: Any) -> Any:
             return await self._serve(serve_http, app, sock, **kwargs)
@@ -148,8 +159,9 @@ class VllmRenderHooks:
         return int(message[1])
 
 
-def render_main(settings: RenderSettings, authkey: bytes, conn: Any) -> None:
-    """Body of a render process (the supervisor's spawn target; ``conn`` is a two-way pipe).
+def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
+    """Body of a render process (the supervisor's spawn target; ``conn`` is a two-way pipe,
+    ``listener`` the port's listening socket).
 
     Sends ``("standby", pid)`` once built, then ``("ready", pid)`` once it
     serves as the id of ``("serve", frontend_id)``, or ``("failed", reason)``
@@ -162,7 +174,7 @@ def render_main(settings: RenderSettings, authkey: bytes, conn: Any) -> None:
     from mptok.vllm.prompt_tokens import stand_by
 
     stand_by()
-    hooks = VllmRenderHooks(settings, authkey, conn)
+    hooks = VllmRenderHooks(settings, authkey, conn, listener)
     try:
         status = _run_vllm(vllm_command(settings), hooks)
     except BaseException as e:

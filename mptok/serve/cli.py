@@ -47,8 +47,8 @@ def build_parser(*more_commands: AddCommand) -> argparse.ArgumentParser:
         help="run N tokenization frontends on one port",
         description=(
             "Run N HTTP tokenization frontends (POST /tokenize and /detokenize as in vLLM, "
-            "GET /health, GET /metrics) on one port "
-            "with SO_REUSEPORT; each conversation is tokenized by the frontend whose prefix cache holds it. "
+            "GET /health, GET /metrics) on one port, "
+            "accepting from one listening socket; each conversation is tokenized by the frontend whose prefix cache holds it. "
             "Restarts frontends that die; SIGTERM or SIGINT stops everything gracefully. "
             "Exit status: 0 after a signal, 2 if it cannot start, 3 if every frontend crash-looped."
         ),

@@ -1,8 +1,8 @@
 """One tokenization frontend process of ``mptok serve``: HTTP in, exact token ids out.
 
-The supervisor (``mptok.serve.supervisor``) starts N of these; each binds the same
-port with SO_REUSEPORT, so the kernel spreads connections over them, and
-each serves its ``PrefixTokenCache`` to the others through
+The supervisor (``mptok.serve.supervisor``) starts N of these; each accepts
+connections from the port's one listening socket, so a connection goes to
+whichever frontend is free to take it first, and each serves its ``PrefixTokenCache`` to the others through
 ``TokenizationOwners``, so a conversation is tokenized by the frontend whose
 cache holds it wherever its request lands. The HTTP side is FastAPI on
 uvicorn, as in vLLM and SGLang; everything that costs CPU (parsing,
@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -42,7 +43,7 @@ from mptok.api.chat_template import ChatTemplate
 from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
-from mptok.serve.launch import FrontendSettings, tcp_socket
+from mptok.serve.launch import FrontendSettings
 from mptok.serve.lifeline import stop_with_parent
 from mptok.serve.logfmt import configure_logging, log_event
 from mptok.serve.metrics import render_prometheus
@@ -221,14 +222,15 @@ class Frontend:
     """One frontend's resources, opened in ``__init__`` and released by ``close()`` in reverse.
 
     Startup order: tokenizer, chat template, cache (its backend built before
-    anything is served), the bound (not yet listening) port,
-    ``TokenizationOwners`` (peers may route here from now on), the thread
-    pool, the metrics snapshot thread. ``serve()`` then listens and reports
-    ready. ``close()`` after serving: write the last snapshot, wait for
-    tokenizations (bounded), stop serving peers, close the port.
+    anything is served), the port's listening socket (the supervisor's, not
+    accepted from yet), ``TokenizationOwners`` (peers may route here from
+    now on), the thread pool, the metrics snapshot thread. ``serve()`` then
+    accepts and reports ready. ``close()`` after serving: write the last
+    snapshot, wait for tokenizations (bounded), stop serving peers, close
+    this process's duplicate of the socket.
     """
 
-    def __init__(self, settings: FrontendSettings, authkey: bytes):
+    def __init__(self, settings: FrontendSettings, authkey: bytes, listener: socket.socket):
         from mptok.cache.backend import load_tokenizer
         from mptok.cache.config import CacheConfig
         from mptok.cache.prefix_cache import PrefixTokenCache
@@ -246,7 +248,7 @@ class Frontend:
             # load_tokenizer has built the cache's tokenizer copy, and
             # TokenizationOwners runs it once before peers can see this owner.
             cache = PrefixTokenCache(cache_config)
-            self.socket = self._stack.enter_context(tcp_socket(options.host, options.port, reuse_port=True))
+            self.socket = self._stack.enter_context(listener)
             self.owners = self._stack.enter_context(
                 TokenizationOwners(
                     settings.ipc_dir,
@@ -285,7 +287,7 @@ class Frontend:
             raise
 
     async def serve(self, ready: Any, stop: _StopRequests) -> None:
-        """Listen, send ``("ready", pid)`` on ``ready``, serve until SIGTERM/SIGINT, drain."""
+        """Accept, send ``("ready", pid)`` on ``ready``, serve until SIGTERM/SIGINT, drain."""
         import uvicorn
 
         options = self.settings.options
@@ -373,10 +375,10 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> None:
+def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any, listener: socket.socket) -> None:
     """Body of a frontend process (the supervisor's spawn target).
 
-    Sends ``("ready", pid)`` once its port listens and it serves its peers,
+    Sends ``("ready", pid)`` once it accepts from ``listener`` and serves its peers,
     or ``("failed", one_line_reason)`` and exits 1 if it cannot start. If the
     supervisor dies, however it dies, the kernel sends this process SIGTERM
     (``mptok.serve.lifeline``), and it stops as if the supervisor had stopped it.
@@ -392,7 +394,7 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any) -> Non
     supervisor_pid = parent.pid if parent is not None else os.getppid()
     stop_with_parent(supervisor_pid)
     try:
-        frontend = Frontend(settings, authkey)
+        frontend = Frontend(settings, authkey, listener)
     except Exception as e:
         log_event(logger, logging.ERROR, "frontend_failed", error=f"{type(e).__name__}: {e}")
         with contextlib.suppress(OSError):

@@ -1,9 +1,9 @@
 """A frontend's sign of life, so that its supervisor can tell a hung frontend from a busy one.
 
 A frontend that is SIGSTOPped, or whose event loop is stuck, still holds
-its socket in the port's SO_REUSEPORT group: the kernel keeps handing it
-connections that nobody answers, and its process never exits, so a
-supervisor that only restarts exits never replaces it. So the frontend's
+the connections it accepted, which nobody answers, and its process never
+exits, so a supervisor that only restarts exits never replaces it (the
+others accept what comes after). So the frontend's
 event loop touches a file in the ipc directory every ``INTERVAL_S``
 (``Heartbeat``, a task on that loop: it beats only while the loop runs),
 and the supervisor kills a ready frontend whose file is older than its

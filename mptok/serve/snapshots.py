@@ -1,7 +1,7 @@
 """Each process's counters as a JSON file in the ipc dir, so any frontend can show them all.
 
-Behind one SO_REUSEPORT port a scrape of ``/metrics`` reaches one frontend
-picked by the kernel, yet the operator needs the whole server. So each
+Behind one port a scrape of ``/metrics`` reaches whichever frontend
+accepts it, yet the operator needs the whole server. So each
 process writes a snapshot of its counters into the private ipc directory
 (atomically, every ``SNAPSHOT_INTERVAL_S`` and at exit), and the frontend
 that answers reads them all (``mptok.serve.metrics`` renders them). The

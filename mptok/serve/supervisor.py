@@ -1,14 +1,19 @@
 """``mptok serve``: start N frontends on one port, keep them running, stop them cleanly.
 
-The supervisor owns everything the frontends share: the private ipc
-directory (mode 0700, removed at exit; those that SIGKILLed supervisors
-left behind are swept at start, see ``mptok.serve.run_dir``) and the authkey (32 random bytes,
-handed to each child as a spawn-context Process argument, which travels over
-a pipe: never argv, environment, logs or a file). It checks the port before
+The supervisor owns everything the frontends share: the port's listening
+socket, the private ipc directory (mode 0700, removed at exit; those that
+SIGKILLed supervisors left behind are swept at start, see
+``mptok.serve.run_dir``) and the authkey (32 random bytes, handed to each
+child as a spawn-context Process argument, which travels over a pipe: never
+argv, environment, logs or a file). It binds and listens on the port before
 starting anything (a plain bind without SO_REUSEPORT, since an SO_REUSEPORT
-bind would quietly share a port another server of this user holds), starts
-the frontends (``mptok.serve.frontend``), and logs ``ready`` once every one has
-reported over its pipe that its port listens and it serves its peers.
+bind would quietly share a port another server of this user holds), and
+hands each frontend a duplicate of that one socket
+(``mptok.serve.launch.listening_socket`` says why one and not one each).
+A connection that comes before any frontend accepts waits in its backlog.
+It starts the frontends (``mptok.serve.frontend``), and logs ``ready``
+once every one has reported over its pipe that it accepts connections and
+serves its peers; the socket is closed after every frontend has stopped.
 
 While serving, a frontend that dies is restarted under the same id, after a
 back-off that doubles with each recent crash; one that is not ready
@@ -64,7 +69,7 @@ from mptok.api.chat_template import ChatTemplateError, check_template_source
 from mptok.core.settings import engine_memo_dir
 from mptok.routing.policy import routing_policy
 from mptok.serve import heartbeat
-from mptok.serve.launch import FrontendSettings, run_frontend, tcp_socket
+from mptok.serve.launch import FrontendSettings, listening_socket, run_frontend
 from mptok.serve.logfmt import log_event
 from mptok.serve.options import ServeOptions, Use
 from mptok.serve.run_dir import RunDir, sweep_stale
@@ -132,8 +137,9 @@ class FrontendKind(Protocol):
     ``check`` runs before anything starts and raises ``StartupError`` with
     one line for the operator. ``target(frontend_id, ipc_dir, options)``
     is the spawn target and its first argument (picklable); the process is
-    called as ``target(settings, authkey, ready)`` and sends ``("ready",
-    pid)`` or ``("failed", reason)`` on ``ready``. ``exited(pid)`` runs after
+    called as ``target(settings, authkey, ready, listener)`` (``listener``:
+    the port's listening socket, to accept from once it serves) and sends
+    ``("ready", pid)`` or ``("failed", reason)`` on ``ready``. ``exited(pid)`` runs after
     a process of this kind has exited and been reaped. ``hang_timeout_s``:
     None for frontends that do not beat; else how long a ready one may go
     without a beat (``mptok.serve.heartbeat``).
@@ -275,6 +281,7 @@ class Supervisor:
             _Slot(i, RestartPolicy(options.max_restarts, options.restart_window_s, options.restart_delay_s))
             for i in range(options.frontends)
         ]
+        self._listener: socket.socket | None = None  # the port's one listening socket, every frontend's
         self._ipc_dir: str | None = None
         self._snapshots: SnapshotDir | None = None
         self._signals = signals
@@ -291,6 +298,7 @@ class Supervisor:
         """
         with contextlib.ExitStack() as cleanup:
             self._preflight()
+            cleanup.callback(self._close_listener)  # last: the port is free once everything stopped
             sweep_stale()
             run_dir = RunDir()  # mode 0700
             cleanup.callback(run_dir.close)
@@ -318,13 +326,17 @@ class Supervisor:
         _check_environment(options)
         self._kind.check(options)
         try:
-            probe = tcp_socket(options.host, options.port, reuse_port=False)
+            # Listening, not only bound: a bind alone would not see a listener that set SO_REUSEADDR.
+            self._listener = listening_socket(options.host, options.port)
         except OSError as e:
             raise StartupError(f"cannot bind {options.host}:{options.port}: {e.strerror or e}") from None
-        with probe:
-            probe.listen(1)  # a bound-only probe would not see a listener that set SO_REUSEADDR
-            # From here on, the options name the port actually bound (not 0).
-            self.options = dataclasses.replace(options, port=probe.getsockname()[1])
+        # From here on, the options name the port actually bound (not 0).
+        self.options = dataclasses.replace(options, port=self._listener.getsockname()[1])
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def _start_all(self) -> None:
         for slot in self._slots:
@@ -360,7 +372,8 @@ class Supervisor:
         assert self._ipc_dir is not None
         target, settings = self._kind.target(frontend_id, self._ipc_dir, self.options)
         parent_conn, child_conn = self._ctx.Pipe(duplex=self._kind.standby)
-        process = self._ctx.Process(target=target, args=(settings, self._authkey, child_conn), name=name)
+        # The listener crosses as a duplicate descriptor (multiprocessing's socket reduction).
+        process = self._ctx.Process(target=target, args=(settings, self._authkey, child_conn, self._listener), name=name)
         process.start()
         child_conn.close()
         return process, parent_conn
