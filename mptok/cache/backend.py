@@ -798,18 +798,22 @@ class _LoadedOnFirstUse:
         engine = self._engine
         if engine is not None:
             return engine
-        with self._lock:
-            spec, self._spec = self._spec, None
+        spec = self._claim_load()
         if spec is not None:
             threading.Thread(target=self._load, args=spec, name="mptok-long-engine", daemon=True).start()
         return self._meanwhile
 
     def load_now(self) -> None:
         """Load the chosen engine on this thread, unless a load has started."""
-        with self._lock:
-            spec, self._spec = self._spec, None
+        spec = self._claim_load()
         if spec is not None:
             self._load(*spec)
+
+    def _claim_load(self) -> tuple[str, bool] | None:
+        """What to load the engine from, to the first caller only: one load per engine."""
+        with self._lock:
+            spec, self._spec = self._spec, None
+        return spec
 
     def _load(self, spec_json: str, split_special: bool) -> None:
         try:

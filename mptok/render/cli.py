@@ -23,9 +23,9 @@ def add_render_command(commands: argparse._SubParsersAction) -> None:
         usage="mptok render MODEL [options] [vLLM's render arguments]",
         description=(
             "Run N processes of vLLM's own render server (vllm launch render: every endpoint, vLLM's answers "
-            "and errors) on one port, accepting from one listening socket, with --tokenizer-mode mptok routing each conversation "
-            "to the process whose prefix cache holds it. Restarts processes that die or hang; answers 503 "
-            "with Retry-After when a process holds --max-in-flight requests; one /metrics for all of them. "
+            "and errors) on one port, accepting from one listening socket, with --tokenizer-mode mptok "
+            "routing each conversation to the process whose prefix cache holds it. Restarts processes that "
+            "die or hang; answers 503 with Retry-After when a process holds --max-in-flight requests; one /metrics for all of them. "
             "Any argument not listed here is vLLM's and is passed to vllm launch render. "
             "Exit status: 0 after a signal, 2 if it cannot start, 3 if every process crash-looped."
         ),

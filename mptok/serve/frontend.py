@@ -2,8 +2,8 @@
 
 The supervisor (``mptok.serve.supervisor``) starts N of these; each accepts
 connections from the port's one listening socket, so a connection goes to
-whichever frontend is free to take it first, and each serves its ``PrefixTokenCache`` to the others through
-``TokenizationOwners``, so a conversation is tokenized by the frontend whose
+whichever frontend is free to take it first, and each serves its
+``PrefixTokenCache`` to the others through ``TokenizationOwners``, so a conversation is tokenized by the frontend whose
 cache holds it wherever its request lands. The HTTP side is FastAPI on
 uvicorn, as in vLLM and SGLang; everything that costs CPU (parsing,
 rendering the chat template, tokenizing, possibly waiting on a peer, and

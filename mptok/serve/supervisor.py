@@ -139,8 +139,9 @@ class FrontendKind(Protocol):
     is the spawn target and its first argument (picklable); the process is
     called as ``target(settings, authkey, ready, listener)`` (``listener``:
     the port's listening socket, to accept from once it serves) and sends
-    ``("ready", pid)`` or ``("failed", reason)`` on ``ready``. ``exited(pid)`` runs after
-    a process of this kind has exited and been reaped. ``hang_timeout_s``:
+    ``("ready", pid)`` or ``("failed", reason)`` on ``ready``.
+    ``exited(pid)`` runs after a process of this kind has exited and been
+    reaped. ``hang_timeout_s``:
     None for frontends that do not beat; else how long a ready one may go
     without a beat (``mptok.serve.heartbeat``).
 
