@@ -151,11 +151,10 @@ class TokenizationOwners:
         decision = self._router.decide(tokenizer, text, key)
         if decision.ids is not None:
             return decision.ids
-        if not decision.timed:
-            return self._cache.encode_array(tokenizer, text, key, room_only=decision.room_only)
         started = time.perf_counter()
         ids = self._cache.encode_array(tokenizer, text, key, room_only=decision.room_only)
-        self._router.tokenized_here(len(text), time.perf_counter() - started)
+        if decision.timed:
+            self._router.tokenized_here(len(text), time.perf_counter() - started)
         return ids
 
     def stats(self) -> dict[str, int]:
