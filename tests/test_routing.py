@@ -9,6 +9,7 @@ import pickle
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from multiprocessing import connection, managers
@@ -17,6 +18,7 @@ import pytest
 
 import mptok
 from mptok.core.protocol import PeerReply, PeerRequest
+from mptok.routing.answer import PEER_WORKERS
 from mptok.routing.liveness import FALLBACK_REASONS, PATIENCE, TIMEOUT
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
@@ -88,6 +90,56 @@ def test_a_down_frontend_moves_only_its_own_conversations_and_spreads_them():
             moved[live[0]] += 1
     # The dead frontend's conversations spread over all the others.
     assert sorted(moved) == [0, 1, 3, 4] and min(moved.values()) > 60, moved
+
+
+# -- the owner's threads -----------------------------------------------------
+
+
+class _CacheNamingItsThreads(mptok.PrefixTokenCache):
+    """A real cache that notes which threads answered peers."""
+
+    def __init__(self):
+        super().__init__()
+        self.peer_threads: set[tuple[str, int]] = set()
+
+    def encode_reply(self, *args, **kwargs):
+        self.peer_threads.add((threading.current_thread().name, threading.get_ident()))
+        return super().encode_reply(*args, **kwargs)
+
+    def answer_peer(self, *args, **kwargs):
+        self.peer_threads.add((threading.current_thread().name, threading.get_ident()))
+        return super().answer_peer(*args, **kwargs)
+
+
+def test_an_owner_answers_every_connection_on_its_few_warm_workers(tmp_path, tokenizer):
+    # A fast engine's first tokenization on a new thread costs tens of ms of
+    # CPU; an owner answering on each connection's own thread paid that per
+    # connection. Here 8 asking threads open 8 connections to one owner.
+    ipc = str(tmp_path / "ipc")
+    owner_cache = _CacheNamingItsThreads()
+    convs = [conversation(4000 + i, 3, first_chars=2000) for i in range(8)]
+    keys = [key_owned_by(0, 2, f"workers-{i}") for i in range(8)]
+    with (
+        TokenizationOwners(ipc, 0, 2, owner_cache, tokenizer, authkey=AUTHKEY, routing="always") as owner,
+        TokenizationOwners(ipc, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, routing="always") as asker,
+    ):
+        answers: dict[int, list[list[int]]] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = [asker.encode(tokenizer, text, keys[i]) for text in convs[i]]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for i, conv in enumerate(convs):
+            assert answers[i] == [expected(tokenizer, text) for text in conv]
+        assert asker.stats()["routed"] == 24
+        assert owner.stats()["accepted"] >= 8
+    assert owner_cache.peer_threads, "no peer was answered"
+    assert len(owner_cache.peer_threads) <= PEER_WORKERS, owner_cache.peer_threads
+    assert all(name.startswith("mptok-peer-0") for name, _ in owner_cache.peer_threads), owner_cache.peer_threads
 
 
 # -- a running cluster -------------------------------------------------------

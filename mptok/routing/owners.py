@@ -23,6 +23,7 @@ when the decision says so. Nothing below calls back up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from types import TracebackType
@@ -32,7 +33,7 @@ import numpy as np
 
 from mptok.core.deadline import Deadline
 from mptok.core.private_files import secure_ipc_dir
-from mptok.routing.answer import PeerService
+from mptok.routing.answer import PeerService, PeerWorkers
 from mptok.routing.calibration import build_backend, seconds_per_char, typical_text
 from mptok.routing.crossing import CrossingCosts
 from mptok.routing.deadline import PATIENCE_FACTOR, RouteLimits
@@ -121,18 +122,29 @@ class TokenizationOwners:
             backoff_s,
             patience_factor * worst_s_per_char if worst_s_per_char is not None and patience_factor > 0 else None,
         )
-        crossing = CrossingCosts(seconds_per_char(backend, typical_text()) if weighing else None)
+        sample = typical_text() if backend is not None else ""
+        crossing = CrossingCosts(seconds_per_char(backend, sample) if weighing else None)
         self._router = Router(
             cache, tokenizer, frontend_id, num_frontends, self._ipc_dir, authkey, route_limits, crossing, routing=self.policy != NEVER
         )
-        address = socket_path(self._ipc_dir, frontend_id)
-        self._manager = serve_encode(
-            address, PeerService(cache, tokenizer).answer, authkey, limits, name=f"mptok-owner-{frontend_id}"
+        # Peers are answered on threads warmed here, before they can call.
+        self._workers = PeerWorkers(
+            PeerService(cache, tokenizer).answer,
+            functools.partial(backend.encode_id_array, sample) if backend is not None else None,
+            wait_s=timeout_s,
+            name=f"mptok-peer-{frontend_id}",
         )
+        address = socket_path(self._ipc_dir, frontend_id)
+        try:
+            self._manager = serve_encode(address, self._workers.answer, authkey, limits, name=f"mptok-owner-{frontend_id}")
+        except BaseException:
+            self._workers.close(Deadline.after(self._close_timeout_s))
+            raise
         try:
             self._record: OwnerRecord = publish(self._ipc_dir, frontend_id, address)
         except BaseException:
             self._manager.shutdown()
+            self._workers.close(Deadline.after(self._close_timeout_s))
             raise
 
     @property
@@ -188,7 +200,8 @@ class TokenizationOwners:
         route_seconds: for each prompt a peer tokenized, from choosing its
         owner to holding its ids here (liveness check, transport, the
         owner's work); failed calls are not counted. serve_seconds: the
-        owner's own work (its waits for its GIL included, the transport not)
+        owner's own work (its waits for a peer worker and for its GIL
+        included, the transport not)
         for each call this frontend answered with ids or with None.
         """
         return {"route_seconds": self._router.route_seconds(), **self._manager.timings()}
@@ -203,8 +216,9 @@ class TokenizationOwners:
         deadline = Deadline.after(self._close_timeout_s if timeout_s is None else timeout_s)
         # Run last to first, each even if an earlier one raised: new prompts
         # stay here, peers stop choosing this owner, calls to peers fail
-        # fast, then serving stops. One deadline for all of it.
+        # fast, then serving stops, then its workers. One deadline for all of it.
         with contextlib.ExitStack() as steps:
+            steps.callback(self._workers.close, deadline)
             steps.callback(lambda: self._manager.shutdown(deadline.left()))
             steps.callback(self._router.close, deadline)
             steps.callback(unpublish, self._ipc_dir, self._frontend_id, self._record)
