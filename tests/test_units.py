@@ -2,7 +2,7 @@
 
 The supervisor's restart policy, the cache's content index, a route's
 deadline, sizes and the engine memo's directory as an operator writes
-them, and what crosses the wire
+them, warming a pool's threads, and what crosses the wire
 between frontends: framing, the owner's reply record and the fingerprint.
 Real objects throughout (a real socket pair for the wire); the whole file
 runs in about a second.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import concurrent.futures
 import socket
 import struct
 import threading
@@ -28,6 +29,7 @@ from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Finge
 from mptok.core.deadline import Deadline
 from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.core.settings import engine_memo_dir, parse_bytes
+from mptok.core.warm_threads import warm_every_thread
 from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
 from mptok.serve.supervisor import RestartPolicy
 from mptok.transport import MessageTooLarge, OwnerError
@@ -170,6 +172,33 @@ def test_a_deadline_counts_down_and_then_raises():
 
 
 # -- sizes -------------------------------------------------------------------------
+
+
+# -- warming a pool's threads --------------------------------------------------
+
+
+def test_every_thread_of_a_pool_is_warmed_once_and_then_serves():
+    warmed: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert warm_every_thread(pool, 4, lambda: warmed.append(threading.get_ident()), Deadline.after(10))
+        assert len(warmed) == 4 and len(set(warmed)) == 4
+        # Later work runs on those threads: none is started cold.
+        served = {pool.submit(threading.get_ident).result() for _ in range(40)}
+    assert served <= set(warmed)
+
+
+def test_a_warm_up_that_fails_or_hangs_is_logged_and_the_pool_still_serves(caplog):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert not warm_every_thread(pool, 2, lambda: 1 / 0, Deadline.after(10))
+        assert pool.submit(lambda: 7).result(timeout=10) == 7
+    gate = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        assert not warm_every_thread(pool, 2, gate.wait, Deadline.after(0.3))
+        assert time.monotonic() - started < 5
+        gate.set()
+        assert pool.submit(lambda: 7).result(timeout=10) == 7
+    assert "could not all be warmed" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ import functools
 import threading
 import time
 from types import TracebackType
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,10 @@ class TokenizationOwners:
     ``routing`` is the policy (``mptok.routing.policy``): "cheaper" (the
     default, or ``MPTOK_ROUTING``) weighs each crossing, "always" routes every
     prompt an owner can answer, "never" none; ``weigh_crossing=False`` is
-    "always", as before there was a policy.
+    "always", as before there was a policy. ``warm_thread`` (None for a
+    tokenizer the cache does not serve) runs the cache's backend once on real
+    text on the calling thread: what a pool of the frontend's own threads
+    can run on each before it serves (``mptok.core.warm_threads``).
     """
 
     def __init__(
@@ -127,12 +131,13 @@ class TokenizationOwners:
         self._router = Router(
             cache, tokenizer, frontend_id, num_frontends, self._ipc_dir, authkey, route_limits, crossing, routing=self.policy != NEVER
         )
+        # A fast engine builds per-thread state on a thread's first calls.
+        self.warm_thread: Callable[[], object] | None = (
+            functools.partial(backend.encode_id_array, sample) if backend is not None else None
+        )
         # Peers are answered on threads warmed here, before they can call.
         self._workers = PeerWorkers(
-            PeerService(cache, tokenizer).answer,
-            functools.partial(backend.encode_id_array, sample) if backend is not None else None,
-            wait_s=timeout_s,
-            name=f"mptok-peer-{frontend_id}",
+            PeerService(cache, tokenizer).answer, self.warm_thread, wait_s=timeout_s, name=f"mptok-peer-{frontend_id}"
         )
         address = socket_path(self._ipc_dir, frontend_id)
         try:

@@ -273,6 +273,7 @@ class Frontend:
                     "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer),
                 },
                 routing=self.owners,
+                warm=self.owners.warm_thread,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)

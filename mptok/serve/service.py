@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,8 @@ from mptok.api.tokenize_request import (
 from mptok.api.vllm_contract import RequestLimits, UnknownModel
 from mptok.cache.prefix_cache import TokenCache
 from mptok.core.counting import Counters, Histogram
+from mptok.core.deadline import Deadline
+from mptok.core.warm_threads import warm_every_thread
 from mptok.front.prompt_ids import PromptIds, Routing
 from mptok.serve.logfmt import log_event
 
@@ -53,6 +55,9 @@ logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
 # larger than this many bytes per allowed prompt character are refused unread.
 _BODY_BYTES_PER_CHAR = 12
 _BODY_OVERHEAD_BYTES = 1 << 20
+# How long a start waits for the pool's threads to be warmed; past it the
+# frontend serves anyway and only their first requests pay.
+_WARM_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,9 @@ class TokenizeService:
     ["input_ids"]`` for the rendered text. ``close()`` lets running work
     finish for at most ``timeout_s`` and refuses new work. ``answer`` adds
     the queue deadline and skips the work of clients that have gone.
+    ``warm`` (``TokenizationOwners.warm_thread``), when given, runs once on
+    every pool thread before the service is built, so that no request pays
+    a fast engine's first call on a new thread.
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class TokenizeService:
         served_model_names: tuple[str, ...] = (),
         affinity_chars: int = 0,
         routing: Routing | None = None,
+        warm: Callable[[], object] | None = None,
     ):
         self.frontend_id = frontend_id
         self.max_prompt_chars = max_prompt_chars
@@ -143,6 +152,8 @@ class TokenizeService:
         # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
         self._direct_lock = self.prompt_ids.tokenizer_lock
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"tokenize-{frontend_id}")
+        if warm is not None:
+            warm_every_thread(self._pool, threads, warm, Deadline.after(_WARM_TIMEOUT_S))
         self._in_flight: set[concurrent.futures.Future] = set()
         self._in_flight_lock = threading.Lock()
         self.tokenize_seconds = Histogram()
