@@ -18,7 +18,7 @@ import pytest
 
 import mptok
 from mptok.core.protocol import PeerReply, PeerRequest
-from mptok.routing.answer import PEER_WORKERS
+from mptok.routing.answer import HANDED_OVER_FIRST, PEER_WORKERS
 from mptok.routing.liveness import FALLBACK_REASONS, PATIENCE, TIMEOUT
 from mptok.routing.order import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
@@ -140,6 +140,26 @@ def test_an_owner_answers_every_connection_on_its_few_warm_workers(tmp_path, tok
     assert owner_cache.peer_threads, "no peer was answered"
     assert len(owner_cache.peer_threads) <= PEER_WORKERS, owner_cache.peer_threads
     assert all(name.startswith("mptok-peer-0") for name, _ in owner_cache.peer_threads), owner_cache.peer_threads
+
+
+def test_a_busy_connections_thread_warms_itself_and_answers_on_its_own(tmp_path, tokenizer):
+    # The hand-over costs two more wake-ups and GIL waits per call: a
+    # connection past its first few requests is answered on its own thread.
+    ipc = str(tmp_path / "ipc")
+    owner_cache = _CacheNamingItsThreads()
+    turns = HANDED_OVER_FIRST + 4
+    conv = conversation(4100, turns, first_chars=2000)
+    key = key_owned_by(0, 2, "busy")
+    with (
+        TokenizationOwners(ipc, 0, 2, owner_cache, tokenizer, authkey=AUTHKEY, routing="always") as owner,
+        TokenizationOwners(ipc, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, routing="always") as asker,
+    ):
+        assert [asker.encode(tokenizer, text, key) for text in conv] == [expected(tokenizer, text) for text in conv]
+        assert asker.stats()["routed"] == turns
+        assert owner.stats()["accepted"] == 1
+    names = {name for name, _ in owner_cache.peer_threads}
+    workers = {name for name in names if name.startswith("mptok-peer-0")}
+    assert workers and names - workers, names  # the first turns on a worker, the last on the connection's thread
 
 
 # -- a running cluster -------------------------------------------------------

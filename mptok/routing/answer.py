@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # (the engines release the GIL), and each one warms caches of its own.
 PEER_WORKERS = max(1, min(4, os.cpu_count() or 1))
 PEER_WORKER_PREFIX = "mptok-peer"
+# Requests a connection's thread hands to the workers before it warms itself
+# and answers its connection's later requests on its own.
+HANDED_OVER_FIRST = 8
 
 
 class PeerCache(Protocol):
@@ -75,8 +78,13 @@ class PeerWorkers:
     CPU on a new thread's first prompt, so answering on the connection
     threads paid that on nearly every connection's first call, and where
     routing is rare, on most routed prompts. These threads stay, and so do
-    their caches; the connection threads only hand each request over and
-    wait for its reply.
+    their caches; a connection's thread hands its first requests over and
+    waits for each reply. The hand-over costs two more thread wake-ups, and
+    each one a wait for this process's GIL, long when its main thread is
+    busy in Python; so a connection that has handed over
+    ``HANDED_OVER_FIRST`` requests is a busy one, and its thread warms
+    itself while a worker answers the last of them (the cost a worker paid
+    once, now paid once per busy connection) and answers the rest itself.
 
     Threads of their own, not the frontend's: an answer never routes, so
     owners waiting on each other's workers can never wait in a cycle.
@@ -101,6 +109,8 @@ class PeerWorkers:
         self._wait_s = wait_s
         self._requests: queue.SimpleQueue[tuple[Future[PeerReply | None], PeerRequest] | None] = queue.SimpleQueue()
         self._warmed = threading.Semaphore(0)
+        # Per connection thread: requests handed over, and whether it is warm.
+        self._here = threading.local()
         # Daemons: a worker still in a tokenization when close() gives up
         # on it finishes it, touching nothing, and never holds up the exit.
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
@@ -114,9 +124,17 @@ class PeerWorkers:
                 break
 
     def answer(self, request: PeerRequest) -> PeerReply | None:
-        """``answer(request)`` on a worker; raises what it raises, or ``TimeoutError`` after ``wait_s``."""
+        """``answer(request)`` on a worker, or on the calling thread once it is
+        warm; raises what it raises, or ``TimeoutError`` after ``wait_s`` without a worker's reply."""
+        here = self._here
+        if self._warm is None or getattr(here, "warm", False):
+            return self._answer(request)
         future: Future[PeerReply | None] = Future()
         self._requests.put((future, request))
+        here.handed = getattr(here, "handed", 0) + 1
+        if here.handed >= HANDED_OVER_FIRST:
+            self._warm_quietly()
+            here.warm = True
         try:
             return future.result(timeout=self._wait_s)
         except concurrent.futures.TimeoutError:
@@ -138,12 +156,17 @@ class PeerWorkers:
         for thread in self._threads:
             thread.join(deadline.left())
 
-    def _work(self) -> None:
+    def _warm_quietly(self) -> None:
+        # A warm-up that fails costs only the first call's speed.
         try:
             if self._warm is not None:
                 self._warm()
         except Exception:
-            logger.warning("warming a peer worker failed", exc_info=True)
+            logger.warning("warming a thread that answers peers failed", exc_info=True)
+
+    def _work(self) -> None:
+        try:
+            self._warm_quietly()
         finally:
             self._warmed.release()
         while (item := self._requests.get()) is not None:
