@@ -87,6 +87,21 @@ def test_forcing_an_engine_uses_it(engine):
     assert backend.encode_ids(text) == reference_ids(tokenizer, text)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_warming_a_thread_runs_the_engine_there_and_leaves_the_checks_to_real_prompts(engine):
+    tokenizer = load_family("deepseek")
+    backend = backend_for(tokenizer, engine)
+    before = backend_stats()
+    text = "def f(x):\n    return x  # prose, code and \u6211\u4eec\n" * 50
+    worker = threading.Thread(target=backend.warm_this_thread, args=(text,))
+    worker.start()
+    worker.join(60)
+    after = backend_stats()
+    counted = ("backend_checks", "backend_checks_dropped")
+    assert {name: after[name] for name in counted} == {name: before[name] for name in counted}
+    assert backend.encode_ids(text) == reference_ids(tokenizer, text)
+
+
 @pytest.mark.parametrize(
     ("family", "engine"),
     [("wordpiece", "fastokens"), ("wordpiece", "gigatoken"), ("metaspace_first", "fastokens"), ("metaspace_first", "gigatoken")],

@@ -415,6 +415,20 @@ class TokenizerBackend:
         if isinstance(longer, _LoadedOnFirstUse):
             longer.load_now()
 
+    def warm_this_thread(self, text: str) -> None:
+        """Run each loaded fast engine on ``text`` on the calling thread.
+
+        A fast engine builds per-thread state on a thread's first calls
+        (fastokens: tens of milliseconds of CPU); a server's threads pay it
+        here, before they serve. Not a result: nothing is checked in the
+        background, so the first results checked are real prompts.
+        """
+        longer = self._long_engine
+        if isinstance(longer, _LoadedOnFirstUse):
+            longer = longer.loaded
+        for engine in {id(e): e for e in (self._engine, longer) if e is not None}.values():
+            getattr(engine, "encode_id_array", engine.encode_ids)(text)
+
     def encode_ids(self, text: str) -> list[int]:
         """Full tokenization's ids by the cheapest exact engine, a new list.
 
@@ -792,6 +806,11 @@ class _LoadedOnFirstUse:
     @property
     def name(self) -> str:
         return (self._engine or self._meanwhile).name
+
+    @property
+    def loaded(self) -> IdsEngine | None:
+        """The chosen engine once loaded, else None (nothing is loaded for asking)."""
+        return self._engine
 
     def current(self) -> IdsEngine:
         """The engine for a long text now; starts loading the chosen one."""
