@@ -26,8 +26,8 @@ import contextlib
 import functools
 import threading
 import time
-from types import TracebackType
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import numpy as np
