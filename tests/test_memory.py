@@ -214,10 +214,7 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
     for turns in texts.values():
         for _ in range(40):
             turns.append(turns[-1] + plain_delta(rng, 60))
-    # Offsets made on the request's path (max_reference_chars above these
-    # prompts), so that the turns that splice do not depend on when the
-    # background pass catches up: what is counted is the same either way.
-    cache = PrefixTokenCache(CacheConfig(min_chars=0, max_reference_chars=1_000_000))
+    cache = PrefixTokenCache(CacheConfig(min_chars=0))
     gc.collect()
     tracemalloc.start()
     try:
@@ -225,8 +222,7 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
         for key, turns in texts.items():
             for text in turns:
                 cache.encode(tokenizer, text, key=key)
-        # The background pass that gives a fast engine's prompts offsets holds
-        # the prompt it works on until it is done (mptok.cache.prefix_cache).
+        # A background check holds the prompt it works on until it is done.
         assert fast_backends.VERIFIER.drain(timeout=120)
         gc.collect()
         traced = tracemalloc.get_traced_memory()[0] - before
@@ -237,10 +233,9 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
     assert cache.stats()["hits"] >= 110
     assert abs(counted - traced) <= 0.25 * traced, (counted, traced)
     tokens = sum(len(full_ids(tokenizer, turns[-1])) for turns in texts.values())
-    # 4-byte ids, their buffers' spare room (at most an eighth), the offsets
-    # window and the fingerprint chain: about 5 here, the window weighing
-    # most on these short conversations (scripts/bench_memory.py).
-    assert traced / tokens < 6.5
+    # 4-byte ids, their buffers' spare room (at most an eighth) and the
+    # fingerprint chain: no offsets are kept (scripts/bench_memory.py).
+    assert traced / tokens < 6
 
 
 def test_cache_bytes_reaches_every_frontend_and_bounds_what_each_holds(tmp_path, tokenizer):

@@ -59,6 +59,7 @@ from tokenizers import Encoding, Tokenizer
 from mptok.cache import engine_memo, fast_backends
 from mptok.cache.config import CacheConfig
 from mptok.cache.fast_backends import CHOICES, ENGINES, FIRST_CHECKS, VERIFIER, EngineUnavailable, IdsEngine
+from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, check_rules, derive_rules
 from mptok.cache.segments import SegmentOpeners
 
 logger = logging.getLogger(__name__)
@@ -265,30 +266,18 @@ _counters = _BackendCounters()
 
 def backend_stats() -> dict[str, int]:
     """How many of the process's backends use each engine now
-    (``backend_tokenizers``, ``backend_fastokens``, ``backend_gigatoken``) and
-    the background checks of fast results since start (``backend_checks``,
+    (``backend_tokenizers``, ``backend_fastokens``, ``backend_gigatoken``), how
+    many splice at added tokens only (``backend_added_tokens_only``: no seam
+    rules, ``mptok.cache.seam_rules``), and the background checks of fast results since start (``backend_checks``,
     ``backend_checks_dropped``, ``backend_mismatches``)."""
     with _backends_lock:
         live = [b for _, b in _backends.values() if isinstance(b, TokenizerBackend)]
     counts = {f"backend_{name}": 0 for name in ("tokenizers",) + ENGINES}
+    counts["backend_added_tokens_only"] = 0
     for backend in live:
         counts[f"backend_{backend.engine_name}"] += 1
+        counts["backend_added_tokens_only"] += backend.seam_rules is None
     return dict(counts, **_counters.snapshot())
-
-
-@dataclass(frozen=True)
-class TokenSpans:
-    """Ids of a piece of text with what the seam logic needs to know of each token.
-
-    ``starts``/``ends`` are character offsets into the tokenized text;
-    ``word_starts[i]`` is true where token ``i`` begins a pre-token (added
-    tokens are pre-tokens of their own).
-    """
-
-    ids: list[int]
-    starts: list[int]
-    ends: list[int]
-    word_starts: list[bool]
 
 
 class TokenizerBackend:
@@ -340,7 +329,6 @@ class TokenizerBackend:
             _build(orjson.dumps(continuation_spec).decode(), split_special) if continuation_spec != spec else None
         )
         self._added_ids = frozenset(rust.get_added_tokens_decoder())
-        self._opens_word, self._closes_word = _space_marker_ids(spec, self._full)
         self._full_normalizer = self._full.normalizer
         self._continuation_normalizer = (self._continuation or self._full).normalizer
         self.segment_openers = SegmentOpeners(
@@ -364,13 +352,17 @@ class TokenizerBackend:
         if engine is None and choice != "tokenizers":
             self._engine, self.choice_report, engine_to_reference = self._chosen_engine(spec_json, split_special, choice)
         self._check_budget = fast_backends.CheckBudget(check_share * engine_to_reference)
+        self._prefix_unless_space = False
+        self.seam_rules, rules_report = self._checked_rules(spec, split_special, rust.get_vocab_size(with_added_tokens=True))
         names = self.chosen_engine_names
         engines = names["short"] if names["long"] == names["short"] else (
             f"{names['short']}, {names['long']} for texts of {LONG_TEXT_CHARS:,} characters or more"
         )
         if isinstance(self._long_engine, _LoadedOnFirstUse):
             engines += f" (loaded when a server warms the backend, else on the first one; {names['short']} until then)"
-        logger.info("tokenizer backend for %s: %s (%s)", self.name, engines, self.choice_report or choice)
+        logger.info(
+            "tokenizer backend for %s: %s (%s); %s", self.name, engines, self.choice_report or choice, rules_report
+        )
 
     # -- the fast engine ---------------------------------------------------------
 
@@ -462,14 +454,26 @@ class TokenizerBackend:
         return ids
 
     def spot_check(self, text: str, ids: Any) -> None:
-        """Queue a background check of ``ids`` (a list or ``IdPieces``) for
-        ``text`` if this result is sampled; only fast results are checked."""
+        """Queue a background check of ``ids`` (a list or an int array), a
+        fast engine's full tokenization of ``text``, if this result is
+        sampled; only fast results are checked."""
         if self._engine is None:
             return
         if next(self._results) >= FIRST_CHECKS and not self._check_budget.allows(len(text)):
             return
         if isinstance(ids, list):
             ids = list(ids)  # the caller owns the list it was given and may change it
+        self.submit_check(self, text, ids)
+
+    def check_splice(self, text: str, ids: Any, tokenized: int) -> None:
+        """Queue a background check of a splice's ``ids`` (``IdPieces``) for
+        the whole of ``text`` if sampled: the seam rules and the engine both
+        made them. ``tokenized`` characters were tokenized for it; the check
+        re-tokenizes all of ``text``, so it is sampled on the same budget."""
+        if self._engine is None and self.seam_rules is None:
+            return
+        if next(self._results) >= FIRST_CHECKS and not self._check_budget.allows(tokenized, len(text)):
+            return
         self.submit_check(self, text, ids)
 
     @staticmethod
@@ -480,16 +484,17 @@ class TokenizerBackend:
 
     def verify(self, text: str, ids: Any) -> None:
         """Compare ``ids`` with the Rust tokenizer's; on a difference switch
-        to the Rust tokenizer, with a WARNING; a new ``serial`` makes every
-        cache forget what the engine tokenized, and the engine is not
-        trusted for this tokenizer again in this process."""
+        to the Rust tokenizer and to splices at added tokens only, with a
+        WARNING; a new ``serial`` makes every cache forget what the engine and
+        the rules made, and neither is trusted for this tokenizer again in
+        this process."""
         short, longer = self._engine, self._long_engine
         engine = self._engine_for(text)
-        if engine is None:
+        if engine is None and self.seam_rules is None:
             return
         # A long text tokenized while its engine was loading went to the
         # short texts' engine: either may have made these ids.
-        suspects = {engine.name}
+        suspects = {engine.name} if engine is not None else set()
         if isinstance(longer, _LoadedOnFirstUse) and short is not None and len(text) >= LONG_TEXT_CHARS:
             suspects |= {short.name, longer.chosen}
         got = ids.to_list() if hasattr(ids, "to_list") else ids.tolist() if hasattr(ids, "tolist") else list(ids)
@@ -500,21 +505,55 @@ class TokenizerBackend:
         if got == expected:
             return
         self._engine = self._long_engine = None
+        self.seam_rules = None
+        suspects.add(SEAM_RULES)
         _distrusted.update((self._spec_digest, name) for name in suspects)
         self._forget_memo()
         # The cache keys what it keeps by the serial: a new one forgets every
-        # prompt the engine tokenized, so none of them is answered or spliced
-        # onto again.
+        # prompt the engine or the rules made, so none of them is answered or
+        # spliced onto again.
         self.serial = next(self._serials)
         _counters.add("backend_mismatches")
         logger.warning(
             "tokenizer backend %s gave ids different from tokenizers for %s on a %d-character text "
-            "(first difference at id %d); using tokenizers for it from now on",
-            engine.name,
+            "(first difference at id %d); using tokenizers and splicing at added tokens only for it from now on",
+            engine.name if engine is not None else "tokenizers with seam rules",
             self.name,
             len(text),
             next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))),
         )
+
+    def _checked_rules(self, spec: dict[str, Any], split_special: bool, vocab_size: int) -> tuple[SeamRules | None, str]:
+        """The seam rules of this tokenizer if it has some and they pass
+        their check on the start-up corpus (once per process and
+        specification), and a line for the start log."""
+        slot = (self._spec_digest, split_special)
+        with _verdicts_lock:
+            known = _rule_verdicts.get(slot)
+        if known is None:
+            rules = derive_rules(spec, split_special, vocab_size)
+            if isinstance(rules, SeamRules):
+                self._prefix_unless_space = _prefixes_unless_space(rules)
+                texts = fast_backends.self_check_texts(self._added_contents())
+                failure = check_rules(rules, self.encode, self._tail_for_check, texts)
+                known = (rules, f"seam rules: {rules.layout}") if failure is None else (None, f"seam rules refuted: {failure}")
+            else:
+                known = (None, f"no seam rules: {rules}")
+            with _verdicts_lock:
+                _rule_verdicts[slot] = known
+        rules, report = known
+        if (self._spec_digest, SEAM_RULES) in _distrusted:
+            rules, report = None, "seam rules found wrong for this tokenizer earlier in this process"
+        if rules is None:
+            report += "; splicing at added tokens only"
+        self._prefix_unless_space = rules is not None and _prefixes_unless_space(rules)
+        return rules, report
+
+    def _tail_for_check(self, text: str, at_segment_start: bool) -> list[int]:
+        """``encode_tail`` by the reference tokenizer: the rules' check tests the rules, not an engine."""
+        if at_segment_start or self._continuation is None or (self._prefix_unless_space and text.startswith(" ")):
+            return self.encode(text).ids
+        return self._continuation_ids(text) or []
 
     def _chosen_engine(
         self, spec_json: str, split_special: bool, choice: str
@@ -696,81 +735,45 @@ class TokenizerBackend:
         """
         return _encode(self._full, text)
 
-    def encode_continuation(self, text: str) -> TokenSpans | None:
-        """Tokenize ``text`` as the continuation of a segment that began earlier.
+    def encode_tail(self, text: str, at_segment_start: bool) -> Any:
+        """The ids of ``text``, cut from a prompt at a seam, as that prompt's
+        full tokenization has them: the whole text's from a segment start (an
+        added token, or right after one), else as the continuation of a
+        segment that began earlier. By the engine (an int array where it
+        gives one), except a continuation that the layout would prefix (a
+        ``Prepend`` normalizer; a prefix unless the text begins with a space,
+        and it does not), which goes to the continuation tokenizer. None if that
+        cannot tell the segments apart.
+        Raises ``TokenizerRefused``."""
+        if at_segment_start or self._continuation is None or (self._prefix_unless_space and text.startswith(" ")):
+            return self.encode_id_array(text)
+        return self._continuation_ids(text)
 
-        Returns None when the tail's segments cannot be told apart reliably;
-        the caller then tokenizes the whole prompt.
-        """
-        if self._continuation is None:
-            full = self.encode(text)
-            return self.spans(full, 0, len(full))
+    def _continuation_ids(self, text: str) -> list[int] | None:
+        """``text`` as the continuation of a segment: its first segment by the
+        continuation tokenizer, everything from the first added token on by
+        the full one (each added token starts a segment of the prompt too);
+        None if the two place that token apart."""
         cont = _encode(self._continuation, text)
         cont_ids = cont.ids
-        first_added = next(
-            (i for i, token_id in enumerate(cont_ids) if token_id in self._added_ids), None
-        )
+        first_added = next((i for i, token_id in enumerate(cont_ids) if token_id in self._added_ids), None)
         if first_added is None:
-            return self.spans(cont, 0, len(cont))
-        # From the first added token on, every segment starts a segment of
-        # the full prompt too, so the plain tokenizer's ids are the right
-        # ones there. Both encodings must agree on where that token is.
+            return cont_ids
+        # Both encodings must agree on where that token is; else the full
+        # tokenization decides (and the splice's check refuses a difference).
         anchor = cont.token_to_chars(first_added)
         full = self.encode(text)
-        full_ids = full.ids
         match = next(
             (
                 j
-                for j, token_id in enumerate(full_ids)
+                for j, token_id in enumerate(full.ids)
                 if token_id == cont_ids[first_added] and full.token_to_chars(j) == anchor
             ),
             None,
         )
         if match is None:
             return None
-        head = self.spans(cont, 0, first_added)
-        rest = self.spans(full, match, len(full))
-        return TokenSpans(
-            head.ids + rest.ids,
-            head.starts + rest.starts,
-            head.ends + rest.ends,
-            head.word_starts + rest.word_starts,
-        )
-
-    def spans(self, encoding: Encoding, begin: int, end: int) -> TokenSpans:
-        """Token spans of ``encoding[begin:end]``, read token by token.
-
-        Reading ``Encoding.offsets`` whole costs about a sixth of the encode
-        itself on a 200k-token prompt; the cache only ever needs a window.
-        A token begins a word where the pre-tokenizer split, and also where
-        a space marker follows a non-space (see ``_space_marker_ids``).
-        """
-        all_ids = encoding.ids
-        ids = all_ids[begin:end]
-        if 2 * (end - begin) >= len(all_ids):
-            # Most of it: the whole lists cost less than a call per token.
-            offsets, words = encoding.offsets[begin:end], encoding.word_ids[begin:end]
-            starts = [start for start, _ in offsets]
-            ends = [stop for _, stop in offsets]
-        else:
-            words = [encoding.token_to_word(i) for i in range(begin, end)]
-            starts, ends = [], []
-            for i in range(begin, end):
-                start, stop = encoding.token_to_chars(i)
-                starts.append(start)
-                ends.append(stop)
-        previous_word = encoding.token_to_word(begin - 1) if begin > 0 else None
-        opens, closes = self._opens_word, self._closes_word
-        word_starts: list[bool] = []
-        for i, word in enumerate(words, begin):
-            word_starts.append(
-                i == 0
-                or word is None
-                or word != previous_word
-                or (all_ids[i] in opens and all_ids[i - 1] not in closes)
-            )
-            previous_word = word
-        return TokenSpans(ids, starts, ends, word_starts)
+        return cont_ids[:first_added] + full.ids[match:]
 
     def normalizes_apart(self, left: str, right: str) -> bool:
         """Whether normalizing ``left + right`` equals normalizing each apart.
@@ -857,6 +860,10 @@ _verdicts_lock = threading.Lock()
 # (tokenizer spec digest, engine) pairs that gave a wrong result in this
 # process: never trusted again, even by a backend rebuilt after eviction.
 _distrusted: set[tuple[str, str]] = set()
+# What ``_distrusted`` names for a specification whose seam rules gave a wrong splice.
+SEAM_RULES = "seam rules"
+# Seam rules per (specification digest, split_special): the rules, or None, and the start log's words.
+_rule_verdicts: dict[tuple[str, bool], tuple[SeamRules | None, str]] = {}
 
 
 def _overlapping_added_tokens(tokens: Any) -> tuple[str, str] | None:
@@ -897,31 +904,9 @@ def _encode(tokenizer: Tokenizer, text: str) -> Encoding:
         raise TokenizerRefused(str(e)) from e
 
 
-def _space_marker_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[frozenset[int], frozenset[int]]:
-    """Ids that open a word, and ids that end in the space marker, where the
-    marker makes word boundaries that no pre-tokenizer marks.
-
-    The legacy SentencePiece layout has no pre-tokenizer: BPE runs over a
-    whole segment. But if no token of the vocabulary holds the space marker
-    ``▁`` right after another character, no token can span the point before
-    a ``▁`` that follows a non-``▁``. BPE and Unigram then tokenize the two
-    sides of that point independently, exactly as if a pre-tokenizer had
-    split there. Returns two empty sets when that does not hold.
-    """
-    marker = "\u2581"
-    if spec.get("model", {}).get("type") not in ("BPE", "Unigram"):
-        return frozenset(), frozenset()
-    vocab = tokenizer.get_vocab(with_added_tokens=False)
-    for piece in vocab:
-        # str.find, not a Python loop over every character of a large vocabulary.
-        i = piece.find(marker, 1)
-        while i != -1:
-            if piece[i - 1] != marker:
-                return frozenset(), frozenset()
-            i = piece.find(marker, i + 1)
-    opens = frozenset(i for piece, i in vocab.items() if piece.startswith(marker))
-    closes = frozenset(i for piece, i in vocab.items() if piece.endswith(marker))
-    return opens, closes
+def _prefixes_unless_space(rules: SeamRules) -> bool:
+    """Whether the layout prefixes a segment only when it does not begin with a space."""
+    return rules.prefix in (PREFIX_UNLESS_SPACE, PREFIX_FIRST_UNLESS_SPACE)
 
 
 def _has_normalizer(spec: dict[str, Any]) -> bool:

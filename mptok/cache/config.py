@@ -59,16 +59,8 @@ class CacheConfig:
         limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither
         looked up nor kept (0 caches everything).
-    seam_window_tokens: how many tokens at the end of each kept prompt are
-        remembered with their offsets; a new prompt that differs from the
-        kept one before that window is tokenized in full.
     max_seam_attempts: how many candidate seams are re-tokenized and checked
         before the prompt is tokenized in full.
-    max_reference_chars: with a fast engine (ids only), the longest text
-        the cache tokenizes with the reference tokenizer (`tokenizers`, with
-        offsets) so that a kept prompt can be spliced onto anywhere: the
-        turn after a first turn, and the tail after a segment seam. Longer
-        texts go to the engine and are spliced onto at added tokens only.
     tokenizer_backend: what tokenizes prompts in full: "auto" (the cheapest
         of fastokens, gigatoken and `tokenizers` that gives identical ids on
         the start-up check), "tokenizers", "fastokens" or "gigatoken"
@@ -81,9 +73,7 @@ class CacheConfig:
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES
     max_cached_chars: int | None = None
     min_chars: int = 256
-    seam_window_tokens: int = 4096
     max_seam_attempts: int = 4
-    max_reference_chars: int = 65536
     # MPTOK_CACHE_TOKENIZER_BACKEND, else "auto" (load_tokenizer builds that one).
     tokenizer_backend: str = dataclasses.field(
         default_factory=lambda: os.environ.get(ENV_PREFIX + "TOKENIZER_BACKEND", "").strip() or "auto"
@@ -142,9 +132,7 @@ _LOWEST = {
     "max_held_bytes": 1,
     "max_cached_chars": 1,
     "min_chars": 0,
-    "seam_window_tokens": 16,
     "max_seam_attempts": 1,
-    "max_reference_chars": 0,
 }
 _NOT_AN_INT = "must be an int"
 _NOT_A_SIZE = "is not a size in bytes (say 536870912, 512M or 1GiB)"

@@ -298,14 +298,16 @@ class CheckBudget:
         self._credit = 0.0
         self._lock = threading.Lock()
 
-    def allows(self, chars: int) -> bool:
-        """Earn credit for a result of ``chars`` characters; whether it is to be
-        checked (its cost is then spent)."""
+    def allows(self, chars: int, check_chars: int | None = None) -> bool:
+        """Earn credit for a result whose engine tokenized ``chars``
+        characters; whether it is to be checked by re-tokenizing
+        ``check_chars`` (default ``chars``), whose cost is then spent."""
+        cost = chars if check_chars is None else check_chars
         with self._lock:
             self._credit += self._share * chars
-            if self._credit < chars:
+            if self._credit < cost:
                 return False
-            self._credit -= chars
+            self._credit -= cost
             return True
 
 

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
-from mptok.cache.seam import CachedPrompt, extend_prompt, prompt_of_ids, splices_at_segments, tokenize_prompt, with_window
+from mptok.cache.seam import CachedPrompt, extend_prompt, prompt_of_ids, tokenize_prompt
 import numpy as np
 
 from mptok.core.counting import Counters
@@ -56,10 +56,7 @@ MAX_BRANCHES = 4
 # earlier turn); one that parts earlier starts a branch of its own.
 BRANCH_SLACK_CHARS = 256
 
-# Later turns a background offsets window catches up with (``_WindowCheck``).
-MAX_CATCH_UP = 8
-
-# What an entry costs beyond its text, ids, offsets and fingerprint chain,
+# What an entry costs beyond its text, ids and fingerprint chain,
 # which are counted by size: the entry, prompt and IdPieces objects, the id
 # buffer's lock, the holder tuple, the slots of the LRU dict and of the
 # content index. Measured with tracemalloc (scripts/bench_memory.py) and
@@ -80,15 +77,8 @@ class _Entry:
 
 def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
     """Bytes a kept prompt holds: its key, text, the id buffer it pins (spare
-    room included), its offsets window, fingerprint chain and bookkeeping."""
-    return (
-        held_bytes(holder, prompt.text, prompt.ids)
-        + sys.getsizeof(prompt.starts)
-        + sys.getsizeof(prompt.ends)
-        + sys.getsizeof(prompt.word_starts)
-        + sys.getsizeof(chain)
-        + ENTRY_OVERHEAD_BYTES
-    )
+    room included), fingerprint chain and bookkeeping."""
+    return held_bytes(holder, prompt.text, prompt.ids) + sys.getsizeof(chain) + ENTRY_OVERHEAD_BYTES
 
 
 # A kept prompt that a new one extends: its holder, its entry, and the
@@ -130,55 +120,6 @@ class TokenCache(Encoder, Protocol):
     def stats(self) -> dict[str, int]:
         """Counters and sizes, for /metrics."""
         ...
-
-
-class _WindowCheck:
-    """The reference tokenizer's pass over a kept prompt that a fast engine
-    tokenized (ids only) and its conversation went on from: a check of the
-    engine's ids, and the offsets window the prompt's next splices are
-    proven with. Runs on the background checker's thread
-    (``TokenizerBackend.submit_check``).
-
-    Turns that arrive meanwhile replace the prompt with later ones, also
-    without offsets; each is then spliced onto the prompt just given its
-    window, by the reference tokenizer from a proven seam (a short tail),
-    and checked against the engine's ids the same way, up to
-    ``MAX_CATCH_UP`` of them.
-    """
-
-    def __init__(self, cache: PrefixTokenCache, backend: TokenizerBackend, holder: Hashable, entry: _Entry):
-        self._cache, self._backend, self._holder, self._entry = cache, backend, holder, entry
-
-    def verify(self, text: str, ids: IdPieces) -> None:
-        cache, backend, entry = self._cache, self._backend, self._entry
-        config = cache.config
-        try:
-            # Compares the engine's ids with the reference's (and tells the backend).
-            windowed = with_window(backend, entry.prompt, config.seam_window_tokens)
-        except TokenizerRefused:
-            return
-        for _ in range(MAX_CATCH_UP):
-            if windowed is None:
-                return
-            current = cache._attach_window(self._holder, entry, windowed)
-            if current is None or len(current.prompt.starts):
-                return
-            later = current.prompt.text
-            windowed = extend_prompt(
-                backend,
-                windowed,
-                later,
-                common_prefix_length(windowed.text, later),
-                window_tokens=config.seam_window_tokens,
-                max_attempts=config.max_seam_attempts,
-                max_reference_chars=config.max_reference_chars,
-            )
-            if windowed is None or not len(windowed.starts):
-                return
-            if not windowed.ids.same_as(current.prompt.ids):
-                backend.verify(later, current.prompt.ids.array())  # switches the engine off, loudly
-                return
-            entry = current
 
 
 class PrefixTokenCache:
@@ -439,29 +380,15 @@ class PrefixTokenCache:
                     self._counters.add("tokens_reused", known.prompt.ids.length)
                     return known
         prompt = None
-        # Whether this is a conversation's next turn (not its first, nor a restart).
-        continues = known is not None and shared > 0
         if known is not None:
-            prompt = extend_prompt(
-                backend,
-                known.prompt,
-                text,
-                shared,
-                window_tokens=config.seam_window_tokens,
-                max_attempts=config.max_seam_attempts,
-                max_reference_chars=config.max_reference_chars,
-            )
+            prompt = extend_prompt(backend, known.prompt, text, shared, max_attempts=config.max_seam_attempts)
             if prompt is None:
                 self._count("resync_failures")
-        missed = prompt is None
-        # A conversation's next turn that missed is tokenized with offsets
-        # (by the reference tokenizer, where a fast engine gives ids only),
-        # so that its turns after can splice anywhere; not one whose turns
-        # splice at segments, nor a first turn: those go to the fastest engine.
-        needs_offsets = missed and continues and backend.fast and not splices_at_segments(backend, text)
-        if missed:
-            offsets_now = needs_offsets and len(text) <= config.max_reference_chars
-            prompt = tokenize_prompt(backend, text, config.seam_window_tokens, with_window=offsets_now)
+            else:
+                # Sampled against a full tokenization, paid for by the characters tokenized.
+                backend.check_splice(text, prompt.ids, len(text) - shared)
+        if prompt is None:
+            prompt = tokenize_prompt(backend, text)
             self._count("misses")
         else:
             self._count("hits")
@@ -469,30 +396,7 @@ class PrefixTokenCache:
         self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
         entry = _new_entry(holder, prompt, key, _shared_digests(known, shared))
         self._keep(holder, entry, by_content=key is None, room_only=room_only)
-        if needs_offsets and not len(prompt.starts):
-            # A conversation going on past a fast engine's ids, too long to
-            # re-tokenize now: its offsets come in the background.
-            backend.submit_check(_WindowCheck(self, backend, holder, entry), text, prompt.ids)
         return entry
-
-    def _attach_window(self, holder: Hashable, entry: _Entry, windowed: CachedPrompt) -> _Entry | None:
-        """Keep ``windowed`` (``entry``'s prompt with an offsets window) in
-        its place if ``holder`` still keeps ``entry``, evicting to stay
-        within the limits (the window costs bytes); else what ``holder``
-        keeps now (None if nothing: nothing was attached)."""
-        prompt = entry.prompt
-        prompt = CachedPrompt(
-            prompt.text, prompt.ids, windowed.window_first, windowed.starts, windowed.ends, windowed.word_starts, prompt.reused
-        )
-        replacement = _Entry(prompt, entry.chain, entry_bytes(holder, prompt, entry.chain))
-        with self._lock:
-            current = self._entries.get(holder)
-            if current is not entry:
-                return current
-            self._entries[holder] = replacement  # in place: its LRU position stays
-            self._cached_bytes += replacement.nbytes - entry.nbytes
-            self._evict_over_limits()
-        return None
 
     def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:
         """For a keyless prompt: the holder to keep it under, the kept prompt

@@ -1,0 +1,498 @@
+"""Where each kept token begins, and where every tokenization must split: read from the ids and the tokenizer's own rules.
+
+A splice keeps a prompt's ids up to a seam and tokenizes only the text from
+the seam on. To prove the seam it needs two facts that the ids of a fast
+engine do not carry and that `tokenizers` would take a pass over the whole
+prompt to give (its offsets and word ids):
+
+- **Where each token begins.** Every vocabulary entry covers a fixed number
+  of bytes of the text: a byte-level BPE entry one byte per character (the
+  ByteLevel alphabet maps each byte to one character), a SentencePiece piece
+  its UTF-8 bytes with ``▁`` standing for a space, a byte-fallback piece
+  (``<0x0A>``) one byte, an added token its content. So the kept ids,
+  walked back from the end of the kept text, say where each of the last
+  tokens begins: a gather of a length table and a cumulative sum over the
+  tokens near the end, never over the prompt. What a layout adds at the start
+  of a segment (the text between two added tokens: ByteLevel's
+  ``add_prefix_space``, Metaspace's prepend scheme, a ``Prepend``
+  normalizer) covers no byte of the text; the walk takes it out where it
+  applies. A token of unknown length (``<unk>``; an added token that strips
+  whitespace or is matched in normalized text) ends the walk: the tokens
+  before it are not located. A literal ``▁`` (which a space also becomes)
+  and text that NFC would change (for an NFC normalizer) make the lengths
+  ambiguous, and nothing is located across them.
+- **Where every pre-tokenization splits** (*forced boundaries*): positions
+  at which the pre-tokenizer splits whatever it started from, so the text
+  before them cannot influence the tokens after them. From the tokenizer's
+  own pre-tokenizer:
+
+  - regex ``Split`` (``Isolated``) and ``ByteLevel`` patterns of the GPT-2
+    family (GPT-2, cl100k-style, DeepSeek, Qwen): between a letter, mark or
+    digit and a whitespace character. No alternative of these patterns
+    matches a letter, mark or digit followed by whitespace, and each such
+    character is matched (never left in a gap), so the match that holds it
+    ends right there, wherever the scan started;
+  - ``Metaspace`` with ``split``: before every space (it splits before
+    every ``▁``, with no look at anything else);
+  - no pre-tokenizer (the legacy SentencePiece layout), when no vocabulary
+    piece holds ``▁`` right after another character: before a space that
+    follows a non-space (no token can span that point, so the model
+    tokenizes its two sides apart).
+
+  A layout whose segment start gets a prefix unless it begins with a space
+  splits only before a space, so that the tail from there gets no prefix
+  either.
+
+These rules are claims about the tokenizer's patterns, so
+``check_rules`` tests them when a backend is built, against `tokenizers`
+itself, on the adversarial corpus the fast engines are checked on: every
+token the walk locates must begin where `tokenizers`' offsets say, every
+forced boundary must begin a pre-token, and the tokenization from a forced
+boundary must equal the whole text's ids from there. A tokenizer whose
+layout has no rules here (WordPiece, a lowercasing normalizer, custom
+pre-tokenizers) or whose rules fail splices at added tokens only
+(``mptok.cache.seam``).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import regex
+
+__all__ = ["SeamRules", "derive_rules", "check_rules"]
+
+SPACE_MARKER = "\u2581"
+# A token whose length the ids do not tell (``<unk>``, whitespace-stripping added tokens).
+UNKNOWN = -1
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+# What a layout puts before a segment's first token.
+PREFIX_NONE = "none"
+PREFIX_UNLESS_SPACE = "unless-space"  # ByteLevel add_prefix_space, Metaspace "always"
+PREFIX_FIRST_UNLESS_SPACE = "first-unless-space"  # Metaspace "first": the text's first segment only
+PREFIX_ALWAYS = "always"  # a Prepend normalizer
+
+_GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)"
+_GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
+_BEFORE_SPACE = r"(?= )"
+_BEFORE_SPACE_AFTER_OTHER = r"(?<=[^ ])(?= )"
+
+
+@dataclass(frozen=True)
+class TokenStarts:
+    """Where the kept tokens near the end of a text begin: ``positions[k]``
+    (characters, ascending) is where token ``indices[k]`` begins. Only tokens
+    that begin on a character boundary are listed (byte-level BPE can split
+    one character over several tokens)."""
+
+    positions: np.ndarray
+    indices: np.ndarray
+
+    def index_at(self, position: int) -> int | None:
+        """The index of the token that begins at ``position``, if located."""
+        k = int(np.searchsorted(self.positions, position))
+        if k < len(self.positions) and self.positions[k] == position:
+            return int(self.indices[k])
+        return None
+
+
+@dataclass(frozen=True)
+class SeamRules:
+    """A tokenizer's length table and forced-boundary rule (module docstring).
+
+    ``lengths[i]`` is the number of text bytes token ``i`` covers in the middle
+    of a segment (``UNKNOWN`` if the id does not tell); ``segment_ends[i]`` is
+    true for the added tokens that end a segment, whose contents
+    ``added_contents`` holds. ``tail_continues``: a tail
+    cut at a forced boundary must be tokenized as the continuation of a
+    segment (the layout's prefix would otherwise be added to it).
+    """
+
+    lengths: np.ndarray
+    segment_ends: np.ndarray
+    added_contents: dict[int, str]
+    forced: Any  # a compiled ``regex`` pattern matching empty strings at forced boundaries
+    prefix: str
+    nfc: bool
+    space_marker: bool
+    tail_continues: bool
+    layout: str
+
+    def forced_boundaries(self, text: str, low: int, high: int) -> list[int]:
+        """Forced boundaries ``x`` with ``low < x < high``, ascending; each
+        decided by ``text[x - 1]`` and ``text[x]`` alone."""
+        return [m.start() for m in self.forced.finditer(text, max(low, 1), high)]
+
+    def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
+        """Where the last tokens of ``ids`` (the exact tokenization of
+        ``text``) begin, for those that begin in ``[lowest, upto)`` and after
+        any token of unknown length; None where the lengths do not tile the
+        text.
+
+        The walk counts the text in the units the lengths are in (UTF-8
+        bytes, ``▁`` one where a space becomes ``▁``); for an NFC normalizer,
+        the text from the first clean point at or after ``upto`` is counted
+        as NFC makes it, and tokens are located only where NFC leaves the
+        text as it is."""
+        if self.nfc:
+            rest = _nfc_clean_from(text, upto)
+            lowest = _nfc_stable_from(text, lowest, rest)
+            walked = text[lowest:rest] + unicodedata.normalize("NFC", text[rest:])
+            locatable = rest - lowest
+        else:
+            walked = text[lowest:]
+            locatable = len(walked)
+        try:
+            points = np.frombuffer(walked.encode("utf-32-le"), dtype=np.uint32)
+        except UnicodeEncodeError:
+            return None
+        units = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
+        if self.space_marker:
+            units[points == ord(SPACE_MARKER)] = 1
+        char_units = np.cumsum(units) - units  # where each character begins, in units
+        total = int(units.sum())
+        # Every token covers a unit, but for a segment's first: at most one a segment.
+        count = min(len(ids), 2 * total + 2)
+        tail = np.asarray(ids[len(ids) - count :], dtype=np.int64)
+        if len(tail) and (tail.min() < 0 or tail.max() >= len(self.lengths)):
+            return None
+        lengths = self.lengths[tail].astype(np.int64)
+        if self.prefix != PREFIX_NONE:
+            covers_start = count == len(ids) and lowest == 0
+            lengths = self._without_prefixes(tail, lengths, walked, char_units, total, covers_start, lowest == 0)
+            if lengths is None:
+                return None
+        # starts[k]: the unit where tail[k] begins, counted back from the end;
+        # meaningful only after the last token of unknown length.
+        unknown = np.flatnonzero(lengths < 0)
+        known = int(unknown[-1]) + 1 if len(unknown) else 0
+        starts = total - np.cumsum(lengths[::-1])[::-1]
+        if known == 0 and count == len(ids) and (starts[0] > 0 or (lowest == 0 and starts[0] != 0)):
+            return None  # every token walked, and they do not tile the text
+        first = known + int(np.searchsorted(starts[known:], 0, side="left"))
+        begins = starts[first:]
+        chars = np.searchsorted(char_units, begins)
+        inside = chars < locatable
+        on_boundary = inside & (char_units[np.minimum(chars, len(char_units) - 1)] == begins) if len(char_units) else inside
+        positions = lowest + chars[on_boundary]
+        indices = len(ids) - count + first + np.flatnonzero(on_boundary)
+        return TokenStarts(positions.astype(np.int64), indices.astype(np.int64))
+
+    def _without_prefixes(
+        self,
+        tail: np.ndarray,
+        lengths: np.ndarray,
+        walked: str,
+        char_units: np.ndarray,
+        total: int,
+        covers_start: bool,
+        at_text_start: bool,
+    ) -> np.ndarray | None:
+        """``lengths`` with a segment prefix taken out of each segment's first
+        token where the layout added one; None where that cannot be told."""
+        after_added = np.zeros(len(tail), dtype=bool)
+        after_added[1:] = self.segment_ends[tail[:-1]] & ~self.segment_ends[tail[1:]]
+        firsts = list(np.flatnonzero(after_added))
+        if covers_start and len(tail) and not self.segment_ends[tail[0]]:
+            firsts.insert(0, 0)
+        if not firsts:
+            return lengths
+        if self.prefix == PREFIX_FIRST_UNLESS_SPACE:
+            firsts = [0] if firsts[0] == 0 and covers_start else []
+        lengths = lengths.copy()
+        end = total
+        done = len(tail)
+        for first in reversed(firsts):
+            if (lengths[first:done] < 0).any():
+                return lengths  # the walk stops at the unknown length before reaching this segment
+            end -= int(lengths[first + 1 : done].sum())
+            done = first
+            if end - int(lengths[first]) < 0 and not at_text_start:
+                # Its first token begins before the window, or at its start
+                # with a prefix: which, the text does not say. Not located.
+                lengths[first] = UNKNOWN
+                return lengths
+            if self.prefix == PREFIX_ALWAYS:
+                lengths[first] -= 1
+            else:
+                added = self.added_contents.get(int(tail[first - 1]), "") if first else ""
+                prefixed = _prefixed(walked, char_units, end, int(lengths[first]), added)
+                if prefixed is None:
+                    return None
+                lengths[first] -= prefixed
+            end -= int(lengths[first])
+        return lengths
+
+
+def _nfc_stable_from(text: str, lowest: int, end: int) -> int:
+    """The first position ``p >= lowest`` from which NFC leaves ``text`` as
+    it is up to ``end`` (a clean point): ``text[p:end]`` is NFC already and
+    ``p`` is a clean point itself."""
+    window = text[lowest:end]
+    low, high = 0, len(window)
+    if not unicodedata.is_normalized("NFC", window):
+        # A suffix of a normalized text is normalized: halve towards the shortest that is not.
+        while low < high:
+            middle = (low + high) // 2
+            if unicodedata.is_normalized("NFC", window[middle:]):
+                high = middle
+            else:
+                low = middle + 1
+    return _nfc_clean_from(text, lowest + low, end)
+
+
+def _nfc_clean_from(text: str, position: int, end: int | None = None) -> int:
+    """The first clean point at or after ``position`` (before ``end``, else
+    ``end``): a starter that neither decomposes into a mark nor composes
+    with what comes before it, so NFC treats the text on each side apart."""
+    end = len(text) if end is None else end
+    while position < end and not (starts_cleanly(text[position]) and _nfc_apart(text, position)):
+        position += 1
+    return position
+
+
+# Characters on each side of a position that NFC is run on to see whether it
+# joins them: composition chains through starters (Hangul L+V+T) and marks,
+# and a mark is never a clean start.
+NFC_CONTEXT = 4
+
+
+def _nfc_apart(text: str, position: int) -> bool:
+    """Whether NFC of the text around ``position`` equals NFC of each side apart."""
+    left = text[max(0, position - NFC_CONTEXT) : position]
+    right = text[position : position + NFC_CONTEXT]
+    return unicodedata.normalize("NFC", left + right) == unicodedata.normalize("NFC", left) + unicodedata.normalize("NFC", right)
+
+
+def starts_cleanly(char: str) -> bool:
+    """A starter under canonical ordering that does not decompose into a mark."""
+    return unicodedata.combining(char) == 0 and (
+        unicodedata.combining(unicodedata.normalize("NFD", char)[0]) == 0
+    )
+
+
+def _prefixed(walked: str, char_units: np.ndarray, end: int, length: int, added: str) -> int | None:
+    """Whether a segment's first token, ending at unit ``end`` and ``length``
+    long with a prefix space counted, got that space from the layout (1) or
+    from the text (0): the one of the two under which the text fits (it
+    begins with the space exactly when no prefix was added, right after the
+    added token's content); None if both or neither fit."""
+    fits = []
+    for prefixed in (0, 1):
+        start = end - length + prefixed
+        at = int(np.searchsorted(char_units, start))
+        if not 0 <= start <= end or (at < len(char_units) and char_units[at] != start):
+            continue
+        if (walked[at : at + 1] == " ") != (prefixed == 0):
+            continue
+        if added and walked[max(0, at - len(added)) : at] != added[max(0, len(added) - at) :]:
+            continue
+        fits.append(prefixed)
+    return fits[0] if len(fits) == 1 else None
+
+
+def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> SeamRules | str:
+    """The rules for the tokenizer specified by ``spec`` (tokenizer.json as a
+    dict), or why it has none."""
+    model = spec.get("model") or {}
+    if model.get("type") not in ("BPE", "Unigram", "WordLevel"):
+        return f"{model.get('type')} model"
+    normalizer = _normalizer_steps(spec.get("normalizer"))
+    if isinstance(normalizer, str):
+        return normalizer
+    pre = _pre_tokenizer_steps(spec.get("pre_tokenizer"))
+    if isinstance(pre, str):
+        return pre
+    byte_level = any(step["type"] == "ByteLevel" for step in pre)
+    regexes = [s for s in pre if s["type"] == "Split" or (s["type"] == "ByteLevel" and s.get("use_regex", True))]
+    metaspace = [s for s in pre if s["type"] == "Metaspace"]
+    prefix = PREFIX_NONE
+    if any(s["type"] == "ByteLevel" and s.get("add_prefix_space") for s in pre):
+        prefix = PREFIX_UNLESS_SPACE
+    space_marker = "replace" in normalizer or bool(metaspace)
+    for step in metaspace:
+        if step.get("replacement", SPACE_MARKER) != SPACE_MARKER:
+            return "a Metaspace replacement other than ▁"
+        scheme = step.get("prepend_scheme") or ("always" if step.get("add_prefix_space", True) else "never")
+        if scheme == "always":
+            prefix = PREFIX_UNLESS_SPACE
+        elif scheme == "first":
+            prefix = PREFIX_FIRST_UNLESS_SPACE
+    if "prepend" in normalizer:
+        if prefix != PREFIX_NONE:
+            return "two segment prefixes"
+        prefix = PREFIX_ALWAYS
+    lengths, unknown_reason = _lengths(spec, model, byte_level, vocab_size, split_special, has_normalizer=bool(normalizer))
+    if unknown_reason:
+        return unknown_reason
+    if regexes and not metaspace and byte_level:
+        forced = _GPT2_FORCED if prefix == PREFIX_NONE else _GPT2_FORCED_BEFORE_SPACE
+        layout = "pattern"
+    elif metaspace and not regexes and all(s.get("split", True) for s in metaspace):
+        forced, layout = _BEFORE_SPACE, "metaspace"
+    elif not pre and "replace" in normalizer and _no_marker_inside(model):
+        forced, layout = _BEFORE_SPACE_AFTER_OTHER, "space-marked"
+    else:
+        return "no pre-tokenizer rule that splits wherever it starts"
+    segment_ends = np.zeros(len(lengths), dtype=bool)
+    added_contents = {}
+    for token in spec.get("added_tokens") or ():
+        if token["id"] < len(segment_ends) and not (split_special and token.get("special")):
+            segment_ends[token["id"]] = True
+            added_contents[token["id"]] = token["content"]
+    return SeamRules(
+        lengths=lengths,
+        segment_ends=segment_ends,
+        added_contents=added_contents,
+        forced=regex.compile(forced),
+        prefix=prefix,
+        nfc="nfc" in normalizer,
+        space_marker=space_marker,
+        tail_continues=prefix == PREFIX_ALWAYS,
+        layout=layout,
+    )
+
+
+def _normalizer_steps(normalizer: dict[str, Any] | None) -> set[str] | str:
+    """The normalizer as the steps the rules know ("nfc", "replace" (a space
+    becomes ▁), "prepend" (▁ before each segment)), or why it is not one."""
+    if normalizer is None:
+        return set()
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        steps: set[str] = set()
+        for inner in normalizer.get("normalizers") or ():
+            found = _normalizer_steps(inner)
+            if isinstance(found, str):
+                return found
+            steps |= found
+        return steps
+    if kind == "NFC":
+        return {"nfc"}
+    if kind == "Replace" and normalizer.get("pattern") == {"String": " "} and normalizer.get("content") == SPACE_MARKER:
+        return {"replace"}
+    if kind == "Prepend" and normalizer.get("prepend") == SPACE_MARKER:
+        return {"prepend"}
+    return f"a {kind} normalizer"
+
+
+def _pre_tokenizer_steps(pre: dict[str, Any] | None) -> list[dict[str, Any]] | str:
+    if pre is None:
+        return []
+    kind = pre.get("type")
+    if kind == "Sequence":
+        steps: list[dict[str, Any]] = []
+        for inner in pre.get("pretokenizers") or ():
+            found = _pre_tokenizer_steps(inner)
+            if isinstance(found, str):
+                return found
+            steps += found
+        return steps
+    if kind == "Split":
+        if pre.get("behavior") != "Isolated" or pre.get("invert") or "Regex" not in (pre.get("pattern") or {}):
+            return "a Split pre-tokenizer that is not an isolating regex"
+        return [pre]
+    if kind in ("ByteLevel", "Metaspace"):
+        return [pre]
+    return f"a {kind} pre-tokenizer"
+
+
+def _lengths(
+    spec: dict[str, Any], model: dict[str, Any], byte_level: bool, vocab_size: int, split_special: bool, has_normalizer: bool
+) -> tuple[np.ndarray, str]:
+    vocab = model.get("vocab")
+    if model.get("type") == "Unigram":
+        pieces = {piece: i for i, (piece, _score) in enumerate(vocab or ())}
+    else:
+        pieces = dict(vocab or {})
+    lengths = np.full(vocab_size, UNKNOWN, dtype=np.int32)
+    byte_fallback = bool(model.get("byte_fallback"))
+    for piece, i in pieces.items():
+        if not 0 <= i < vocab_size:
+            continue
+        if byte_level:
+            lengths[i] = len(piece)
+        elif byte_fallback and _BYTE_FALLBACK.fullmatch(piece):
+            lengths[i] = 1
+        else:
+            lengths[i] = len(piece.replace(SPACE_MARKER, " ").encode("utf-8"))
+    for token in spec.get("added_tokens") or ():
+        i = token["id"]
+        if not 0 <= i < vocab_size or (split_special and token.get("special")):
+            continue
+        if token.get("lstrip") or token.get("rstrip") or (has_normalizer and token.get("normalized")):
+            lengths[i] = UNKNOWN
+        else:
+            lengths[i] = len(token["content"].encode("utf-8"))
+    # After the added tokens: an added token that is also the model's unknown
+    # piece stands for text of any length where the model produced it.
+    for unk in (model.get("unk_id"), pieces.get(model.get("unk_token") or "")):
+        if unk is not None and 0 <= unk < vocab_size:
+            lengths[unk] = UNKNOWN
+    return lengths, ""
+
+
+def _no_marker_inside(model: dict[str, Any]) -> bool:
+    """Whether no vocabulary piece holds ▁ right after another character."""
+    vocab = model.get("vocab") or {}
+    pieces = (p for p, _ in vocab) if model.get("type") == "Unigram" else iter(vocab)
+    for piece in pieces:
+        i = piece.find(SPACE_MARKER, 1)
+        while i != -1:
+            if piece[i - 1] != SPACE_MARKER:
+                return False
+            i = piece.find(SPACE_MARKER, i + 1)
+    return True
+
+
+def check_rules(
+    rules: SeamRules,
+    encode: Callable[[str], Any],
+    tail_ids: Callable[[str, bool], Sequence[int]],
+    texts: Sequence[str],
+    samples_per_text: int = 2,
+) -> str | None:
+    """A description of the first claim of ``rules`` that `tokenizers`
+    contradicts on ``texts``, or None. ``encode`` is the reference full
+    encoding (an ``Encoding`` with offsets and word ids); ``tail_ids(text,
+    at_segment_start)`` what a splice tokenizes a tail cut at a forced
+    boundary with (a boundary right after an added token starts a segment)."""
+    for text in texts:
+        try:
+            encoding = encode(text)
+        except Exception:
+            continue
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        offsets = encoding.offsets
+        words = encoding.word_ids
+        located = rules.token_starts(ids, text, 0, len(text))
+        if located is not None:
+            for position, index in zip(located.positions.tolist(), located.indices.tolist()):
+                if offsets[index][0] != position:
+                    return f"token {index} of a {len(text)}-character text begins at {offsets[index][0]}, not {position}"
+        starts = {}
+        for index, (start, _end) in enumerate(offsets):
+            starts.setdefault(start, index)
+        forced = rules.forced_boundaries(text, 0, len(text))
+        for position in forced:
+            index = starts.get(position)
+            if index is None:
+                return f"a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} begins no token"
+            # The space-marked layout has no pre-tokenizer: its claim is the tokenization below.
+            splits = rules.layout == "space-marked" or index == 0 or words[index] is None or words[index] != words[index - 1]
+            if not splits:
+                return f"a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} begins no pre-token"
+        step = max(1, len(forced) // samples_per_text)
+        for position in forced[::step][:samples_per_text]:
+            index = starts[position]
+            at_segment_start = index == 0 or bool(rules.segment_ends[ids[index - 1]])
+            tail = [int(i) for i in tail_ids(text[position:], at_segment_start)]
+            if tail != ids[index:].tolist():
+                return f"the ids from a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} differ"
+    return None
