@@ -60,9 +60,10 @@ __all__ = ["CachedPrompt", "extend_prompt", "tokenize_prompt", "prompt_of_ids"]
 # starter plus its marks, which check 3 already keeps off the seam).
 NORMALIZER_CONTEXT = 16
 
-# How far before the end of the shared prefix seams are looked for, in
-# characters; a kept prompt's text walked back from its end past that.
-SEARCH_CHARS = 512
+# How far before the end of the shared prefix (less the longest added
+# token, check 5) seams are looked for, in characters; a kept prompt's text
+# is walked back from its end to there.
+SEARCH_CHARS = 128
 # A new prompt that parts from the kept one further than this before its end
 # is tokenized in full: the walk back costs the characters it covers.
 MAX_WALK_CHARS = 65536
@@ -111,23 +112,24 @@ def _extend(
 ) -> CachedPrompt | None:
     rules = backend.seam_rules
     kept = cached.ids.array()
-    lowest = max(0, shared - SEARCH_CHARS)
+    openers = backend.segment_openers
+    lowest = max(0, shared - openers.max_reach - SEARCH_CHARS)
     located = rules.token_starts(kept, cached.text, lowest, shared)
     if located is None:
         return None
-    openers = backend.segment_openers
     # Seam candidates, nearest to the end of the shared prefix first: added
     # tokens that open a segment where the kept tokenization has them (check
     # 5 with each one's reach), and forced boundaries (check 5 with the
     # longest added token's).
+    at_added = rules.segment_ends[kept[located.indices]]
     added = {
         position
-        for position, index in zip(located.positions.tolist(), located.indices.tolist())
+        for position, index in zip(located.positions[at_added].tolist(), located.indices[at_added].tolist())
         if (reach := openers.reach_of(int(kept[index]))) is not None
         and position + reach <= shared
         and text.startswith(rules.added_contents[int(kept[index])], position)
     }
-    forced = [p for p in rules.forced_boundaries(text, lowest, shared) if p + openers.max_reach <= shared]
+    forced = rules.forced_boundaries(text, lowest, shared - openers.max_reach + 1)
     candidates = sorted(added.union(forced), reverse=True)
     attempts = 0
     checked_to: tuple[int, int] | None = None  # (position, index) the next seam's tail must reproduce up to

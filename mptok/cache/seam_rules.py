@@ -28,10 +28,12 @@ prompt to give (its offsets and word ids):
 
   - regex ``Split`` (``Isolated``) and ``ByteLevel`` patterns of the GPT-2
     family (GPT-2, cl100k-style, DeepSeek, Qwen): between a letter, mark or
-    digit and a whitespace character. No alternative of these patterns
-    matches a letter, mark or digit followed by whitespace, and each such
-    character is matched (never left in a gap), so the match that holds it
-    ends right there, wherever the scan started;
+    digit and a whitespace, punctuation or symbol character. No alternative
+    of these patterns matches a letter, mark or digit followed by one of
+    those (they run letters and marks together, digits apart, punctuation
+    and symbols together, each at most after one leading character), and
+    each letter, mark or digit is matched (never left in a gap), so the
+    match that holds it ends right there, wherever the scan started;
   - ``Metaspace`` with ``split``: before every space (it splits before
     every ``▁``, with no look at anything else);
   - no pre-tokenizer (the legacy SentencePiece layout), when no vocabulary
@@ -78,7 +80,7 @@ PREFIX_UNLESS_SPACE = "unless-space"  # ByteLevel add_prefix_space, Metaspace "a
 PREFIX_FIRST_UNLESS_SPACE = "first-unless-space"  # Metaspace "first": the text's first segment only
 PREFIX_ALWAYS = "always"  # a Prepend normalizer
 
-_GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)"
+_GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=[\s\p{P}\p{S}])"
 _GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
 _BEFORE_SPACE = r"(?= )"
 _BEFORE_SPACE_AFTER_OTHER = r"(?<=[^ ])(?= )"
@@ -156,13 +158,11 @@ class SeamRules:
         if self.space_marker:
             units[points == ord(SPACE_MARKER)] = 1
         char_units = np.cumsum(units) - units  # where each character begins, in units
-        total = int(units.sum())
-        # Every token covers a unit, but for a segment's first: at most one a segment.
-        count = min(len(ids), 2 * total + 2)
-        tail = np.asarray(ids[len(ids) - count :], dtype=np.int64)
-        if len(tail) and (tail.min() < 0 or tail.max() >= len(self.lengths)):
+        total = int(char_units[-1] + units[-1]) if len(units) else 0
+        tail, lengths = self._last_tokens(ids, total)
+        if tail is None:
             return None
-        lengths = self.lengths[tail].astype(np.int64)
+        count = len(tail)
         if self.prefix != PREFIX_NONE:
             covers_start = count == len(ids) and lowest == 0
             lengths = self._without_prefixes(tail, lengths, walked, char_units, total, covers_start, lowest == 0)
@@ -183,6 +183,24 @@ class SeamRules:
         positions = lowest + chars[on_boundary]
         indices = len(ids) - count + first + np.flatnonzero(on_boundary)
         return TokenStarts(positions.astype(np.int64), indices.astype(np.int64))
+
+    def _last_tokens(self, ids: np.ndarray, total: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """The last ids, enough of them to cover ``total`` units or all,
+        and their lengths; None for an id out of the table. Gathered a few
+        at a time from the end: a token covers several units on average,
+        and each gather reads the length table where the cache has it not."""
+        count = min(len(ids), total // 4 + 8)
+        while True:
+            tail = np.asarray(ids[len(ids) - count :]).astype(np.int64)
+            if len(tail) and (tail.min() < 0 or tail.max() >= len(self.lengths)):
+                return None, tail
+            lengths = self.lengths[tail].astype(np.int64)
+            # Enough once they cover the window even if every segment's first
+            # token turns out to hold a prefix (a unit of no text).
+            prefixes = int(self.segment_ends[tail].sum()) + 1 if self.prefix != PREFIX_NONE else 0
+            if count == len(ids) or lengths.sum() - prefixes >= total or (lengths < 0).any():
+                return tail, lengths
+            count = min(len(ids), 2 * count)
 
     def _without_prefixes(
         self,
@@ -479,7 +497,12 @@ def check_rules(
         starts = {}
         for index, (start, _end) in enumerate(offsets):
             starts.setdefault(start, index)
-        forced = rules.forced_boundaries(text, 0, len(text))
+        # Added tokens are split out before the pre-tokenizer sees the text:
+        # a forced boundary inside one says nothing (and is no seam: no token begins there).
+        inside_added = [(start, end) for (start, end), i in zip(offsets, ids) if rules.segment_ends[i]]
+        forced = [
+            p for p in rules.forced_boundaries(text, 0, len(text)) if not any(a < p < b for a, b in inside_added)
+        ]
         for position in forced:
             index = starts.get(position)
             if index is None:
