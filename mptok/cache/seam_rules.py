@@ -28,12 +28,13 @@ prompt to give (its offsets and word ids):
 
   - regex ``Split`` (``Isolated``) and ``ByteLevel`` patterns of the GPT-2
     family (GPT-2, cl100k-style, DeepSeek, Qwen): between a letter, mark or
-    digit and a whitespace, punctuation or symbol character. No alternative
-    of these patterns matches a letter, mark or digit followed by one of
-    those (they run letters and marks together, digits apart, punctuation
-    and symbols together, each at most after one leading character), and
-    each letter, mark or digit is matched (never left in a gap), so the
-    match that holds it ends right there, wherever the scan started;
+    digit and whitespace, and between a letter or digit and punctuation or
+    a symbol (GPT-2 runs marks with punctuation). No alternative of these
+    patterns matches such a pair (they run letters together, digits apart,
+    punctuation and symbols together, each at most after one leading
+    character), and each letter, mark or digit is matched (never left in a
+    gap), so the match that holds the first ends right there, wherever the
+    scan started;
   - ``Metaspace`` with ``split``: before every space (it splits before
     every ``▁``, with no look at anything else);
   - no pre-tokenizer (the legacy SentencePiece layout), when no vocabulary
@@ -80,7 +81,7 @@ PREFIX_UNLESS_SPACE = "unless-space"  # ByteLevel add_prefix_space, Metaspace "a
 PREFIX_FIRST_UNLESS_SPACE = "first-unless-space"  # Metaspace "first": the text's first segment only
 PREFIX_ALWAYS = "always"  # a Prepend normalizer
 
-_GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=[\s\p{P}\p{S}])"
+_GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)|(?<=[\p{L}\p{N}])(?=[\p{P}\p{S}])"
 _GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
 _BEFORE_SPACE = r"(?= )"
 _BEFORE_SPACE_AFTER_OTHER = r"(?<=[^ ])(?= )"
