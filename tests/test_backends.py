@@ -24,15 +24,7 @@ from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
 
 
-@pytest.fixture(autouse=True)
-def engines_trusted_again_after_each_test():
-    """The tests below make real engines give wrong ids, and the process
-    then distrusts that engine for the tokenizer for good; the tests after
-    them (every family on every engine) must find them trusted."""
-    distrusted = set(backend_module._distrusted)
-    yield
-    backend_module._distrusted.clear()
-    backend_module._distrusted.update(distrusted)
+pytestmark = pytest.mark.usefixtures("trust_restored")
 
 
 def reference_ids(tokenizer, text: str) -> list[int]:

@@ -14,7 +14,6 @@ import regex
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.cache import backend as backend_module
 from mptok.cache import fast_backends
 from mptok.cache.backend import backend_for, backend_stats
 from mptok.cache.seam_rules import derive_rules
@@ -23,14 +22,7 @@ from mptok_harness.conversations import plain_delta
 from mptok_harness.families import FAMILIES, load_family
 
 
-@pytest.fixture(autouse=True)
-def rules_trusted_again_after_each_test():
-    """A test below makes a tokenizer's rules wrong on purpose, and the
-    process then distrusts them for good; later tests must find them trusted."""
-    distrusted = set(backend_module._distrusted)
-    yield
-    backend_module._distrusted.clear()
-    backend_module._distrusted.update(distrusted)
+pytestmark = pytest.mark.usefixtures("trust_restored")
 
 
 def reference_ids(tokenizer, text: str) -> list[int]:
