@@ -45,17 +45,6 @@ def test_lru_evicts_by_entry_count(tokenizer):
     assert stats["entries"] == 3
 
 
-def test_deprecated_character_limit_still_evicts(tokenizer):
-    with pytest.warns(FutureWarning, match="deprecated"):
-        cache = PrefixTokenCache(CacheConfig(max_cached_chars=10_000, min_chars=0))
-    rng = random.Random(1)
-    for i in range(10):
-        text = prompt(rng, 400)  # about 2,500 characters
-        cache.encode(tokenizer, text, key=f"c{i}")
-        assert cache.stats()["cached_chars"] <= 10_000
-    assert 2 <= cache.stats()["entries"] <= 4
-
-
 def test_prompt_longer_than_the_budget_is_tokenized_not_kept(tokenizer):
     cache = PrefixTokenCache(CacheConfig(max_bytes=2_000, min_chars=0))
     text = prompt(random.Random(2), 500)
@@ -259,7 +248,7 @@ def test_config_from_environment():
         {"MPTOK_CACHE_MAX_ENTRIES": "64", "MPTOK_CACHE_MIN_CHARS": "0"}, max_seam_attempts=2
     )
     assert (config.max_entries, config.min_chars, config.max_seam_attempts) == (64, 0, 2)
-    assert config.max_cached_chars == CacheConfig().max_cached_chars
+    assert config.max_bytes == CacheConfig().max_bytes
 
 
 def test_cache_reads_environment_by_default(monkeypatch):

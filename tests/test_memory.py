@@ -151,19 +151,8 @@ def test_an_allocation_failure_empties_the_cache_and_the_ids_stay_exact(tokenize
     assert cache.stats()["hits"] == 2 and cache.stats()["entries"] == 1
 
 
-def test_max_cached_chars_is_a_deprecated_alias_that_still_limits(tokenizer, monkeypatch):
-    with pytest.warns(FutureWarning, match="max_cached_chars.*deprecated.*max_bytes"):
-        config = CacheConfig(max_cached_chars=1000, min_chars=0)
-    cache = PrefixTokenCache(config)
-    text = plain_delta(random.Random(6), 400)
-    assert len(text) > 1000
-    assert cache.encode(tokenizer, text, key="c") == full_ids(tokenizer, text)
-    assert cache.stats()["entries"] == 0
-    monkeypatch.setenv("MPTOK_CACHE_MAX_CACHED_CHARS", "5000")
-    with pytest.warns(FutureWarning, match="MPTOK_CACHE_MAX_CACHED_CHARS"):
-        assert CacheConfig.from_env().max_cached_chars == 5000
+def test_byte_budgets_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("MPTOK_CACHE_MAX_BYTES", "64M")
-    monkeypatch.delenv("MPTOK_CACHE_MAX_CACHED_CHARS")
     assert CacheConfig.from_env().max_bytes == 64 * MiB
     assert CacheConfig.from_env().max_held_bytes == DEFAULT_MAX_HELD_BYTES  # fingerprints, whatever the cache's budget
     monkeypatch.setenv("MPTOK_CACHE_MAX_HELD_BYTES", "1M")

@@ -469,7 +469,7 @@ def test_help_explains_every_option():
         assert option in result.stdout
     for _, declared in declared_options():
         assert declared.flag in result.stdout
-    for variable in ("MPTOK_CACHE_MAX_ENTRIES", "MPTOK_CACHE_MIN_CHARS", "MPTOK_CACHE_MAX_CACHED_CHARS", "MPTOK_LOG_LEVEL"):
+    for variable in ("MPTOK_CACHE_MAX_ENTRIES", "MPTOK_CACHE_MIN_CHARS", "MPTOK_LOG_LEVEL"):
         assert variable in result.stdout
 
 

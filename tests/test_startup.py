@@ -67,7 +67,6 @@ BAD_VARIABLES = [
     ("MPTOK_CACHE_MAX_BYTES", "lots", "is not a size in bytes"),
     ("MPTOK_CACHE_MAX_HELD_BYTES", "0", "must be at least 1"),
     ("MPTOK_CACHE_MAX_ENTRIES", "many", "is not a whole number"),
-    ("MPTOK_CACHE_MAX_CACHED_CHARS", "0", "must be at least 1"),
     ("MPTOK_CACHE_MIN_CHARS", "-1", "must be at least 0"),
     ("MPTOK_CACHE_MAX_SEAM_ATTEMPTS", "1.5", "is not a whole number"),
     ("MPTOK_CACHE_TOKENIZER_BACKEND", "fastest", "must be one of auto, tokenizers, fastokens, gigatoken"),

@@ -49,7 +49,6 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +62,6 @@ from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPAC
 from mptok.cache.segments import SegmentOpeners
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TOKENIZER_NAME = "deepseek (embedded)"
-
 
 class SlowTokenizerError(TypeError):
     """The cache cannot drive this tokenizer: it has no Rust backend, or its

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -55,8 +54,6 @@ class CacheConfig:
         about 440 bytes each with a 36-character key, never a copy of the
         text or ids (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently
         routed evicted.
-    max_cached_chars: deprecated (use ``max_bytes``); still enforced as a
-        limit on the prompt characters kept, with a ``FutureWarning``.
     min_chars: prompts shorter than this are tokenized normally, neither
         looked up nor kept (0 caches everything).
     max_seam_attempts: how many candidate seams are re-tokenized and checked
@@ -71,7 +68,6 @@ class CacheConfig:
     max_entries: int = 1024
     max_bytes: int = 512 * MiB
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES
-    max_cached_chars: int | None = None
     min_chars: int = 256
     max_seam_attempts: int = 4
     # MPTOK_CACHE_TOKENIZER_BACKEND, else "auto" (load_tokenizer builds that one).
@@ -87,14 +83,6 @@ class CacheConfig:
                 raise TypeError(f"CacheConfig.{name} {problem}, got {type(value).__name__}")
             if problem is not None:
                 raise ValueError(f"CacheConfig.{name} {problem}, got {value!r}")
-        if self.max_cached_chars is not None:
-            warnings.warn(
-                "CacheConfig.max_cached_chars (MPTOK_CACHE_MAX_CACHED_CHARS) is deprecated: the cache is "
-                "bounded in bytes by max_bytes (MPTOK_CACHE_MAX_BYTES, mptok serve --cache-bytes); "
-                f"max_cached_chars={self.max_cached_chars} still limits the characters kept",
-                FutureWarning,
-                stacklevel=3,
-            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int | str) -> CacheConfig:
@@ -130,7 +118,6 @@ _LOWEST = {
     "max_entries": 1,
     "max_bytes": 1,
     "max_held_bytes": 1,
-    "max_cached_chars": 1,
     "min_chars": 0,
     "max_seam_attempts": 1,
 }
@@ -142,8 +129,6 @@ def _problem(name: str, value: object) -> str | None:
     """What is wrong with ``value`` as ``CacheConfig.<name>``, or None."""
     if name == "tokenizer_backend":
         return None if value in CHOICES else f"must be one of {', '.join(CHOICES)}"
-    if value is None and name == "max_cached_chars":
-        return None
     if isinstance(value, bool) or not isinstance(value, int):
         return _NOT_AN_INT
     return None if value >= _LOWEST[name] else f"must be at least {_LOWEST[name]}"

@@ -39,7 +39,7 @@ import numpy as np
 
 from mptok.core.counting import Counters
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
-from mptok.core.ids import IdPieces, as_id_array, common_prefix_length, held_bytes
+from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
 from mptok.core.protocol import PeerReply
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,6 @@ class PrefixTokenCache:
         return (
             not self._disabled
             and config.min_chars <= len(text) < config.max_bytes  # a text costs at least a byte a character
-            and (config.max_cached_chars is None or len(text) <= config.max_cached_chars)
             and len(text) > 0
         )
 
@@ -473,11 +472,7 @@ class PrefixTokenCache:
     def _evict_over_limits(self) -> None:
         """Drop the least recently used until every limit holds; the caller holds the lock."""
         config = self.config
-        while (
-            len(self._entries) > config.max_entries
-            or self._cached_bytes > config.max_bytes
-            or (config.max_cached_chars is not None and self._cached_chars > config.max_cached_chars)
-        ):
+        while len(self._entries) > config.max_entries or self._cached_bytes > config.max_bytes:
             self._drop(next(iter(self._entries)))
 
     def _fits(self, holder: Hashable, entry: _Entry) -> bool:
@@ -485,13 +480,8 @@ class PrefixTokenCache:
         stays within every limit; the caller holds the lock."""
         config, old = self.config, self._entries.get(holder)
         entries = len(self._entries) + (old is None)
-        chars = self._cached_chars + len(entry.prompt.text) - (len(old.prompt.text) if old is not None else 0)
         nbytes = self._cached_bytes + entry.nbytes - (old.nbytes if old is not None else 0)
-        return (
-            entries <= config.max_entries
-            and nbytes <= config.max_bytes
-            and (config.max_cached_chars is None or chars <= config.max_cached_chars)
-        )
+        return entries <= config.max_entries and nbytes <= config.max_bytes
 
     def _drop(self, holder: Hashable) -> None:
         """Forget what ``holder`` has kept, if anything; the caller holds the lock."""
