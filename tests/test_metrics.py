@@ -19,8 +19,8 @@ from mptok.api.affinity import named
 from mptok.core.counting import Histogram
 from mptok.front.catalogue import FRONTEND_METRICS, PROMPT_COUNTS, SUPERVISOR_METRICS
 from mptok.front.prompt_ids import PromptIds
-from mptok.serve.metrics import audit, render_prometheus
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT
+from mptok.supervise.metrics import audit, render_prometheus
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT
 from mptok_harness.checks import expected_ids as expected
 from mptok_harness.metrics import example_frontend_snapshot
 from mptok_harness.prompts import conversation

@@ -31,14 +31,15 @@ from mptok.cache.config import CacheConfig
 from mptok.front.catalogue import FRONTEND_METRICS, SUPERVISOR_METRICS
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.owners import TokenizationOwners
-from mptok.serve import frontend, supervisor
-from mptok.serve.cli import parse_serve_options
+from mptok.cli import parse_serve_options
+from mptok.serve import frontend, launch
 from mptok.serve.frontend import FrontendSettings
-from mptok.serve.launch import tcp_socket
-from mptok.serve.metrics import audit
-from mptok.serve.options import Option, ServeOptions, Use, declared_options
 from mptok.serve.service import TokenizeService
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.supervise import supervisor
+from mptok.supervise.metrics import audit
+from mptok.supervise.options import Option, ServeOptions, Use, declared_options
+from mptok.supervise.port import tcp_socket
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
@@ -382,8 +383,8 @@ def test_a_crash_looping_frontend_is_given_up_loudly(tmp_path):
 def test_sigterm_finishes_in_flight_requests_and_leaves_nothing_behind(tmp_path, tokenizer):
     server = Server(tmp_path / "serve.log", "--frontends", "2")
     try:
-        supervisor = psutil.Process(server.process.pid)
-        children = supervisor.children(recursive=True)
+        parent = psutil.Process(server.process.pid)
+        children = parent.children(recursive=True)
         assert len([c for c in children if c.pid in server.frontend_pids().values()]) == 2
         ipc_dir = server.ipc_dir()
         assert os.path.isdir(ipc_dir) and os.stat(ipc_dir).st_mode & 0o777 == 0o700
@@ -487,7 +488,7 @@ def _non_default_words(declared: Option, default: object) -> list[str]:
 
 
 def test_every_option_reaches_the_component_that_uses_it():
-    """Each option declared in mptok.serve.options is on the command line and arrives,
+    """Each option declared in mptok.supervise.options is on the command line and arrives,
     with its value, in what a frontend receives and in the keyword arguments of
     the component it is declared for, so that none is wired halfway."""
     defaults = ServeOptions()
@@ -496,7 +497,11 @@ def test_every_option_reaches_the_component_that_uses_it():
         argv += _non_default_words(declared, getattr(defaults, field.name))
     options = parse_serve_options(argv)
     received = pickle.loads(pickle.dumps(FrontendSettings(0, "/ipc", None, options))).options  # as spawn sends it
-    sources = {Use.SUPERVISOR: inspect.getsource(supervisor), Use.FRONTEND: inspect.getsource(frontend)}
+    # The supervisor's options are read by it and by what it runs each slot with (serve/launch.py).
+    sources = {
+        Use.SUPERVISOR: inspect.getsource(supervisor) + inspect.getsource(launch),
+        Use.FRONTEND: inspect.getsource(frontend),
+    }
     parameters = {
         Use.ROUTING: inspect.signature(TokenizationOwners).parameters,
         Use.SERVICE: inspect.signature(TokenizeService).parameters,
@@ -595,7 +600,7 @@ def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_pat
 
 
 def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_next_start(tmp_path):
-    from mptok.serve.run_dir import LOCK_NAME
+    from mptok.supervise.run_dir import LOCK_NAME
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()

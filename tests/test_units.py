@@ -31,7 +31,7 @@ from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.core.settings import engine_memo_dir, parse_bytes
 from mptok.core.warm_threads import warm_every_thread
 from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
-from mptok.serve.supervisor import RestartPolicy
+from mptok.supervise.supervisor import RestartPolicy
 from mptok.transport import MessageTooLarge, OwnerError
 from mptok.transport.proxy import _reply_from
 from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection

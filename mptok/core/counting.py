@@ -2,7 +2,7 @@
 
 The cache, the transport, routing and the HTTP service each count their own
 events and time their own work with these two classes, and nothing else;
-``mptok.serve.metrics`` only collects their snapshots and renders them. Kept apart
+``mptok.supervise.metrics`` only collects their snapshots and renders them. Kept apart
 from both, they let every component count without importing the exposition
 format, and the exposition format read the names of routing's fallback
 reasons without importing routing.

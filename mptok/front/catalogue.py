@@ -8,7 +8,7 @@ cache's ``stats()``; ``"routing"``: ``TokenizationOwners.stats()``;
 its HTTP counters, timings and process), so a name, a label or a help text
 cannot drift between them:
 
-- ``mptok serve`` renders the text itself (``mptok.serve.metrics``), with a
+- ``mptok serve`` renders the text itself (``mptok.supervise.metrics``), with a
   ``frontend`` label;
 - the plugin copies the values into ``prometheus_client`` series on vLLM's
   own ``/metrics`` (``mptok.vllm.metrics``), with an ``api_server`` label.

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 
 from mptok.core.private_files import SERVER_LOCK, sweep_unused
-from mptok.serve.logfmt import log_event
+from mptok.supervise.logfmt import log_event
 
 logger = logging.getLogger("mptok.supervisor")
 
