@@ -209,7 +209,7 @@ class ServeOptions:
     )
     route_patience: float = option(
         "--route-patience", _patience, "X",
-        "when this frontend holds the owner's last reply for a conversation, an owner that has not answered "
+        "when this frontend holds a fingerprint of a conversation (and asks its owner only for what changed), an owner that has not answered "
         f"within {PATIENCE_FLOOR_S:g} s plus X times what tokenizing the whole prompt here would take is treated "
         "as timed out (0: wait for --route-timeout) (default: %(default)s)",
         use=Use.ROUTING, argument="patience_factor", default=PATIENCE_FACTOR,
