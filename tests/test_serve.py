@@ -56,9 +56,8 @@ TURNS = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # Every turn to its owner's cache, so that each later turn is a hit (the
-    # default policy weighs each crossing: test_routing_policy_is_the_operators).
-    args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--routing", "always")
+    # The default routing policy, as an operator runs it (test_routing_policy_is_the_operators sets the others).
+    args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS))
     with Server(log, *args) as s:
         yield s
 
