@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mptok.cache import fast_backends
-from mptok_harness.checks import HANG_GUARD_S, expected_ids
+from mptok_harness.checks import HANG_GUARD_S, expected_ids, warm_up
 
 AUTHKEY = b"mptok-test-authkey"
 
@@ -81,7 +81,7 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
     if warm_up:
         # Starts the tokenizer as a serving frontend does; without it, the
         # owner starts as a library user's would.
-        cache.encode(tokenizer, "warm up")
+        warm_up(cache, tokenizer)
     send_lock = threading.Lock()
 
     def reply(message: Any) -> None:
