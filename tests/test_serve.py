@@ -8,7 +8,6 @@ compared with the tokenizer's own full tokenization of the same text.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import inspect
 import json
 import os
@@ -28,6 +27,7 @@ import mptok
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.config import CacheConfig
+from mptok.core.file_locks import try_lock
 from mptok.front.catalogue import FRONTEND_METRICS, SUPERVISOR_METRICS
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.owners import TokenizationOwners
@@ -632,7 +632,7 @@ def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_nex
         held.mkdir(mode=0o700)
         (held / LOCK_NAME).write_text("1")
         holder = os.open(held / LOCK_NAME, os.O_RDONLY)
-        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert try_lock(holder)
         unlocked = tmp / "mptok-serve-nolock"
         unlocked.mkdir(mode=0o700)
         target = tmp_path / "elsewhere"

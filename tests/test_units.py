@@ -11,6 +11,7 @@ runs in about a second.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import concurrent.futures
 import socket
@@ -27,6 +28,7 @@ from mptok.cache.prefix_index import BLOCK_CHARS as INDEX_BLOCK_CHARS
 from mptok.cache.prefix_index import SAMPLE_CHARS, PrefixIndex
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, extend_chain
 from mptok.core.deadline import Deadline
+from mptok.core.file_locks import lock_by, try_lock
 from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.core.settings import engine_memo_dir, parse_bytes
 from mptok.core.warm_threads import warm_every_thread
@@ -167,6 +169,44 @@ def test_a_deadline_counts_down_and_then_raises():
         Deadline(time.monotonic() - 0.001).left_or_raise()
     assert Deadline(time.monotonic() - 5.0).left() == 0.0 and Deadline(time.monotonic() - 5.0).passed
     assert 0.0 < Deadline.after(1.0).left() <= 1.0
+
+
+# -- file locks --------------------------------------------------------------------
+
+
+def test_a_held_lock_is_refused_at_once_or_by_the_deadline_and_taken_once_free(tmp_path):
+    # flock locks belong to an open file: two opens are two holders, as two processes would be.
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    second = os.open(path, os.O_RDONLY)
+    try:
+        first = os.open(path, os.O_RDONLY)
+        try:
+            assert try_lock(first)
+            assert not try_lock(second) and not try_lock(second, shared=True)
+            assert not lock_by(second, Deadline.after(0.05))
+        finally:
+            os.close(first)  # the holder ends, and its lock with it
+        assert lock_by(second, Deadline.after(10.0))
+        third = os.open(path, os.O_RDONLY)
+        try:
+            assert not try_lock(third, shared=True)
+        finally:
+            os.close(third)
+    finally:
+        os.close(second)
+
+
+def test_shared_locks_are_held_together_and_keep_an_exclusive_one_out(tmp_path):
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    fds = [os.open(path, os.O_RDONLY) for _ in range(3)]
+    try:
+        assert try_lock(fds[0], shared=True) and lock_by(fds[1], Deadline.after(1.0), shared=True)
+        assert not try_lock(fds[2])
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # -- sizes -------------------------------------------------------------------------
