@@ -34,7 +34,7 @@ from mptok.core.settings import engine_memo_dir, parse_bytes
 from mptok.core.warm_threads import warm_every_thread
 from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
 from mptok.supervise.supervisor import RestartPolicy
-from mptok.transport import MessageTooLarge, OwnerError
+from mptok.transport import ENCODE_TYPEID, MessageTooLarge, OwnerError
 from mptok.transport.proxy import _reply_from
 from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection
 
@@ -319,7 +319,7 @@ def test_messages_cross_whole_and_in_order_whatever_their_size(pair):
 def test_the_managers_request_and_reply_round_trip(pair):
     asker, owner = pair
     sent = PeerRequest("tail text", "conversation-1", 12345678901234567890, 8192)
-    request = ("PrefixTokenCache", "encode", sent.to_wire(), {})
+    request = (ENCODE_TYPEID, "encode", sent.to_wire(), {})
     asker.send(request)
     assert owner.recv() == request
     assert PeerRequest.from_wire(request[2]) == sent
