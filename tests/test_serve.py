@@ -190,8 +190,8 @@ def test_the_running_supervisor_maps_no_tokenizer_stack(server):
 def test_frontends_serve_on_uvloop(server):
     # uvloop is a dependency wherever it installs, so the frontends run on
     # it as shipped; each says so when ready, and maps its library.
-    for frontend in range(FRONTENDS):
-        server.wait_for_log(rf"role=frontend frontend={frontend} .*event=frontend_ready .* loop=uvloop")
+    for frontend_id in range(FRONTENDS):
+        server.wait_for_log(rf"role=frontend frontend={frontend_id} .*event=frontend_ready .* loop=uvloop")
     with open(f"/proc/{server.frontend_pids()[0]}/maps") as f:
         assert "/uvloop/" in f.read()
 

@@ -54,7 +54,6 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import secrets
 import signal
 import socket
