@@ -78,9 +78,10 @@ smoke: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q tests/smoke $(ARGS)
 
-# Every test but the soak runs (marked slow; about 7 minutes on 2 quiet cores,
-# most of it frontends starting), nginx installed for the multi-host test;
-# tests/smoke is left out (pyproject.toml's addopts).
+# Every test but the long soak runs (marked slow; the soak's three-round form
+# runs here), about 7 minutes on 2 quiet cores, most of it frontends
+# starting; nginx installed for the multi-host test; tests/smoke is left out
+# (pyproject.toml's addopts).
 test: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mptok.cache import fast_backends
-from mptok_harness.checks import HANG_GUARD_S, expected_ids
+from mptok_harness.checks import HANG_GUARD_S, expected_ids, warm_up
 
 AUTHKEY = b"mptok-test-authkey"
 
@@ -70,7 +70,7 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
     limits = ServerLimits(**options.pop("limits", {}))
-    warm_up = options.pop("warm_up", True)
+    warm = options.pop("warm_up", True)
     try:
         owners = TokenizationOwners(
             ipc_dir, frontend_id, num_frontends, cache, tokenizer, authkey=AUTHKEY, limits=limits, **options
@@ -78,10 +78,10 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
     except Exception as e:
         conn.send(("failed", type(e).__name__, str(e)))
         return
-    if warm_up:
+    if warm:
         # Starts the tokenizer as a serving frontend does; without it, the
         # owner starts as a library user's would.
-        cache.encode(tokenizer, "warm up")
+        warm_up(cache, tokenizer)
     send_lock = threading.Lock()
 
     def reply(message: Any) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok_harness.checks import HANG_GUARD_S, wait_until
 
 REPO = Path(__file__).resolve().parents[1]

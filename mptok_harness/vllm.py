@@ -287,7 +287,7 @@ class MptokRender(VllmServer):
     ):
         super().__init__(model_dir, log_path, mptok=True, api_servers=frontends, command=RENDER, env=env)
         self.args = [
-            sys.executable, "-m", "mptok.render.cli", "render", self.model,
+            sys.executable, "-m", "mptok.cli", "render", self.model,
             "--frontends", str(frontends), "--port", str(self.port), *mptok_args,
             "--max-model-len", str(max_model_len), *vllm_args,
         ]

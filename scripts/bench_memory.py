@@ -54,6 +54,7 @@ from pathlib import Path
 import mptok
 from mptok.cache import fast_backends
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
+from mptok_harness.checks import warm_up
 from mptok_harness.texts import stdlib_sources
 from scripts.report import script_command, write_report
 from scripts.smoke import parse_args_with_smoke
@@ -225,7 +226,7 @@ def serve_flood(text: str, rng: random.Random, budget: int, frontends: int, requ
                     "rss_before_mib": before[frontend] / 1024,
                     "rss_after_mib": after[frontend] / 1024,
                     "cache_mib": total(samples, "mptok_cache_bytes", frontend=label) / MiB,
-                    "held_mib": total(samples, "mptok_held_reply_bytes", frontend=label) / MiB,
+                    "held_mib": total(samples, "mptok_held_fingerprint_bytes", frontend=label) / MiB,
                 })
             return {"requests": 2 * len(prompts), "rows": rows}
 
@@ -361,7 +362,7 @@ def main() -> int:
     args = parse_args_with_smoke(parser, smoke)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = mptok.load_tokenizer()
-    mptok.PrefixTokenCache().encode(tokenizer, "warm up")
+    warm_up(mptok.PrefixTokenCache(), tokenizer)
     text = stdlib_sources()
     rng = random.Random(0)
     failed = False

@@ -2,7 +2,7 @@
 
 mptok's frontends count with ``mptok.core.counting`` and write one JSON snapshot
 each into the 0700 ipc dir; whichever frontend a scrape reaches renders them
-all (``mptok.serve.snapshots``, ``mptok.serve.metrics``). ``prometheus_client``'s multiprocess mode is what
+all (``mptok.supervise.snapshots``, ``mptok.supervise.metrics``). ``prometheus_client``'s multiprocess mode is what
 multi-process Python servers usually do instead: every process writes its
 values into mmap files in ``PROMETHEUS_MULTIPROC_DIR``, one set per pid, and
 ``MultiProcessCollector`` merges them at scrape time. This script measures,
@@ -36,8 +36,8 @@ import timeit
 
 from mptok.core.counting import SECONDS_BUCKETS, Counters, Histogram
 from mptok.front.catalogue import FRONTEND_METRICS, OnePerLabel, Table
-from mptok.serve.metrics import render_prometheus
-from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
+from mptok.supervise.metrics import render_prometheus
+from mptok.supervise.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
 from mptok_harness.metrics import example_frontend_snapshot
 
 HOT_CALLS = 200_000

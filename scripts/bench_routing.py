@@ -58,6 +58,7 @@ from mptok.transport import EncodeProxy, serve_encode
 
 # The conversations of the tests: prose in several scripts, each prompt ending
 # in a generation prompt that the next turn rewrites, as chat templates do.
+from mptok_harness.checks import warm_up
 from mptok_harness.prompts import TEMPLATE_MARKERS, conversation
 from scripts.report import write_report
 
@@ -116,7 +117,7 @@ def owner_main(conn, ipc_dir: str, authkey: bytes, fixed_ids: list[int]) -> None
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
     owners = TokenizationOwners(ipc_dir, 0, 2, cache, tokenizer, authkey=authkey)
-    cache.encode(tokenizer, "warm up")
+    warm_up(cache, tokenizer)
     manager = serve_encode(os.path.join(ipc_dir, "roundtrip.sock"), lambda request: PeerReply(False, fixed_ids), authkey)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.bind(os.path.join(ipc_dir, "raw.sock"))
@@ -265,7 +266,7 @@ def main() -> None:
                 raise SystemExit("the owner process did not start")
             routed_cache = mptok.PrefixTokenCache()
             local_cache = mptok.PrefixTokenCache()
-            local_cache.encode(tokenizer, "warm up")
+            warm_up(local_cache, tokenizer)
             with TokenizationOwners(
                 ipc_dir, 1, 2, routed_cache, tokenizer, authkey=AUTHKEY, backoff_s=BACKOFF_S, routing=ROUTE_EVERY_PROMPT
             ) as owners:

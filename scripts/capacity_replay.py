@@ -25,7 +25,7 @@ together.
 Per mode: hit rate, server tokenize ms p50/p99, end-to-end ms p50/p99,
 requests/s, server CPU ms per turn (every server process, nginx included),
 and at the end of the run each frontend's cache bytes and held-reply bytes
-(`mptok_cache_bytes`, `mptok_held_reply_bytes` from its /metrics), their
+(`mptok_cache_bytes`, `mptok_held_fingerprint_bytes` from its /metrics), their
 total across frontends against one copy. Then the targets against the
 measurements they name.
 
@@ -84,7 +84,7 @@ tokenized in it once under its conversation id (prompt text, ids, the
 offsets window, keys, bookkeeping; no earlier versions), measured by the
 script before the replay. Each frontend's budget is a fraction of it. The
 bytes of each frontend are read from its `/metrics` at the end of the run:
-`mptok_cache_bytes` (its cache) and `mptok_held_reply_bytes` (the fingerprints
+`mptok_cache_bytes` (its cache) and `mptok_held_fingerprint_bytes` (the fingerprints
 it holds for the conversations it routed); "all frontends' bytes / one copy"
 is their sum over every frontend divided by one copy.
 """

@@ -74,7 +74,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import mptok  # noqa: E402
 from mptok.routing.liveness import FALLBACK_REASONS  # noqa: E402
-from mptok.serve.supervisor import ServeOptions  # noqa: E402
+from mptok.supervise.options import ServeOptions  # noqa: E402
 from mptok_harness.families import CHAT_MARKERS  # noqa: E402
 from mptok_harness.growing_chats import growing_chat  # noqa: E402
 from mptok_harness.serve import Server, request, scrape, total  # noqa: E402

@@ -423,7 +423,7 @@ class ModeResult:
     route_failures: float = 0.0
     per_instance_turns: list[float] = field(default_factory=list)
     # At the end of the run, per frontend (/metrics): what its cache holds,
-    # and what it holds of owners' replies (mptok_held_reply_bytes).
+    # and what it holds of owners' replies (mptok_held_fingerprint_bytes).
     cache_bytes: list[float] = field(default_factory=list)
     held_bytes: list[float] = field(default_factory=list)
     runs: list[list[float]] = field(default_factory=list)  # per_instance_turns of each pooled run
@@ -606,7 +606,7 @@ def collect(result: ModeResult, ports: list[int]) -> None:
             only = {"frontend": frontend} if frontend is not None else {}
             result.per_instance_turns.append(sum(total(mine, name, **only) for name in CACHE_WORK))
             result.cache_bytes.append(total(mine, "mptok_cache_bytes", **only))
-            result.held_bytes.append(total(mine, "mptok_held_reply_bytes", **only))
+            result.held_bytes.append(total(mine, "mptok_held_fingerprint_bytes", **only))
         samples += mine
     result.hits = total(samples, "mptok_cache_hits_total")
     result.misses = total(samples, "mptok_cache_misses_total")

@@ -3,7 +3,7 @@
 
 import sys
 
-from mptok.serve.cli import main
+from mptok.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", *sys.argv[1:]]))

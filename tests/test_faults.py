@@ -344,23 +344,27 @@ def test_liveness_names_each_reason_to_skip(tmp_path, child):
     assert sorted(os.listdir(ipc_dir)) == [f"owner-{i}.json" for i in range(4)]
 
 
-@pytest.mark.slow
-def test_soak_frontends_killed_stopped_and_restarted_while_serving(pool, tokenizer):
-    """Eight rounds of random kills and stops under load; every id must stay exact."""
+def soak(pool, tokenizer, rounds: int, seed: int) -> list[str]:
+    """``rounds`` rounds of three frontends serving twelve conversations, one
+    turn a round, while one frontend, picked at random, is SIGKILLed (and
+    restarted after the round), SIGSTOPped (and continued), or left alone;
+    every id is exact. Every round runs (each wait is bounded, none by a
+    clock that could end the soak early); returns each round's action."""
     n = 3
     frontends = dict(enumerate(pool.start(list(range(n)), n, timeout_s=1.0, backoff_s=0.5)))
-    rng = random.Random(7)
-    convs = {f"soak-{i}": conversation(300 + i, 8, first_chars=4000) for i in range(12)}
-    end = time.monotonic() + 60
-    turn = 0
-    while time.monotonic() < end and turn < 8:
+    rng = random.Random(seed)
+    convs = {f"soak-{i}": conversation(300 + i, rounds, first_chars=4000) for i in range(12)}
+    actions = []
+    for turn in range(rounds):
         victim = rng.randrange(n)
         action = rng.choice(("kill", "stop", "none"))
         if action == "kill":
             frontends[victim].signal(signal.SIGKILL)
             frontends[victim].process.join(HANG_GUARD_S)
+            assert frontends[victim].process.exitcode == -signal.SIGKILL
         elif action == "stop":
             frontends[victim].signal(signal.SIGSTOP)
+            wait_until(lambda: status_of(frontends[victim].pid) == "stopped", "the frontend to stop")
         askers = [f for i, f in frontends.items() if not (i == victim and action != "none")]
         items = [(key, c[turn]) for key, c in convs.items()]
         for f in askers:
@@ -371,7 +375,21 @@ def test_soak_frontends_killed_stopped_and_restarted_while_serving(pool, tokeniz
             (frontends[victim],) = pool.start([victim], n, timeout_s=1.0, backoff_s=0.5)
         elif action == "stop":
             frontends[victim].signal(signal.SIGCONT)
-        turn += 1
+        actions.append(action)
+    return actions
+
+
+def test_frontends_killed_and_stopped_while_serving(pool, tokenizer):
+    """The soak's bounded form, run by ``make test``: one frontend killed, one
+    stopped, one round left alone (seed 8's three rounds)."""
+    assert soak(pool, tokenizer, rounds=3, seed=8) == ["stop", "kill", "none"]
+
+
+@pytest.mark.slow
+def test_soak_frontends_killed_stopped_and_restarted_while_serving(pool, tokenizer):
+    """Eight rounds of random kills and stops under load (``make soak``)."""
+    actions = soak(pool, tokenizer, rounds=8, seed=7)
+    assert {"kill", "stop"} <= set(actions)
 
 
 # -- owners that are ready when published; one deadline per prompt -----------

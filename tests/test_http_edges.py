@@ -160,7 +160,7 @@ def test_the_guards_left_no_error_in_the_log(server):
 
 def mptok_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mptok.serve.cli", *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        [sys.executable, "-m", "mptok.cli", *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
     )
 
 

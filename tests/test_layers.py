@@ -17,10 +17,15 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "mptok"
 
 # Bottom to top. A module may import its own layer and the layers below it;
-# layers of one rank (cache and transport, routing and api, serve and vllm)
-# stand side by side and may not import each other. front joins routing and
-# api for the two fronts above it, serve and vllm.
-RANKS = {"core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "front": 3, "serve": 4, "vllm": 4, "render": 5}
+# layers of one rank (cache and transport, routing and api, supervise and
+# vllm, serve and render) stand side by side and may not import each other.
+# front joins routing and api for serve and vllm; supervise is the floor
+# serve and render both stand on; cli (mptok/cli.py, the ``mptok`` command)
+# starts either.
+RANKS = {
+    "core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "front": 3, "supervise": 4, "vllm": 4,
+    "serve": 5, "render": 5, "cli": 6,
+}
 
 
 def _layer(module: str) -> str | None:

@@ -13,7 +13,7 @@ import sys
 
 CHILD = """
 import os, signal, sys
-from mptok.serve.lifeline import stop_with_parent
+from mptok.supervise.lifeline import stop_with_parent
 got = []
 signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
 how = stop_with_parent(int(sys.argv[1]))

@@ -63,9 +63,7 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
     nginx = None
     try:
         for i, host in enumerate(HOSTS):
-            # Every turn to its owner's cache (the policy under test here; the
-            # default weighs each crossing: docs/ROUTING.md).
-            args = ("--host", host, "--frontends", "2", "--routing", "always")
+            args = ("--host", host, "--frontends", "2")  # the default routing policy, as an operator runs it
             servers.append(Server(tmp_path / f"host-{i}.log", *args, wait_ready=False))
         for server in servers:
             server.wait_for_log(r"event=ready ")

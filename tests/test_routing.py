@@ -119,6 +119,7 @@ def test_an_owner_answers_every_connection_on_its_few_warm_workers(tmp_path, tok
     owner_cache = _CacheNamingItsThreads()
     convs = [conversation(4000 + i, 3, first_chars=2000) for i in range(8)]
     keys = [key_owned_by(0, 2, f"workers-{i}") for i in range(8)]
+    # routing="always": every turn crosses to the owner, whose answering threads are what is tested.
     with (
         TokenizationOwners(ipc, 0, 2, owner_cache, tokenizer, authkey=AUTHKEY, routing="always") as owner,
         TokenizationOwners(ipc, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, routing="always") as asker,
@@ -150,6 +151,7 @@ def test_a_busy_connections_thread_warms_itself_and_answers_on_its_own(tmp_path,
     turns = HANDED_OVER_FIRST + 4
     conv = conversation(4100, turns, first_chars=2000)
     key = key_owned_by(0, 2, "busy")
+    # routing="always": every turn crosses to the owner, whose answering threads are what is tested.
     with (
         TokenizationOwners(ipc, 0, 2, owner_cache, tokenizer, authkey=AUTHKEY, routing="always") as owner,
         TokenizationOwners(ipc, 1, 2, mptok.PrefixTokenCache(), tokenizer, authkey=AUTHKEY, routing="always") as asker,

@@ -8,7 +8,6 @@ compared with the tokenizer's own full tokenization of the same text.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import inspect
 import json
 import os
@@ -28,17 +27,19 @@ import mptok
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.config import CacheConfig
+from mptok.core.file_locks import try_lock
 from mptok.front.catalogue import FRONTEND_METRICS, SUPERVISOR_METRICS
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.owners import TokenizationOwners
-from mptok.serve import frontend, supervisor
-from mptok.serve.cli import parse_serve_options
+from mptok.cli import parse_serve_options
+from mptok.serve import frontend, launch
 from mptok.serve.frontend import FrontendSettings
-from mptok.serve.launch import tcp_socket
-from mptok.serve.metrics import audit
-from mptok.serve.options import Option, ServeOptions, Use, declared_options
 from mptok.serve.service import TokenizeService
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.supervise import supervisor
+from mptok.supervise.metrics import audit
+from mptok.supervise.options import Option, ServeOptions, Use, declared_options
+from mptok.supervise.port import tcp_socket
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
@@ -55,9 +56,8 @@ TURNS = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # Every turn to its owner's cache, so that each later turn is a hit (the
-    # default policy weighs each crossing: test_routing_policy_is_the_operators).
-    args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--routing", "always")
+    # The default routing policy, as an operator runs it (test_routing_policy_is_the_operators sets the others).
+    args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS))
     with Server(log, *args) as s:
         yield s
 
@@ -190,8 +190,8 @@ def test_the_running_supervisor_maps_no_tokenizer_stack(server):
 def test_frontends_serve_on_uvloop(server):
     # uvloop is a dependency wherever it installs, so the frontends run on
     # it as shipped; each says so when ready, and maps its library.
-    for frontend in range(FRONTENDS):
-        server.wait_for_log(rf"role=frontend frontend={frontend} .*event=frontend_ready .* loop=uvloop")
+    for frontend_id in range(FRONTENDS):
+        server.wait_for_log(rf"role=frontend frontend={frontend_id} .*event=frontend_ready .* loop=uvloop")
     with open(f"/proc/{server.frontend_pids()[0]}/maps") as f:
         assert "/uvloop/" in f.read()
 
@@ -382,8 +382,8 @@ def test_a_crash_looping_frontend_is_given_up_loudly(tmp_path):
 def test_sigterm_finishes_in_flight_requests_and_leaves_nothing_behind(tmp_path, tokenizer):
     server = Server(tmp_path / "serve.log", "--frontends", "2")
     try:
-        supervisor = psutil.Process(server.process.pid)
-        children = supervisor.children(recursive=True)
+        parent = psutil.Process(server.process.pid)
+        children = parent.children(recursive=True)
         assert len([c for c in children if c.pid in server.frontend_pids().values()]) == 2
         ipc_dir = server.ipc_dir()
         assert os.path.isdir(ipc_dir) and os.stat(ipc_dir).st_mode & 0o777 == 0o700
@@ -487,7 +487,7 @@ def _non_default_words(declared: Option, default: object) -> list[str]:
 
 
 def test_every_option_reaches_the_component_that_uses_it():
-    """Each option declared in mptok.serve.options is on the command line and arrives,
+    """Each option declared in mptok.supervise.options is on the command line and arrives,
     with its value, in what a frontend receives and in the keyword arguments of
     the component it is declared for, so that none is wired halfway."""
     defaults = ServeOptions()
@@ -496,7 +496,11 @@ def test_every_option_reaches_the_component_that_uses_it():
         argv += _non_default_words(declared, getattr(defaults, field.name))
     options = parse_serve_options(argv)
     received = pickle.loads(pickle.dumps(FrontendSettings(0, "/ipc", None, options))).options  # as spawn sends it
-    sources = {Use.SUPERVISOR: inspect.getsource(supervisor), Use.FRONTEND: inspect.getsource(frontend)}
+    # The supervisor's options are read by it and by what it runs each slot with (serve/launch.py).
+    sources = {
+        Use.SUPERVISOR: inspect.getsource(supervisor) + inspect.getsource(launch),
+        Use.FRONTEND: inspect.getsource(frontend),
+    }
     parameters = {
         Use.ROUTING: inspect.signature(TokenizationOwners).parameters,
         Use.SERVICE: inspect.signature(TokenizeService).parameters,
@@ -595,7 +599,7 @@ def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_pat
 
 
 def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_next_start(tmp_path):
-    from mptok.serve.run_dir import LOCK_NAME
+    from mptok.supervise.run_dir import LOCK_NAME
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -628,7 +632,7 @@ def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_nex
         held.mkdir(mode=0o700)
         (held / LOCK_NAME).write_text("1")
         holder = os.open(held / LOCK_NAME, os.O_RDONLY)
-        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert try_lock(holder)
         unlocked = tmp / "mptok-serve-nolock"
         unlocked.mkdir(mode=0o700)
         target = tmp_path / "elsewhere"

@@ -34,17 +34,17 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_importing_the_supervisor_loads_no_tokenizer_stack():
-    assert _loaded_after("import mptok.serve.supervisor") == []
+    assert _loaded_after("import mptok.supervise.supervisor") == []
 
 
 def test_the_render_supervisor_spawns_its_processes_without_loading_the_stack():
     # What ``mptok render``'s supervisor does for each slot: ask its kind for
     # the spawn target and settings, and pickle them (spawn sends them by reference).
     loaded = _loaded_after(
-        "import pickle, tempfile; from mptok.render.cli import add_render_command; "
+        "import pickle, tempfile; from mptok.cli import build_parser; "
         "from mptok.render.frontends import RenderFrontends; "
-        "from mptok.render.options import render_options; from mptok.serve.cli import build_parser; "
-        "options = render_options(*build_parser(add_render_command).parse_known_args(['render', 'MODEL', '--frontends', '2'])); "
+        "from mptok.render.options import render_options; "
+        "options = render_options(*build_parser().parse_known_args(['render', 'MODEL', '--frontends', '2'])); "
         "target, settings = RenderFrontends(options).target(0, tempfile.mkdtemp(), options.serve); "
         "pickle.dumps((target, settings))"
     )
@@ -55,8 +55,8 @@ def test_the_mptok_command_reads_the_cache_configuration_and_nothing_else_of_the
     # What ``mptok serve`` runs in its own process before it spawns: parse
     # the options, check the environment (the supervisor's preflight).
     loaded = _loaded_after(
-        "from mptok.render.cli import build_parser; from mptok.serve.cli import parse_serve_options; "
-        "from mptok.serve import supervisor; "
+        "from mptok.cli import parse_serve_options; "
+        "from mptok.supervise import supervisor; "
         "supervisor._check_environment(parse_serve_options(['serve', '--frontends', '2']))"
     )
     assert loaded == ["mptok.cache", "mptok.cache.config"]

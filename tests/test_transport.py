@@ -30,6 +30,7 @@ from mptok.core.deadline import Deadline
 from mptok.core.private_files import secure_ipc_dir
 from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.transport import (
+    ENCODE_TYPEID,
     EncodeProxy,
     OwnerAlreadyServing,
     OwnerError,
@@ -465,7 +466,7 @@ def read_until_eof(sock: socket.socket) -> bytes:
 
 def test_a_negative_frame_length_ends_the_connection_and_runs_nothing(serve):
     manager, address = serve(echo)
-    request = ("PrefixTokenCache", "encode", ("once", None, None, 0), {})
+    request = (ENCODE_TYPEID, "encode", ("once", None, None, 0), {})
     # -1000 reaches back before the start of the inbox: the stream was read
     # from bytes already consumed, and a request ran again.
     for length in (-2, -1000, -(1 << 31)):

@@ -11,6 +11,7 @@ runs in about a second.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import concurrent.futures
 import socket
@@ -27,12 +28,13 @@ from mptok.cache.prefix_index import BLOCK_CHARS as INDEX_BLOCK_CHARS
 from mptok.cache.prefix_index import SAMPLE_CHARS, PrefixIndex
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, extend_chain
 from mptok.core.deadline import Deadline
+from mptok.core.file_locks import lock_by, try_lock
 from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.core.settings import engine_memo_dir, parse_bytes
 from mptok.core.warm_threads import warm_every_thread
 from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
-from mptok.serve.supervisor import RestartPolicy
-from mptok.transport import MessageTooLarge, OwnerError
+from mptok.supervise.supervisor import RestartPolicy
+from mptok.transport import ENCODE_TYPEID, MessageTooLarge, OwnerError
 from mptok.transport.proxy import _reply_from
 from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection
 
@@ -167,8 +169,44 @@ def test_a_deadline_counts_down_and_then_raises():
         Deadline(time.monotonic() - 0.001).left_or_raise()
     assert Deadline(time.monotonic() - 5.0).left() == 0.0 and Deadline(time.monotonic() - 5.0).passed
     assert 0.0 < Deadline.after(1.0).left() <= 1.0
-    soon, later = Deadline.after(1.0), Deadline.after(2.0)
-    assert soon.earlier(later) is soon and later.earlier(soon) is soon
+
+
+# -- file locks --------------------------------------------------------------------
+
+
+def test_a_held_lock_is_refused_at_once_or_by_the_deadline_and_taken_once_free(tmp_path):
+    # flock locks belong to an open file: two opens are two holders, as two processes would be.
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    second = os.open(path, os.O_RDONLY)
+    try:
+        first = os.open(path, os.O_RDONLY)
+        try:
+            assert try_lock(first)
+            assert not try_lock(second) and not try_lock(second, shared=True)
+            assert not lock_by(second, Deadline.after(0.05))
+        finally:
+            os.close(first)  # the holder ends, and its lock with it
+        assert lock_by(second, Deadline.after(10.0))
+        third = os.open(path, os.O_RDONLY)
+        try:
+            assert not try_lock(third, shared=True)
+        finally:
+            os.close(third)
+    finally:
+        os.close(second)
+
+
+def test_shared_locks_are_held_together_and_keep_an_exclusive_one_out(tmp_path):
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    fds = [os.open(path, os.O_RDONLY) for _ in range(3)]
+    try:
+        assert try_lock(fds[0], shared=True) and lock_by(fds[1], Deadline.after(1.0), shared=True)
+        assert not try_lock(fds[2])
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # -- sizes -------------------------------------------------------------------------
@@ -281,7 +319,7 @@ def test_messages_cross_whole_and_in_order_whatever_their_size(pair):
 def test_the_managers_request_and_reply_round_trip(pair):
     asker, owner = pair
     sent = PeerRequest("tail text", "conversation-1", 12345678901234567890, 8192)
-    request = ("PrefixTokenCache", "encode", sent.to_wire(), {})
+    request = (ENCODE_TYPEID, "encode", sent.to_wire(), {})
     asker.send(request)
     assert owner.recv() == request
     assert PeerRequest.from_wire(request[2]) == sent

@@ -2,10 +2,9 @@
 
 The cache, the transport, routing and the HTTP service each count their own
 events and time their own work with these two classes, and nothing else;
-``mptok.serve.metrics`` only collects their snapshots and renders them. Kept apart
-from both, they let every component count without importing the exposition
-format, and the exposition format read the names of routing's fallback
-reasons without importing routing.
+``mptok.supervise.metrics`` and the vLLM plugin's ``mptok.vllm.metrics`` only
+collect their snapshots and render them. Kept in the bottom layer, they let
+every component count without importing the exposition format.
 """
 
 from __future__ import annotations

@@ -48,7 +48,3 @@ class Deadline:
         if left <= 0:
             raise TimeoutError("deadline passed")
         return left
-
-    def earlier(self, other: Deadline) -> Deadline:
-        """Whichever of the two comes first."""
-        return self if self.at <= other.at else other

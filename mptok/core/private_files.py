@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import secrets
 import shutil
 import stat
+
+from mptok.core.file_locks import try_lock
 
 
 def secure_ipc_dir(path: str) -> str:
@@ -157,9 +158,7 @@ def remove_if_unused(path: str) -> bool:
         for name in [SERVER_LOCK, *(n for n in lock_names if n != SERVER_LOCK)]:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
             held.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not try_lock(fd):
                 return False
         shutil.rmtree(path)
         return True

@@ -8,7 +8,7 @@ cache's ``stats()``; ``"routing"``: ``TokenizationOwners.stats()``;
 its HTTP counters, timings and process), so a name, a label or a help text
 cannot drift between them:
 
-- ``mptok serve`` renders the text itself (``mptok.serve.metrics``), with a
+- ``mptok serve`` renders the text itself (``mptok.supervise.metrics``), with a
   ``frontend`` label;
 - the plugin copies the values into ``prometheus_client`` series on vLLM's
   own ``/metrics`` (``mptok.vllm.metrics``), with an ``api_server`` label.
@@ -214,9 +214,9 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_cache_tokens_reused_total", "cache", "tokens_reused", "Token ids answered from kept prompts, without tokenizing them again."),
     _counter("mptok_cache_tokens_tokenized_total", "cache", "tokens_tokenized", "Token ids the tokenizer backend produced: new tails and full tokenizations."),
     _counter("mptok_cache_allocation_failures_total", "cache", "allocation_failures", "MemoryErrors while caching; each emptied the cache and the prompt was tokenized in full."),
-    _gauge("mptok_held_reply_bytes", "routing", "held_bytes", "Bytes of the fingerprints held here of the conversations this process routed."),
-    _gauge("mptok_held_reply_entries", "routing", "held_entries", "Fingerprints held here, one per routed conversation and owner."),
-    _gauge("mptok_held_reply_max_bytes", "routing", "held_max_bytes", "The budget of the fingerprints held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
+    _gauge("mptok_held_fingerprint_bytes", "routing", "held_bytes", "Bytes of the fingerprints held here of the conversations this process routed."),
+    _gauge("mptok_held_fingerprint_entries", "routing", "held_entries", "Fingerprints held here, one per routed conversation and owner."),
+    _gauge("mptok_held_fingerprint_max_bytes", "routing", "held_max_bytes", "The budget of the fingerprints held here (MPTOK_CACHE_MAX_HELD_BYTES)."),
     Metric("mptok_tokenizer_engine", "gauge", "1 for the engine that tokenizes this process's texts in full now, per length (texts: short, or long from the long-text threshold on); the machine's first start chose it by a timing, later ones read it from the engine memo.",
            Grid(("engines",), ("texts", TEXT_LENGTHS), ("engine", ENGINE_NAMES))),
     _gauge("mptok_tokenizer_backend_tokenizers", "cache", "backend_tokenizers", "Tokenizers this process tokenizes in full with `tokenizers` (no fast engine trusted, or switched back)."),

@@ -4,16 +4,15 @@ vLLM's GPU-less render server (``vllm launch render``: chat template,
 tokenization, vLLM's own answers, what a prefix-aware router calls before it
 picks a model server) is one process, bound without SO_REUSEPORT, near one
 core. ``mptok render MODEL --frontends N [vLLM's arguments]`` runs N of them
-on one port under ``mptok serve``'s supervisor (restarts, hang detection,
-clean stop), each with the plugin's renderer (``--tokenizer-mode mptok``)
+on one port under the supervisor ``mptok serve`` runs on (``mptok.supervise``:
+restarts, hang detection, clean stop), each with the plugin's renderer (``--tokenizer-mode mptok``)
 routing every conversation to the process whose cache holds it, with the
 ipc directory, frontend ids and key that supervisor hands out:
 
-- ``options.py``: the command line: the supervisor's options, vLLM's passed through;
+- ``options.py``: the command line (``mptok.cli`` parses it): the supervisor's options, vLLM's passed through;
 - ``frontends.py``: what the supervisor runs in each slot, and what it cleans up after one;
 - ``worker.py``: one process: vLLM's own render server, on the shared port;
-- ``gate.py``: what ``mptok serve`` adds around each request: admission, the supervisor's series on ``/metrics``;
-- ``cli.py``: the ``mptok`` command, ``serve`` and ``render``.
+- ``gate.py``: what ``mptok serve`` adds around each request: admission, the supervisor's series on ``/metrics``.
 
 Nothing here imports vLLM but ``worker.py``, in the render processes.
 """

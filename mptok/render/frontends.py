@@ -1,6 +1,6 @@
-"""What ``mptok serve``'s supervisor runs in each slot for ``mptok render``, and what it cleans up after one.
+"""What the supervisor runs in each slot for ``mptok render``, and what it cleans up after one.
 
-The supervisor (``mptok.serve.supervisor``) is the same one ``mptok serve``
+The supervisor (``mptok.supervise.supervisor``) is the same one ``mptok serve``
 uses: this is its ``FrontendKind`` for vLLM render processes. Each process
 gets the ipc directory (with a ``prometheus`` directory in it,
 prometheus_client's multiprocess directory, so that one ``/metrics`` shows
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.render.options import RenderOptions
-from mptok.serve.options import ServeOptions
-from mptok.serve.supervisor import StartupError
+from mptok.supervise.options import ServeOptions
+from mptok.supervise.supervisor import StartupError
 
 PROMETHEUS_DIR = "prometheus"
 

@@ -7,7 +7,7 @@ the outermost one of each render process's app, that adds what ``mptok
 serve``'s frontends do and nothing else:
 
 - admission: a POST (every render, tokenize and derender endpoint) holds a
-  place of ``mptok.serve.service.Admission`` from its first byte to its last
+  place of ``mptok.supervise.admission.Admission`` from its first byte to its last
   answer byte; with ``--max-in-flight`` places held, the next gets 503 with
   ``Retry-After`` at once, in vLLM's error shape;
 - ``GET /metrics``: vLLM's own answer (every render process's series, vLLM's
@@ -26,9 +26,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from mptok.api.tokenize_request import RequestError, error_body
-from mptok.serve.metrics import render_supervisor
-from mptok.serve.service import Admission
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.supervise.admission import Admission
+from mptok.supervise.metrics import render_supervisor
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -2,7 +2,7 @@
 
 ``mptok render MODEL [mptok's options] [vLLM's arguments]``. mptok's
 options are the ones ``mptok serve`` declares for its supervisor, its
-admission and its routing (``mptok.serve.options``, the same flags, help
+admission and its routing (``mptok.supervise.options``, the same flags, help
 and checks), plus ``--hang-timeout`` and ``--spares``; every other argument is vLLM's and
 reaches each render process's ``vllm launch render`` as given. Arguments
 that cannot mean the same thing for N processes on one port are refused
@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mptok.serve.options import ServeOptions, _seconds, add_arguments
+from mptok.supervise.options import ServeOptions, add_arguments, parse_seconds
 
 # ServeOptions fields that mean the same for render processes as for mptok serve's frontends.
 SHARED_FIELDS = (
@@ -79,7 +79,7 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hang-timeout",
         dest="hang_timeout_s",
-        type=_seconds,
+        type=parse_seconds,
         metavar="S",
         default=HANG_TIMEOUT_S,
         help="a ready render process whose event loop has not run for S seconds (stopped, stuck) is killed "

@@ -9,7 +9,7 @@ of vLLM's render entry module are wrapped for the time of the call
 
 - ``setup_server``: vLLM's own checks and start log run on a throwaway
   port, and the socket it returns is the supervisor's listening socket
-  (``mptok.serve.launch.listening_socket``), so the N processes accept
+  (``mptok.supervise.port.listening_socket``), so the N processes accept
   from one socket, each as it is free to;
 - ``serve_http``: vLLM's own server, after ``RenderGate`` is put around its
   app; once uvicorn listens, the heartbeat starts on its event loop and the
@@ -29,7 +29,7 @@ from the supervisor), so the plugin's renderer routes each conversation
 to the process whose cache holds it, exactly as ``mptok serve``'s
 frontends do, and only then accepts. It stops when vLLM does: on SIGTERM
 (from the supervisor, or from the kernel when the supervisor dies:
-``mptok.serve.lifeline``); a spare stopped while it waits exits 0.
+``mptok.supervise.lifeline``); a spare stopped while it waits exits 0.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from typing import Any
 from mptok.render.frontends import RenderSettings
 from mptok.render.gate import RenderGate
 from mptok.render.options import MODE
-from mptok.serve.heartbeat import Heartbeat
-from mptok.serve.lifeline import stop_with_parent
-from mptok.serve.options import Use
-from mptok.serve.service import Admission
-from mptok.serve.snapshots import SnapshotDir
+from mptok.supervise.admission import Admission
+from mptok.supervise.heartbeat import Heartbeat
+from mptok.supervise.lifeline import stop_with_parent
+from mptok.supervise.options import Use
+from mptok.supervise.snapshots import SnapshotDir
 
 logger = logging.getLogger("mptok.render")
 

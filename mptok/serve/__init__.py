@@ -1,7 +1,7 @@
-"""``mptok serve``: N HTTP tokenization frontends on one port, under a supervisor.
+"""``mptok serve``: N HTTP tokenization frontends on one port, under the supervisor.
 
-The command line (``cli``, ``options``), the supervisor and its private
-directory (``supervisor``, ``run_dir``, ``lifeline``), one frontend process
-(``frontend``, ``http_protocol``, ``service``), and what operators read
-(``logfmt``, ``metrics``). The top layer: nothing imports it.
+What the supervisor runs in each slot (``launch``), one frontend process
+(``frontend``, ``http_protocol``, ``service``). The supervisor, the options
+and what operators read are ``mptok.supervise``'s; the command is
+``mptok.cli``.
 """

@@ -1,6 +1,6 @@
 """One tokenization frontend process of ``mptok serve``: HTTP in, exact token ids out.
 
-The supervisor (``mptok.serve.supervisor``) starts N of these; each accepts
+The supervisor (``mptok.supervise.supervisor``) starts N of these; each accepts
 connections from the port's one listening socket, so a connection goes to
 whichever frontend is free to take it first, and each serves its
 ``PrefixTokenCache`` to the others through ``TokenizationOwners``, so a conversation is tokenized by the frontend whose
@@ -16,7 +16,7 @@ process's lifecycle.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
-(every frontend's counters, see ``mptok.serve.snapshots`` and ``mptok.serve.metrics``).
+(every frontend's counters, see ``mptok.supervise.snapshots`` and ``mptok.supervise.metrics``).
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ from mptok.api.affinity import header_conversation_id
 from mptok.api.chat_template import ChatTemplate
 from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
-from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
-from mptok.serve.launch import FrontendSettings
-from mptok.serve.lifeline import stop_with_parent
-from mptok.serve.logfmt import configure_logging, log_event
-from mptok.serve.metrics import render_prometheus
-from mptok.serve.options import Use
 from mptok.core.periodic import PeriodicTask
 from mptok.routing.owners import lower_switch_interval
+from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.serve.launch import FrontendSettings
 from mptok.serve.service import Answer, TokenizeService
-from mptok.serve.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
+from mptok.supervise.lifeline import stop_with_parent
+from mptok.supervise.logfmt import configure_logging, log_event
+from mptok.supervise.metrics import render_prometheus
+from mptok.supervise.options import Use
+from mptok.supervise.snapshots import SNAPSHOT_INTERVAL_S, SnapshotDir
 
 logger = logging.getLogger("mptok.frontend")
 
@@ -382,7 +382,7 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any, listen
     Sends ``("ready", pid)`` once it accepts from ``listener`` and serves its peers,
     or ``("failed", one_line_reason)`` and exits 1 if it cannot start. If the
     supervisor dies, however it dies, the kernel sends this process SIGTERM
-    (``mptok.serve.lifeline``), and it stops as if the supervisor had stopped it.
+    (``mptok.supervise.lifeline``), and it stops as if the supervisor had stopped it.
     """
     # What is process-wide is set here, not by the components: logging, the
     # stop signals' handlers, and the switch interval peers' calls need.

@@ -4,24 +4,29 @@ The supervisor only checks the port and spawns frontends. Importing
 ``mptok.serve.frontend`` there would load the HTTP stack, numpy, the cache,
 the transport and ``tokenizers`` into a process that uses none of them, and
 pickling the spawn target or its settings by reference would import it.
-So the target, the settings it crosses the spawn pipe with and the port's
-socket live here, and the frontend module is imported in the child only.
+So ``mptok serve``'s ``FrontendKind`` (``TokenizeFrontends``: its checks, the
+target and the settings it crosses the spawn pipe with) lives here, and the
+frontend module is imported in the child only.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mptok.serve.options import ServeOptions
+from mptok.api.chat_template import ChatTemplateError, check_template_source
+from mptok.supervise.options import ServeOptions
+from mptok.supervise.supervisor import StartupError
 
 
 @dataclass(frozen=True)
 class FrontendSettings:
     """What one frontend process needs to start; picklable (it crosses the spawn pipe).
 
-    ``options`` are the command line's (``mptok.serve.options``), with the
+    ``options`` are the command line's (``mptok.supervise.options``), with the
     port the supervisor bound (never 0). The authkey is not in here: it
     travels as its own Process argument and is never logged.
     """
@@ -39,41 +44,29 @@ def run_frontend(settings: FrontendSettings, authkey: bytes, ready: Any, listene
     frontend_main(settings, authkey, ready, listener)
 
 
-def tcp_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not listening yet), SO_REUSEADDR set.
+class TokenizeFrontends:
+    """``mptok serve``'s frontends (``mptok.serve.frontend``): a tokenizer path that exists, a template that parses."""
 
-    No SO_REUSEPORT: the bind fails while anyone listens on the port (an
-    SO_REUSEPORT bind would quietly share a port another server of this
-    user holds).
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    hang_timeout_s: float | None = None
+    standby = False
+    spares = 0
 
+    def __init__(self) -> None:
+        self._template_source: str | None = None
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The one socket every frontend accepts from: ``tcp_socket``, listening.
+    def check(self, options: ServeOptions) -> None:
+        if options.tokenizer is not None and not os.path.exists(options.tokenizer):
+            raise StartupError(f"--tokenizer {options.tokenizer}: no such file or directory")
+        if options.chat_template_file is not None:
+            try:
+                with open(options.chat_template_file, encoding="utf-8") as f:
+                    self._template_source = f.read()
+                check_template_source(self._template_source)
+            except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
+                raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
 
-    The supervisor makes it and each frontend gets a duplicate of it (a
-    spawn argument). Frontends that share one listening socket take
-    connections as they are free to: a frontend waiting on its event loop
-    accepts the next connection while a busy one is still in a request.
-    Sockets of their own in one SO_REUSEPORT group would each be handed
-    connections by a hash of the client's address, busy or not, so one
-    frontend could have a queue while another has nothing to do.
-    """
-    sock = tcp_socket(host, port)
-    try:
-        # SOMAXCONN: the kernel's cap; each frontend's server asks for its
-        # own backlog again when it starts accepting.
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
+        return run_frontend, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
+
+    def exited(self, pid: int, ipc_dir: str) -> None:
+        pass

@@ -8,22 +8,22 @@ tokenize through ``mptok.front.prompt_ids`` (the frontend's routing layer,
 serialize the ids with orjson. The HTTP app
 (``mptok.serve.frontend``) only reads bodies and writes answers.
 
-Admission control lives here too, because the pool is what overload fills:
-``Admission`` bounds the requests a frontend holds at once and refuses the
-rest at once (503, Retry-After); ``TokenizeService.answer`` does not start
-work that waited too long for a thread or whose client has gone.
+The pool is what overload fills: ``Admission``
+(``mptok.supervise.admission``) bounds the requests a frontend holds at once
+and refuses the rest at once (503, Retry-After); ``TokenizeService.answer``
+does not start work that waited too long for a thread or whose client has
+gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,8 @@ from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.warm_threads import warm_every_thread
 from mptok.front.prompt_ids import PromptIds, Routing
-from mptok.serve.logfmt import log_event
+from mptok.supervise.admission import Admission
+from mptok.supervise.logfmt import log_event
 
 logger = logging.getLogger("mptok.frontend")  # its log lines are the frontend's
 
@@ -74,37 +75,6 @@ class Answer:
     @classmethod
     def of_error(cls, error: RequestError) -> Answer:
         return cls(error.status, error_body(error.status, error.message), retry_after_s=error.retry_after_s)
-
-
-class Admission:
-    """At most ``limit`` requests held by one frontend at once; the next one is refused at once.
-
-    A request holds its place from before its body is read until its work
-    has finished or was cancelled unstarted, so bodies in memory, queued
-    work and the waits in the pool's queue are all bounded by ``limit``.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._held = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def place(self) -> Iterator[None]:
-        """Hold a place for the ``with`` block; ``RequestError`` (503, Retry-After) if none is free."""
-        with self._lock:
-            if self._held >= self.limit:
-                raise RequestError(
-                    503,
-                    f"this frontend is busy: it holds --max-in-flight={self.limit} requests; retry",
-                    retry_after_s=RETRY_AFTER_S,
-                )
-            self._held += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._held -= 1
 
 
 class TokenizeService:

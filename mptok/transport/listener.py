@@ -16,7 +16,6 @@ connection without limit.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import socket
@@ -27,6 +26,7 @@ from typing import Any
 
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
+from mptok.core.file_locks import try_lock
 from mptok.core.private_files import open_private_file
 from mptok.transport.wire import (
     CLOSE_TIMEOUT_S,
@@ -310,17 +310,17 @@ def _lock_or_raise(lock_path: str, path: str) -> int:
     while True:
         fd = open_private_file(lock_path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            locked = try_lock(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise OwnerAlreadyServing(
                 f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
                 "stop it first or give this frontend another id"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
+            )
         try:
             current = os.lstat(lock_path).st_ino
         except FileNotFoundError:

@@ -30,9 +30,9 @@ from typing import Any
 from mptok.core.deadline import Deadline
 
 SOCKET_NAME = "tokenize-{}.sock"
-# The well-known ident under which an owner publishes its cache service, so a
+# The well-known ident under which an owner publishes its ``encode`` service, so a
 # peer needs no ``create`` round trip (and holds no reference) to call it.
-ENCODE_TYPEID = "PrefixTokenCache"
+ENCODE_TYPEID = "Encode"
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
 MAX_UNIX_PATH_BYTES = 107
 # The largest message either end reads: a 200k-token prompt and its ids are a

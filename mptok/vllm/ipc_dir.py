@@ -31,16 +31,16 @@ stale directories by the same rule.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
 import stat
 import tempfile
-import time
 
-from mptok.routing.liveness import start_ticks
+from mptok.core.deadline import Deadline
+from mptok.core.file_locks import lock_by, try_lock
 from mptok.core.private_files import SERVER_LOCK, remove_if_unused, secure_ipc_dir, sweep_unused
+from mptok.routing.liveness import start_ticks
 
 logger = logging.getLogger("vllm.mptok")
 
@@ -133,7 +133,9 @@ def _locked_shared(dir_fd: int) -> int:
         pending = f".{LOCK_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
         fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not try_lock(fd, shared=True):  # a file just made under this process's own name
+                os.close(fd)
+                raise OSError(f"{pending} is locked by another process")
             try:
                 os.link(pending, LOCK_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except FileExistsError:
@@ -144,16 +146,10 @@ def _locked_shared(dir_fd: int) -> int:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(pending, dir_fd=dir_fd)
-    deadline = time.monotonic() + _JOIN_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise
-            time.sleep(0.01)
+    if lock_by(fd, Deadline.after(_JOIN_WAIT_S), shared=True):
+        return fd
+    os.close(fd)
+    raise BlockingIOError(f"{LOCK_NAME} held exclusively for more than {_JOIN_WAIT_S:g} s (a sweep that did not end)")
 
 
 def _shared_key(path: str) -> bytes:

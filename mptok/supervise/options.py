@@ -2,9 +2,9 @@
 
 Each ``ServeOptions`` field is one option: its name, type and default, and,
 through ``option(...)``, its flag, parser (which validates), help text and
-the component that uses it (``Use``). The command line (``mptok.serve.cli``), the
+the component that uses it (``Use``). The command line (``mptok.cli``), the
 supervisor's options and what each frontend receives
-(``mptok.serve.frontend.FrontendSettings`` carries the ``ServeOptions``) are all
+(``mptok.serve.launch.FrontendSettings`` carries the ``ServeOptions``) are all
 derived from these fields, and a frontend hands the options of a component to
 it as keyword arguments (``ServeOptions.arguments_for``), so adding an option
 is one field here plus the parameter that uses it.
@@ -87,7 +87,7 @@ def _patience(text: str) -> float:
 _MAX_SECONDS = 86_400.0
 
 
-def _seconds(text: str) -> float:
+def parse_seconds(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and 0 < value <= _MAX_SECONDS):
         raise argparse.ArgumentTypeError(f"must be more than 0 and at most {_MAX_SECONDS:,.0f} seconds, got {text}")
@@ -199,30 +199,30 @@ class ServeOptions:
         use=Use.ROUTING, default=None, choices=POLICIES,
     )
     route_timeout_s: float = option(
-        "--route-timeout", _seconds, "S",
+        "--route-timeout", parse_seconds, "S",
         "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself (default: %(default)s)",
         use=Use.ROUTING, argument="timeout_s", default=ROUTE_TIMEOUT_S,
     )
     route_backoff_s: float = option(
-        "--route-backoff", _seconds, "S", "seconds an owner that timed out is then skipped (default: %(default)s)",
+        "--route-backoff", parse_seconds, "S", "seconds an owner that timed out is then skipped (default: %(default)s)",
         use=Use.ROUTING, argument="backoff_s", default=10.0,
     )
     route_patience: float = option(
         "--route-patience", _patience, "X",
-        "when this frontend holds the owner's last reply for a conversation, an owner that has not answered "
+        "when this frontend holds a fingerprint of a conversation (and asks its owner only for what changed), an owner that has not answered "
         f"within {PATIENCE_FLOOR_S:g} s plus X times what tokenizing the whole prompt here would take is treated "
         "as timed out (0: wait for --route-timeout) (default: %(default)s)",
         use=Use.ROUTING, argument="patience_factor", default=PATIENCE_FACTOR,
     )
     # Also the supervisor's: it kills frontends still running _EXIT_MARGIN_S after it.
     graceful_timeout_s: float = option(
-        "--graceful-timeout", _seconds, "S",
+        "--graceful-timeout", parse_seconds, "S",
         "on SIGTERM/SIGINT, seconds a frontend's whole stop gets (in-flight requests first, "
         "then its pool and its peers); frontends still running 5 s later are killed (default: %(default)s)",
         use=Use.FRONTEND, default=10.0,
     )
     startup_timeout_s: float = option(
-        "--startup-timeout", _seconds, "S", "seconds every frontend gets to become ready at start-up (default: %(default)s)",
+        "--startup-timeout", parse_seconds, "S", "seconds every frontend gets to become ready at start-up (default: %(default)s)",
         use=Use.SUPERVISOR, default=120.0,
     )
     max_restarts: int = option(
@@ -231,7 +231,7 @@ class ServeOptions:
         use=Use.SUPERVISOR, default=5,
     )
     restart_window_s: float = option(
-        "--restart-window", _seconds, "S", "seconds over which --max-restarts counts exits (default: %(default)s)",
+        "--restart-window", parse_seconds, "S", "seconds over which --max-restarts counts exits (default: %(default)s)",
         use=Use.SUPERVISOR, default=60.0,
     )
     max_in_flight: int = option(
@@ -241,12 +241,12 @@ class ServeOptions:
         use=Use.SERVICE, default=16,
     )
     queue_timeout_s: float = option(
-        "--queue-timeout", _seconds, "S",
+        "--queue-timeout", parse_seconds, "S",
         "seconds a request may wait for a tokenizing thread; then 503 with Retry-After (default: %(default)s)",
         use=Use.SERVICE, default=2.0,
     )
     read_timeout_s: float = option(
-        "--read-timeout", _seconds, "S",
+        "--read-timeout", parse_seconds, "S",
         "seconds a client gets to send a whole request, headers and body, from its first byte; "
         "then 408 and the connection is closed (default: %(default)s)",
         use=Use.FRONTEND, default=10.0,
@@ -260,7 +260,7 @@ class ServeOptions:
         use=Use.SERVICE, default=4096,
     )
     given_up_retry_s: float = option(
-        "--given-up-retry", _seconds, "S",
+        "--given-up-retry", parse_seconds, "S",
         "seconds after which a frontend given up for crash-looping is tried again (default: %(default)s)",
         use=Use.SUPERVISOR, default=300.0,
     )

@@ -1,17 +1,17 @@
-"""``mptok serve``: start N frontends on one port, keep them running, stop them cleanly.
+"""Start N frontends on one port, keep them running, stop them cleanly: ``mptok serve``'s and ``mptok render``'s.
 
 The supervisor owns everything the frontends share: the port's listening
 socket, the private ipc directory (mode 0700, removed at exit; those that
 SIGKILLed supervisors left behind are swept at start, see
-``mptok.serve.run_dir``) and the authkey (32 random bytes, handed to each
+``mptok.supervise.run_dir``) and the authkey (32 random bytes, handed to each
 child as a spawn-context Process argument, which travels over a pipe: never
 argv, environment, logs or a file). It binds and listens on the port before
 starting anything (a plain bind without SO_REUSEPORT, since an SO_REUSEPORT
 bind would quietly share a port another server of this user holds), and
 hands each frontend a duplicate of that one socket
-(``mptok.serve.launch.listening_socket`` says why one and not one each).
+(``mptok.supervise.port.listening_socket`` says why one and not one each).
 A connection that comes before any frontend accepts waits in its backlog.
-It starts the frontends (``mptok.serve.frontend``), and logs ``ready``
+It starts the frontends (its ``FrontendKind``), and logs ``ready``
 once every one has reported over its pipe that it accepts connections and
 serves its peers; the socket is closed after every frontend has stopped.
 
@@ -23,12 +23,12 @@ loop: that frontend id is given up, loudly, and the others keep serving
 (its conversations move to the next frontend in their order); it is tried
 again, as loudly, after ``given_up_retry_s``. When every frontend is given
 up at once the supervisor exits with status 3. Frontends that beat
-(``FrontendKind.hang_timeout_s``, ``mptok.serve.heartbeat``) and stop beating
+(``FrontendKind.hang_timeout_s``, ``mptok.supervise.heartbeat``) and stop beating
 for that long while ready are hung: killed, and restarted as any exit.
 
 What runs in each slot is a ``FrontendKind``: ``mptok serve``'s tokenizing
-frontends by default (``TokenizeFrontends``), or another server's
-(``mptok render``'s vLLM render processes). A kind whose processes start
+frontends (``mptok.serve.launch.TokenizeFrontends``), or ``mptok render``'s
+vLLM render processes (``mptok.render.frontends.RenderFrontends``). A kind whose processes start
 slowly (``FrontendKind.standby``) starts each one without a frontend id:
 the process builds everything it can, reports ``standby``, and serves as
 the id the supervisor then sends it. Beside the slots the supervisor keeps
@@ -42,7 +42,7 @@ SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
 its in-flight requests and stops within ``graceful_timeout_s`` in all;
 stragglers are SIGKILLed after a further ``_EXIT_MARGIN_S``; then the ipc
 directory is removed. Every wait in here has a deadline. If the supervisor
-itself dies, the kernel sends each frontend SIGTERM (``mptok.serve.lifeline``):
+itself dies, the kernel sends each frontend SIGTERM (``mptok.supervise.lifeline``):
 the frontends are started from the supervisor's main thread, which lives
 as long as it does.
 """
@@ -54,7 +54,6 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import secrets
 import signal
 import socket
@@ -65,19 +64,18 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mptok.api.chat_template import ChatTemplateError, check_template_source
 from mptok.core.settings import engine_memo_dir
 from mptok.routing.policy import routing_policy
-from mptok.serve import heartbeat
-from mptok.serve.launch import FrontendSettings, listening_socket, run_frontend
-from mptok.serve.logfmt import log_event
-from mptok.serve.options import ServeOptions, Use
-from mptok.serve.run_dir import RunDir, sweep_stale
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
+from mptok.supervise import heartbeat
+from mptok.supervise.logfmt import log_event
+from mptok.supervise.options import ServeOptions, Use
+from mptok.supervise.port import listening_socket
+from mptok.supervise.run_dir import RunDir, sweep_stale
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 
 __all__ = [
     "EXIT_ALL_GIVEN_UP", "EXIT_CANNOT_START", "EXIT_OK", "FrontendKind", "ServeOptions", "StartupError", "StopSignals",
-    "Supervisor", "TokenizeFrontends",
+    "Supervisor",
 ]
 
 logger = logging.getLogger("mptok.supervisor")
@@ -143,7 +141,7 @@ class FrontendKind(Protocol):
     ``exited(pid)`` runs after a process of this kind has exited and been
     reaped. ``hang_timeout_s``:
     None for frontends that do not beat; else how long a ready one may go
-    without a beat (``mptok.serve.heartbeat``).
+    without a beat (``mptok.supervise.heartbeat``).
 
     ``standby``: the kind's processes are started with ``frontend_id`` None
     and a two-way pipe; each sends ``("standby", pid)`` once it has built
@@ -161,34 +159,6 @@ class FrontendKind(Protocol):
     def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]: ...
 
     def exited(self, pid: int, ipc_dir: str) -> None: ...
-
-
-class TokenizeFrontends:
-    """``mptok serve``'s frontends (``mptok.serve.frontend``): a tokenizer path that exists, a template that parses."""
-
-    hang_timeout_s: float | None = None
-    standby = False
-    spares = 0
-
-    def __init__(self) -> None:
-        self._template_source: str | None = None
-
-    def check(self, options: ServeOptions) -> None:
-        if options.tokenizer is not None and not os.path.exists(options.tokenizer):
-            raise StartupError(f"--tokenizer {options.tokenizer}: no such file or directory")
-        if options.chat_template_file is not None:
-            try:
-                with open(options.chat_template_file, encoding="utf-8") as f:
-                    self._template_source = f.read()
-                check_template_source(self._template_source)
-            except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
-                raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
-
-    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
-        return run_frontend, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
-
-    def exited(self, pid: int, ipc_dir: str) -> None:
-        pass
 
 
 @dataclass
@@ -227,7 +197,7 @@ class StopSignals:
     """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once.
 
     Process-wide: entering installs the handlers (and the wakeup fd), from
-    the main thread, as the process's entry point does (``mptok.serve.cli.serve``);
+    the main thread, as the process's entry point does (``mptok.supervise.run``);
     leaving restores what was there.
     """
 
@@ -271,11 +241,11 @@ class StopSignals:
 class Supervisor:
     """Runs one ``mptok serve``: ``run()`` returns the process exit status."""
 
-    def __init__(self, options: ServeOptions, signals: StopSignals, kind: FrontendKind | None = None):
+    def __init__(self, options: ServeOptions, signals: StopSignals, kind: FrontendKind):
         """``signals`` must be entered (installed) for as long as ``run()`` runs;
-        ``kind`` is what each slot runs (``mptok serve``'s frontends by default)."""
+        ``kind`` is what each slot runs (``mptok serve``'s frontends, ``mptok render``'s processes)."""
         self.options = options
-        self._kind: FrontendKind = kind if kind is not None else TokenizeFrontends()
+        self._kind = kind
         self._ctx = multiprocessing.get_context("spawn")
         self._authkey = secrets.token_bytes(32)
         self._slots = [

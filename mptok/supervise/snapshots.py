@@ -4,7 +4,7 @@ Behind one port a scrape of ``/metrics`` reaches whichever frontend
 accepts it, yet the operator needs the whole server. So each
 process writes a snapshot of its counters into the private ipc directory
 (atomically, every ``SNAPSHOT_INTERVAL_S`` and at exit), and the frontend
-that answers reads them all (``mptok.serve.metrics`` renders them). The
+that answers reads them all (``mptok.supervise.metrics`` renders them). The
 supervisor writes one too, named ``SUPERVISOR_SNAPSHOT``. Why files and
 not ``prometheus_client``'s multiprocess mode: docs/SERVE.md ("Why
 snapshot files", measured by ``scripts/bench_metrics.py``).

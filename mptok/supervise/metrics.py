@@ -1,6 +1,6 @@
 """The Prometheus text of every process's snapshot: ``mptok serve``'s /metrics.
 
-Each process writes its counters as a snapshot (``mptok.serve.snapshots``);
+Each process writes its counters as a snapshot (``mptok.supervise.snapshots``);
 whichever frontend a scrape reaches renders them all here, with a
 ``frontend`` label on every series: when a frontend restarts, its counters
 restart from zero in its own series, which Prometheus reads as a counter
@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, Labels, Metric, SnapshotPath, exported_by
-from mptok.serve.snapshots import SUPERVISOR_SNAPSHOT
+from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ once it is locked, so a sweep cannot take the lock of a starting server.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
 import tempfile
 
+from mptok.core.file_locks import try_lock
 from mptok.core.private_files import SERVER_LOCK, sweep_unused
-from mptok.serve.logfmt import log_event
+from mptok.supervise.logfmt import log_event
 
 logger = logging.getLogger("mptok.supervisor")
 
@@ -55,7 +55,8 @@ def _claim(path: str) -> int:
     pending = os.path.join(path, f".{LOCK_NAME}.{os.getpid()}")
     fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not try_lock(fd):  # a file just made under this process's own name
+            raise OSError(f"{pending} is locked by another process")
         os.write(fd, str(os.getpid()).encode())
         os.rename(pending, os.path.join(path, LOCK_NAME))
     except BaseException:

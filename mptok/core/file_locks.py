@@ -1,0 +1,36 @@
+"""``flock`` taken without ever blocking past a bound.
+
+A lock file says a process is alive and using something (a server's ipc
+directory, a socket, the engine memo): the kernel releases an ``flock``
+however its holder ends, SIGKILL included. But ``flock`` itself waits
+forever for a holder that is stopped or stuck, so every lock here is taken
+without blocking, and a wait for one polls until a ``Deadline``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import time
+
+from mptok.core.deadline import Deadline
+
+_POLL_S = 0.01
+
+
+def try_lock(fd: int, *, shared: bool = False) -> bool:
+    """Take ``fd``'s ``flock`` (exclusive, or ``shared``) if it is free now; False if another process holds it."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def lock_by(fd: int, deadline: Deadline, *, shared: bool = False, poll_s: float = _POLL_S) -> bool:
+    """Take ``fd``'s ``flock`` (exclusive, or ``shared``), waiting for its holder until ``deadline``
+    at most; False if it was still held then."""
+    while not try_lock(fd, shared=shared):
+        if deadline.passed:
+            return False
+        time.sleep(min(poll_s, deadline.left()))
+    return True

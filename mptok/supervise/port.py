@@ -1,0 +1,50 @@
+"""The port's one listening socket, which every process of a server accepts from.
+
+The supervisor binds and listens before it starts anything, and hands each
+process a duplicate of this socket (a spawn argument); ``listening_socket``
+says why one socket and not one each.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def tcp_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet), SO_REUSEADDR set.
+
+    No SO_REUSEPORT: the bind fails while anyone listens on the port (an
+    SO_REUSEPORT bind would quietly share a port another server of this
+    user holds).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The one socket every frontend accepts from: ``tcp_socket``, listening.
+
+    The supervisor makes it and each frontend gets a duplicate of it (a
+    spawn argument). Frontends that share one listening socket take
+    connections as they are free to: a frontend waiting on its event loop
+    accepts the next connection while a busy one is still in a request.
+    Sockets of their own in one SO_REUSEPORT group would each be handed
+    connections by a hash of the client's address, busy or not, so one
+    frontend could have a queue while another has nothing to do.
+    """
+    sock = tcp_socket(host, port)
+    try:
+        # SOMAXCONN: the kernel's cap; each frontend's server asks for its
+        # own backlog again when it starts accepting.
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
