@@ -586,7 +586,7 @@ def targets_line(row: Row) -> str:
         + f"| {target_cell(row.compact.cpu_ms() / fastest, 0.10)} | {target_cell(row.compact.cpu_ms() / row.segmented_ms(), 0.25)} "
         f"| {target_cell(row.listed.cpu_ms() / fastest, 1 / 3 if long else 0.5)} "
         f"| {target_cell(row.full['tokenizers'].cpu_ms() / row.listed.cpu_ms(), 200 if long else 100, at_most=False)} "
-        f"| {target_cell(row.missed.wall_ms() / row.fastest_ms("wall_ms"), 1.1)} | {rate} |"
+        f"| {target_cell(row.missed.wall_ms() / row.fastest_ms('wall_ms'), 1.1)} | {rate} |"
     )
 
 
