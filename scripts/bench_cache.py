@@ -606,8 +606,8 @@ through the same system. "chat": a chat template's output whose generation
 prompt the next turn replaces; "plain": text cut at random character
 positions. Every system runs the sequence in a phase of its own. Times are
 medians in ms; CPU is the whole process's (`time.process_time`), so
-fastokens' threads and the cache's count. A cache column is the turns that
-hit. "fastest" is the cheaper of fastokens and gigatoken on that
+fastokens' threads and the cache's count. A hit's medians are of the turns
+that hit ("-": none did). "fastest" is the cheaper of fastokens and gigatoken on that
 conversation (CPU; wall for a miss). The compact form is `encode_array` (the
 int32 ids a frontend writes to JSON); `encode()` returns a `list[int]`.
 fastokens' segment cache has {SEGMENT_CACHE_BYTES >> 20} MiB. The script's docstring
