@@ -66,8 +66,9 @@ def test_what_has_no_stable_part_is_keyless():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("affinity") / "serve.log"
-    # Every turn to its owner's cache, so that each later turn is a hit: what
-    # these tests are about (the default policy weighs each crossing).
+    # Every turn to its owner's cache, so that each conversation is kept
+    # once, by its owner: what these tests are about (the default policy
+    # also keeps copies where turns land).
     with Server(log, "--frontends", str(FRONTENDS), "--routing", "always") as s:
         yield s
 

@@ -263,8 +263,8 @@ def test_cache_bytes_reaches_every_frontend_and_bounds_what_each_holds(tmp_path,
             return total(samples, name, frontend=frontend)
 
         assert value("mptok_cache_max_bytes") == budget
-        assert value("mptok_held_reply_max_bytes") == DEFAULT_MAX_HELD_BYTES
+        assert value("mptok_held_fingerprint_max_bytes") == DEFAULT_MAX_HELD_BYTES
         assert 0 < value("mptok_cache_bytes") <= budget
-        assert value("mptok_held_reply_bytes") <= DEFAULT_MAX_HELD_BYTES
+        assert value("mptok_held_fingerprint_bytes") <= DEFAULT_MAX_HELD_BYTES
     assert total(samples, "mptok_cache_entries") < conversations, "the budget should have evicted conversations"
     assert total(samples, "mptok_routed_total") > 0

@@ -64,7 +64,7 @@ def test_nginx_spreads_conversations_over_hosts_and_each_sticks_to_one(tmp_path:
     try:
         for i, host in enumerate(HOSTS):
             # Every turn to its owner's cache (the policy under test here; the
-            # default weighs each crossing: docs/ROUTING.md).
+            # default also keeps copies where turns land: docs/ROUTING.md).
             args = ("--host", host, "--frontends", "2", "--routing", "always")
             servers.append(Server(tmp_path / f"host-{i}.log", *args, wait_ready=False))
         for server in servers:

@@ -55,8 +55,9 @@ TURNS = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # Every turn to its owner's cache, so that each later turn is a hit (the
-    # default policy weighs each crossing: test_routing_policy_is_the_operators).
+    # Every turn to its owner's cache, so that each conversation is kept
+    # once, by its owner (the default also keeps copies where turns land:
+    # test_routing_policy_is_the_operators).
     args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--routing", "always")
     with Server(log, *args) as s:
         yield s
