@@ -225,7 +225,7 @@ def serve_flood(text: str, rng: random.Random, budget: int, frontends: int, requ
                     "rss_before_mib": before[frontend] / 1024,
                     "rss_after_mib": after[frontend] / 1024,
                     "cache_mib": total(samples, "mptok_cache_bytes", frontend=label) / MiB,
-                    "held_mib": total(samples, "mptok_held_reply_bytes", frontend=label) / MiB,
+                    "held_mib": total(samples, "mptok_held_fingerprint_bytes", frontend=label) / MiB,
                 })
             return {"requests": 2 * len(prompts), "rows": rows}
 

@@ -247,7 +247,9 @@ def test_garbage_and_silent_clients_do_not_disturb_service(pair, tokenizer):
 
 
 def test_restarted_owner_takes_its_conversations_back(pool, tokenizer):
-    f0, f1, f2 = pool.start([0, 1, 2], 3)
+    # Every turn to its owner ("always"): no copy kept where a turn lands
+    # answers it first, so each turn shows which frontend owns the conversation.
+    f0, f1, f2 = pool.start([0, 1, 2], 3, routing="always")
     key = key_owned_by(0, 3, "comeback", then=1)
     turns = conversation(5, 5)
 
