@@ -404,7 +404,9 @@ def test_a_cold_owner_is_ready_when_peers_can_see_it(pool, tokenizer):
     # Owners start as a library user starts them (no warm-up of their own),
     # and are asked the moment their record appears: at start, after a
     # restart, and as the next owner of a killed one's conversation.
-    options = dict(timeout_s=1.0, backoff_s=60.0, warm_up=False)
+    # Every turn to its owner ("always"): a copy kept by the asker would
+    # answer the later turns without asking the restarted owners.
+    options = dict(timeout_s=1.0, backoff_s=60.0, warm_up=False, routing="always")
     (asker,) = pool.start([2], 3, **options)
     key = key_owned_by(0, 3, "cold", then=1)
     turns = conversation(11, 3)

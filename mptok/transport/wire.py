@@ -98,19 +98,20 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
 class _MessageReader:
     """A message's bytes, where they arrived, as the file the unpickler reads.
 
-    ``readinto`` is what the unpickler fills a large bytes object with (a
-    reply's ids: copied once, from the message into the object); without
-    it, the bytes would be copied out of the message first, then again.
+    ``read`` hands the unpickler views of them, never copies (it reads
+    through any buffer), and ``readinto`` fills a large bytes object (a
+    reply's ids) from them: each object unpickled is copied once, from the
+    message into itself.
     """
 
     def __init__(self, view: memoryview):
         self._view = view
         self._at = 0
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> memoryview:
         end = len(self._view) if n < 0 else min(len(self._view), self._at + n)
         start, self._at = self._at, end
-        return self._view[start:end].tobytes()
+        return self._view[start:end]
 
     def readinto(self, buffer: Any) -> int:
         with memoryview(buffer) as target:
@@ -119,7 +120,7 @@ class _MessageReader:
         self._at += n
         return n
 
-    def readline(self) -> bytes:
+    def readline(self) -> memoryview:
         rest = self._view[self._at :]
         end = bytes(rest[:256]).find(b"\n")  # pickles of these protocols have no long lines
         return self.read(len(rest) if end < 0 else end + 1)
