@@ -52,11 +52,12 @@ class _Fallback:
 
 @dataclass(frozen=True)
 class _Answered:
-    """The owner's ids, and the digests of the prompt's text computed on
-    the way (``HeldFingerprints``)."""
+    """The owner's ids, the digests of the prompt's text computed on the
+    way (``HeldFingerprints``), and whether a delta request got them."""
 
     ids: np.ndarray
     chain: bytes
+    delta: bool
 
 
 class Router:
@@ -126,11 +127,13 @@ class Router:
                 outcome = _Fallback(ERROR, skip=False)
             if isinstance(outcome, _Answered):
                 self._route_seconds.observe(time.perf_counter() - started)
-                if self._keep_copies and self._cache.keep(
+                # Where there is room, the conversation's next prompt to land here is extended here.
+                copied = self._keep_copies and self._cache.keep(
                     tokenizer, text, key, ids=outcome.ids, chain=outcome.chain, room_only=True
-                ).kept:
-                    # The conversation's next prompt to land here is extended here.
-                    self._counters.add("copies_kept")
+                ).kept
+                self._counters.add_each(
+                    "routed", *(("routed_since",) if outcome.delta else ()), *(("copies_kept",) if copied else ())
+                )
                 return outcome.ids
             self._counters.add(f"fallback_{outcome.reason}")
             if not outcome.skip:
@@ -212,10 +215,7 @@ class Router:
             return _Fallback(ERROR, skip=False)
         chain = self._held.remember(owner, key, text, chain, reply.kept)
         self._liveness.answered(frontend, record)
-        if answered_delta:
-            self._counters.add("routed_since")
-        self._counters.add("routed")
-        return _Answered(reply.ids, chain)
+        return _Answered(reply.ids, chain, answered_delta)
 
     def _skip_reason(self, frontend: int) -> str | None:
         """Why the liveness check says to skip ``frontend`` now; None: call it."""
