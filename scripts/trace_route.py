@@ -179,7 +179,9 @@ def report(traced: dict[str, Any], copies: dict[int, tuple[float, float]]) -> st
         "",
         "Modules: " + ", ".join(f"`{m}`" for m in modules) + ".",
         "",
-        "Threads: " + ", ".join(f"`{t}`" for t in threads) + ".",
+        "Threads, each with the mptok modules it ran: "
+        + ", ".join(f"`{t}` {len({m for th, m, _ in _calls if th == t})}" for t in threads)
+        + ".",
         "",
         "Lock acquisitions by the module that took them: "
         + ", ".join(f"`{m}` {n}" for m, n in locks_by_module.most_common())
