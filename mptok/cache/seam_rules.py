@@ -132,7 +132,10 @@ class SeamRules:
     def forced_boundaries(self, text: str, low: int, high: int) -> list[int]:
         """Forced boundaries ``x`` with ``low < x < high``, ascending; each
         decided by ``text[x - 1]`` and ``text[x]`` alone."""
-        return [m.start() for m in self.forced.finditer(text, max(low, 1), high)]
+        low = max(low, 1)
+        if high <= low:
+            return []  # (``regex`` reads a negative end as counted from the text's end)
+        return [m.start() for m in self.forced.finditer(text, low, high)]
 
     def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
         """Where the last tokens of ``ids`` (the exact tokenization of
