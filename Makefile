@@ -33,7 +33,7 @@ $(BIN)/.installed-bench: $(BIN)/.installed-test
 # The cache against fastokens (with and without its segment cache), gigatoken
 # and `tokenizers` on chat and plain turns at ~50k and ~200k tokens, DeepSeek
 # V3 and Qwen, with hit rates on every family an engine loads
-# (docs/results/bench_cache.md; about 8 minutes on 2 cores).
+# (docs/results/bench_cache.md; about 6 minutes on 2 cores).
 bench: $(BIN)/.installed-bench
 	$(BIN)/python -m scripts.bench_cache $(ARGS)
 

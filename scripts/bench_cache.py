@@ -51,7 +51,7 @@ hit hit.
 
 Writes docs/results/bench_cache.md (``scripts.report``).
 
-    .venv/bin/python -m scripts.bench_cache          # `make bench`: about 8 minutes on 2 cores
+    .venv/bin/python -m scripts.bench_cache          # `make bench`: about 6 minutes on 2 cores
     .venv/bin/python -m scripts.bench_cache --smoke  # a small workload, no report
 """
 
@@ -89,6 +89,8 @@ ENGINES = (FASTOKENS, GIGATOKEN)  # the engines whose full tokenization is "the 
 
 @dataclass(frozen=True)
 class Plan:
+    """How much the run does."""
+
     sizes: tuple[int, ...] = (50_000, 200_000)  # tokens of the timed conversations
     warm_up: int = 3  # turns before the measured ones (the first is a miss)
     turns: int = 8  # measured turns
@@ -166,9 +168,9 @@ def load_subject(family: str) -> Subject:
 
 def settle_first_results(subject: Subject) -> None:
     """A dozen prompts of another text through a cache, then the background
-    checks they started: a fast engine's first results are all re-checked
-    by `tokenizers`, later ones sampled, and what is measured is a server
-    that has been up a while."""
+    checks they started: a cache checks a fast engine's first results more
+    often than later ones, and what is measured is a server that has been
+    up a while."""
     cache = mptok.PrefixTokenCache()
     text = stdlib_sources()[-400_000:]
     for i in range(12):
@@ -208,7 +210,6 @@ class Conversation:
     """The prompts of one conversation, and the other conversations' prompts
     tokenized between each two of its turns."""
 
-    kind: str
     prompts: list[str]
     others: list[str]
 
@@ -274,7 +275,7 @@ def conversation(subject: Subject, source: TextSource, kind: str, tokens: int, p
     own = prompts(first_chars, count)
     other_turns = [prompts(plan.other_chars, count // 2) for _ in range(2)]
     others = [other_turns[i % 2][i // 2] for i in range(count - 1)]
-    return Conversation(kind, own, others)
+    return Conversation(own, others)
 
 
 # -- measuring --------------------------------------------------------------------
