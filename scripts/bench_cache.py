@@ -23,7 +23,7 @@ two turns of one conversation (it leaves the CPU's caches and the allocator
 cold), and waits for the background checks of earlier results. The first
 results of a fast engine, which are all re-checked in the background, are
 spent before the measured turns; afterwards the checks cost at most
-``mptok.cache.backend.DEFAULT_CHECK_SHARE`` of the engine's CPU, and the
+``mptok.engines.choice.DEFAULT_CHECK_SHARE`` of the engine's CPU, and the
 report gives what that adds per request.
 
 Every id list is compared with `tokenizers`' full tokenization. The report
@@ -54,8 +54,11 @@ import time
 from dataclasses import dataclass, field
 
 import mptok
-from mptok.cache import fast_backends
-from mptok.cache.backend import DEFAULT_CHECK_SHARE, backend_for, rust_tokenizer_of
+from mptok.cache.backend import backend_for, rust_tokenizer_of
+from mptok.core.settings import ENGINES
+from mptok.engines import tripwire
+from mptok.engines.choice import DEFAULT_CHECK_SHARE
+from mptok.engines.fast import EngineUnavailable, load_engine
 from mptok_harness.growing_chats import TOKENS_PER_TURN, growing_chat, growing_plain
 from mptok_harness.texts import stdlib_sources
 from scripts.report import write_report
@@ -68,7 +71,7 @@ def timed(function, *args) -> tuple[float, float, object]:
     """(CPU seconds of the whole process, wall seconds, result), once the
     background checks of earlier fast results are done (their cost is the
     sampling rate's, reported apart)."""
-    fast_backends.VERIFIER.drain(timeout=60)
+    tripwire.VERIFIER.drain(timeout=60)
     wall, cpu = time.perf_counter(), time.process_time()
     result = function(*args)
     return time.process_time() - cpu, time.perf_counter() - wall, result
@@ -95,10 +98,10 @@ def engines_for(rust) -> tuple[dict[str, object], dict[str, str]]:
     spec = json.loads(rust.to_str())
     spec["truncation"] = spec["padding"] = spec["post_processor"] = None
     loaded, refused = {}, {}
-    for name in fast_backends.ENGINES:
+    for name in ENGINES:
         try:
-            loaded[name] = fast_backends.load_engine(name, json.dumps(spec), split_special=False)
-        except fast_backends.EngineUnavailable as e:
+            loaded[name] = load_engine(name, json.dumps(spec), split_special=False)
+        except EngineUnavailable as e:
             refused[name] = str(e).splitlines()[0][:80]
     return loaded, refused
 
@@ -130,14 +133,14 @@ def bench(tokenizer, label: str, markers: tuple[str, str], text: str, target: in
         compact_cache.encode(tokenizer, warm_up, "conversation")
         for choice, cache in modes.items():
             cache.encode(tokenizer, warm_up, "conversation")
-        fast_backends.VERIFIER.drain(timeout=600)
+        tripwire.VERIFIER.drain(timeout=600)
     for choice in modes:
         # Past the first results a fast engine has re-checked in the
         # background: from here on the checks cost DEFAULT_CHECK_SHARE of
         # its CPU (reported apart), as in a server that has been up a while.
-        for _ in range(fast_backends.FIRST_CHECKS):
+        for _ in range(tripwire.FIRST_CHECKS):
             backends[choice].encode_ids(prompts[0])
-    fast_backends.VERIFIER.drain(timeout=600)
+    tripwire.VERIFIER.drain(timeout=600)
     prompts = prompts[1:]
     def by_tokenizers(text: str) -> list[int]:
         return rust.encode_batch([text], add_special_tokens=False)[0].ids
@@ -179,7 +182,7 @@ def bench(tokenizer, label: str, markers: tuple[str, str], text: str, target: in
         "refused": refused,
         "differs": differs,
         "fastest": fastest,
-        "chosen": backends["auto"].engine_name,
+        "chosen": backends["auto"].engines.name,
         "hits": hits,
         "misses": misses,
         "compact": compact,
@@ -217,7 +220,7 @@ def family_hit_rates(turns: int, choice: str) -> list[tuple[str, str, float, flo
                 ids = cache.encode(tokenizer, prompt, name)
                 wrong += ids != tokenizer.encode(prompt, add_special_tokens=False).ids
             rates.append(cache.stats()["hits"] / (len(prompts) - 1))
-        rows.append((family, backend_for(tokenizer, choice).engine_name, *rates, wrong))
+        rows.append((family, backend_for(tokenizer, choice).engines.name, *rates, wrong))
     return rows
 
 
@@ -299,7 +302,7 @@ def main() -> int:
             "(`encode_array`: the int32 array a frontend writes to JSON) and through `encode()` (a `list[int]`);",
             "\"a list of the ids alone\" is `tolist()` of the same array after the same unrelated work, what",
             "any list of these ids costs to build. \"background checks\": the most the re-checks add to a",
-            "result of the fast engine, on average (`mptok.cache.backend.DEFAULT_CHECK_SHARE` of the engine's",
+            "result of the fast engine, on average (`mptok.engines.choice.DEFAULT_CHECK_SHARE` of the engine's",
             "CPU); a hit whose tail `tokenizers` tokenized adds none. \"chat\": each turn ends with a",
             "generation prompt the next one replaces, and a fast engine splices at the added token that opens",
             "the last turn; \"plain\": text that grows with no added token, spliced anywhere, its tail",

@@ -81,7 +81,7 @@ class TokenizationOwners:
     prompt an owner can answer, "never" none; ``weigh_crossing=False`` is
     "always", as before there was a policy. ``warm_thread`` (None for a
     tokenizer the cache does not serve) runs the cache's fast engines once
-    on real text on the calling thread (``TokenizerBackend.warm_this_thread``):
+    on real text on the calling thread (``Engines.warm_this_thread``):
     what a pool of the frontend's own threads can run on each before it
     serves (``mptok.core.warm_threads``).
     """
@@ -134,7 +134,7 @@ class TokenizationOwners:
         )
         # A fast engine builds per-thread state on a thread's first calls.
         self.warm_thread: Callable[[], object] | None = (
-            functools.partial(backend.warm_this_thread, sample) if backend is not None else None
+            functools.partial(backend.engines.warm_this_thread, sample) if backend is not None else None
         )
         # Peers are answered on threads warmed here, before they can call.
         self._workers = PeerWorkers(

@@ -1,6 +1,6 @@
 """The engine memo: a start's verdict on the fast engines, kept for the next start on this machine.
 
-Choosing the engine of a tokenizer (``mptok.cache.backend``) loads every
+Choosing the engine of a tokenizer (``mptok.engines.choice``) loads every
 fast engine, checks each one id for id against `tokenizers` on the
 start-up corpus and times the ones that pass, per length of text. That is
 seconds of CPU in every process that starts, and the timing is a race:
@@ -25,7 +25,7 @@ processor, and a memo is used only when its key is equal to the start's,
 field by field. An engine that passed the check once passes it again on
 the same inputs, so reading the verdict gives the trust the check would
 give; everything after the start is unchanged: the background checks
-(``fast_backends.SampledVerifier``) sample the engine's results as before,
+(``mptok.engines.tripwire``) sample the engine's results as before,
 and one difference switches the process back to `tokenizers` and removes
 the memo, so the next start decides afresh.
 
@@ -56,6 +56,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -258,17 +259,17 @@ def _digest(key: dict[str, Any]) -> str:
 
 
 _identities: dict[str, Any] = {}
+# The modules whose code makes a verdict, beside this one: found, not imported
+# (the one that decides imports this one).
+_DECIDERS = ("choice.py", "fast.py")
 
 
 def _decider() -> dict[str, Any]:
     """mptok's version, and the digest of the modules whose code makes a verdict."""
     if "mptok" not in _identities:
-        from mptok.cache import backend, fast_backends
-
         sources = hashlib.sha256()
-        for module in (backend, fast_backends):
-            with open(module.__file__, "rb") as f:
-                sources.update(f.read())
+        for name in _DECIDERS:
+            sources.update(Path(__file__).with_name(name).read_bytes())
         _identities["mptok"] = {"version": _version("mptok"), "sources": sources.hexdigest()}
     return _identities["mptok"]
 
