@@ -20,7 +20,6 @@ segment (the text between two added tokens): the legacy SentencePiece
 that prefix, so the continuation tokenizer has them switched off, and only
 the tail's first segment is tokenized with it.
 
-
 Full tokenizations (misses, and the tails of splices at a segment start) go
 through ``mptok.engines.choice.Engines``: a fast engine where one is
 trusted for the tokenizer, else this copy. It checks sampled results in the
@@ -51,10 +50,10 @@ from mptok.engines.tripwire import COUNTERS
 
 logger = logging.getLogger(__name__)
 
+
 class SlowTokenizerError(TypeError):
     """The cache cannot drive this tokenizer: it has no Rust backend, or its
     Rust tokenizer could not be copied. The caller's tokenizer is used as is."""
-
 
 
 def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
@@ -64,6 +63,7 @@ def rust_tokenizer_of(tokenizer: Any) -> Tokenizer:
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(rust, Tokenizer) and getattr(tokenizer, "is_fast", True):
         return rust
+    raise SlowTokenizerError(f"{type(tokenizer).__name__} is a slow tokenizer, with no Rust backend")
 
 
 # Backends kept per process, one per distinct tokenizer object and backend
@@ -280,7 +280,6 @@ class TokenizerBackend:
             return self.encode(text).ids
         return self._continuation_ids(text) or []
 
-
     def encode(self, text: str) -> Encoding:
         """Full tokenization of ``text`` (what the caller's tokenizer returns).
 
@@ -341,7 +340,6 @@ class TokenizerBackend:
         head = self._full_normalizer.normalize_str(left)
         tail = self._continuation_normalizer.normalize_str(right)
         return whole == head + tail
-
 
 
 # Seam rules per (specification digest, split_special): the rules, or None, and the start log's words.

@@ -1,23 +1,13 @@
 """Which engine tokenizes a tokenizer in full, and whether it is still trusted.
 
-Full tokenizations (misses, and the tails of splices at a segment start)
-may go through a faster engine, fastokens or gigatoken, loaded from the
-same specification as the reference tokenizer (``mptok.engines.fast``):
-each engine that loads is checked id for id against the reference on an
-adversarial corpus and timed in CPU time, and the cheapest exact one is
-used (``choice="auto"``; long prompts may go to the other engine, timed
-apart on long texts), or the one the choice names if it passes the check.
-A process decides once per tokenizer specification, and a machine once
-per specification and versions: the verdict is kept in the engine memo
-(``mptok.engines.memo``), and a later start reads it and loads only the
-engines it names. Results are re-checked in the background within a CPU
-budget (``mptok.engines.tripwire``), and one difference switches back to
-the reference, and the engine is not trusted for that tokenizer again in
-this process.
-
-``Engines`` is all a tokenizer backend sees of this: ids, id arrays, the
-engines' names, and the check of a result. The reference is handed in as
-a callable, so this floor knows nothing of the cache above it.
+``Engines`` is all the cache sees of the fast engines: ids, id arrays, the
+engines' names, and the check of a result. It chooses once per process and
+specification (the cheapest engine, per length of text, that passes the
+start-up check of ``mptok.engines.fast``; or the verdict a start kept in
+``mptok.engines.memo``), samples results for ``mptok.engines.tripwire``,
+and on a difference stops using the fast engines for that tokenizer for the
+rest of the process. The reference tokenizer is handed in as a callable:
+this floor knows nothing of the cache above it.
 """
 
 from __future__ import annotations
@@ -62,21 +52,15 @@ class TokenizerRefused(Exception):
 class Engines:
     """The fast engines of one tokenizer, chosen at start and checked while used.
 
-    Thread-safe. ``reference`` gives the reference tokenizer's ids of a text
-    (raising ``TokenizerRefused`` for text it rejects); every id list given
-    here equals it, or is checked against it in the background, where
-    ``checked.verify`` is called (the backend, which also checks its splices).
-
-    ``choice`` is one of ``CHOICES``: "auto" uses the cheapest engine (in CPU
-    time) that passes the start-up check, "tokenizers" never a fast one, and
-    an engine's name that engine if it loads and passes the check (else the
-    reference, with a WARNING). ``engine`` hands over an engine the caller
-    vouches for instead: it skips the start-up check (tests and tools use it
-    to build a real mismatch), never the background checks. ``check_share``:
-    after the first ``FIRST_CHECKS`` results, re-checks in the background
-    cost at most this share of the engine's CPU (``CheckBudget``).
-    ``added_tokens`` are the tokenizer's added tokens (``content`` and
-    ``normalized``), ``name`` the tokenizer's name in the log.
+    Thread-safe. ``reference`` gives the reference tokenizer's ids (raising
+    ``TokenizerRefused``); sampled results are checked against it in the
+    background by ``checked.verify`` (the backend, which checks its splices
+    too). ``choice`` is one of ``CHOICES``: "auto" the cheapest engine (in
+    CPU time) that passes the start-up check, "tokenizers" none, an engine's
+    name that engine if it passes (else none, with a WARNING). ``engine``
+    hands over one the caller vouches for: no start-up check (tests use it
+    to build a real mismatch), the background checks as ever, which cost at
+    most ``check_share`` of the engine's CPU after the first ``FIRST_CHECKS``.
     """
 
     def __init__(
@@ -155,7 +139,11 @@ class Engines:
     @property
     def seam_rules_distrusted(self) -> bool:
         """Whether seam rules made a wrong splice for this specification in this process."""
-        return (self.spec_digest, SEAM_RULES) in _distrusted
+        return self._distrusts((SEAM_RULES,))
+
+    def _distrusts(self, names: Iterable[str]) -> bool:
+        """Whether any of ``names`` gave a wrong result for this specification in this process."""
+        return any((self.spec_digest, name) in _distrusted for name in names)
 
     def warm(self) -> None:
         """Ready these engines for a server's first requests: one short text
@@ -288,9 +276,7 @@ class Engines:
         slot = (self.spec_digest, split_special, choice)
         with _verdicts_lock:
             verdict = _verdicts.get(slot)
-        if verdict is not None and not any(
-            (self.spec_digest, name) in _distrusted for e in verdict[:2] if e is not None for name in _names_of(e)
-        ):
+        if verdict is not None and not self._distrusts(name for e in verdict[:2] if e is not None for name in _names_of(e)):
             engine, self._long_engine, report, ratio = verdict
             return engine, report + " (decided earlier in this process)", ratio
         texts = fast.self_check_texts(self._added_contents())
@@ -310,7 +296,7 @@ class Engines:
                     if remembered is None:
                         remembered = self._decided(memo, key, spec_json, split_special, choice, texts)
             engine, report, ratio = remembered
-        if not any((self.spec_digest, name) in _distrusted for name in ENGINES):
+        if not self._distrusts(ENGINES):
             with _verdicts_lock:
                 _verdicts[slot] = (engine, self._long_engine, report, ratio)
         return engine, report, ratio
@@ -322,7 +308,7 @@ class Engines:
         ``_long_engine`` set), or None: none kept, one naming an engine
         distrusted here, or one whose engine does not load now."""
         verdict = memo.read(key)
-        if verdict is None or any((self.spec_digest, name) in _distrusted for name in verdict.engines):
+        if verdict is None or self._distrusts(verdict.engines):
             return None
         engine = None
         if verdict.short != "tokenizers":
@@ -358,7 +344,7 @@ class Engines:
         was found wrong for this tokenizer in this process (the check and
         the timing then did not see every engine)."""
         engine, report, ratio, passed = self._choose_engine(spec_json, split_special, choice, texts)
-        if any((self.spec_digest, name) in _distrusted for name in ENGINES):
+        if self._distrusts(ENGINES):
             return engine, f"decided at this start, not kept: an engine was found wrong here: {report}", ratio
         short = engine.name if engine is not None else "tokenizers"
         longer = self._long_engine.name if self._long_engine is not None and engine is not None else short
@@ -405,7 +391,7 @@ class Engines:
             # segment splice's proof. Where the two kinds overlap they differ.
             return None, f"added tokens {two_pass} overlap across the normalized and raw passes", DEFAULT_ENGINE_TO_REFERENCE, ()
         for name in names:
-            if (self.spec_digest, name) in _distrusted:
+            if self._distrusts((name,)):
                 notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
                 continue
             try:
@@ -450,11 +436,10 @@ class Engines:
         return [t.content for t in self._added]
 
 
-
 class _LoadedOnFirstUse:
     """The engine the engine memo names for long texts, loaded on a
     background thread when the first long text asks for it, or at start by
-    a server (``TokenizerBackend.warm``); until it is loaded, long texts go
+    a server (``Engines.warm``); until it is loaded, long texts go
     to the short texts' engine (``meanwhile``), which
     passed the same check. ``name`` is the engine that tokenizes long texts
     now; ``chosen`` the one named. Shared by the backends of one

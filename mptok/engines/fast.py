@@ -32,18 +32,10 @@ order:
    a key that holds everything its result is a function of (the
    specification, the corpus, the engines' and `tokenizers`' builds);
    later starts with the same key read it.
-3. While serving, the first ``FIRST_CHECKS`` results, and then as many as
-   a CPU budget allows (``CheckBudget``: the checks cost at most a share,
-   5% by default, of what the engine itself spends), are re-tokenized by
-   `tokenizers` on one background thread (``SampledVerifier``). What is
-   checked is what the engine produced: a full tokenization, or the tail it
-   tokenized after a seam. A conversation that goes on past a fast full
-   tokenization has it re-tokenized by `tokenizers` anyway, for the offsets
-   its later splices are proven with, and the ids are compared then too
-   (``mptok.cache.prefix_cache``). One difference switches that tokenizer back to
-   `tokenizers`, with a WARNING, and the engine is not trusted for it again
-   in this process; the cache forgets every prompt the engine tokenized for
-   it. That bounds how long an engine that diverges on real traffic goes on
+3. While serving, results are re-checked by `tokenizers` in the background
+   within a CPU budget (``mptok.engines.tripwire``), and one difference
+   switches that tokenizer back to `tokenizers` for the rest of the process.
+   That bounds how long an engine that diverges on real traffic goes on
    being used, not whether one result was wrong: the differing result, and
    any returned before the check ran, had already been returned.
 
@@ -66,7 +58,6 @@ from typing import Any, Protocol
 import numpy as np
 
 logger = logging.getLogger(__name__)
-
 
 
 class EngineUnavailable(Exception):

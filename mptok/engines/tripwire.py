@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ class CheckBudget:
                 return False
             self._credit -= cost
             return True
-
 
 
 class Checked(Protocol):
@@ -131,23 +131,8 @@ VERIFIER = SampledVerifier()
 os.register_at_fork(after_in_child=VERIFIER.after_fork)
 
 
-class _CheckCounters:
-    """Process-wide counts of the background checks."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("backend_checks", "backend_checks_dropped", "backend_mismatches"), 0)
-
-    def add(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
-COUNTERS = _CheckCounters()
+# Process-wide counts of the background checks.
+COUNTERS = Counters(("backend_checks", "backend_checks_dropped", "backend_mismatches"))
 
 
 def submit_check(check: Checked, text: str, ids: Any) -> None:
