@@ -30,9 +30,12 @@ $(BIN)/.installed-bench: $(BIN)/.installed-test
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $@
 
-# The cache benchmark, with hit rates per tokenizer family.
-bench: $(BIN)/.installed-test
-	$(BIN)/python -m scripts.bench_cache --families $(ARGS)
+# The cache against fastokens (with and without its segment cache), gigatoken
+# and `tokenizers` on chat and plain turns at ~50k and ~200k tokens, DeepSeek
+# V3 and Qwen, with hit rates on every family an engine loads
+# (docs/results/bench_cache.md; about 8 minutes on 2 cores).
+bench: $(BIN)/.installed-bench
+	$(BIN)/python -m scripts.bench_cache $(ARGS)
 
 # What the cache's memory costs (bytes per cached token, tracemalloc), a flood
 # against a small --budget, and the RSS of `mptok serve --cache-bytes`.

@@ -5,9 +5,11 @@ README's multi-process library example, runnable as it stands.
 
 Each process tokenizes the turns of one growing conversation that land on it
 (here: turn t on frontend t % N, as a kernel spreading connections might),
-through ``TokenizationOwners.encode``. The conversation's owner tokenizes all
-of them with its cache, so every turn after the first is a cache hit, and
-every id list equals full tokenization. Prints what each frontend did.
+through ``TokenizationOwners.encode``. The first turn to land on a frontend
+that does not own the conversation goes to its owner, and the answer is
+kept there as a copy; its later turns extend that copy where they land.
+Every turn after the first is a cache hit, and every id list equals full
+tokenization. Prints what each frontend did.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def frontend(ipc_dir: str, frontend_id: int, num_frontends: int, authkey: bytes,
             barrier.wait(WAIT_S)  # the turns in order, as a chat sends them
         routing, cached = owners.stats(), cache.stats()
         barrier.wait(WAIT_S)  # keep serving until every frontend is done asking
-    results.put((frontend_id, routing["routed"], routing["owned_here"], cached["hits"], cached["misses"]))
+    results.put((frontend_id, routing["routed"], routing["kept_here"], routing["owned_here"], cached["hits"], cached["misses"]))
 
 
 def main() -> None:
@@ -80,8 +82,9 @@ def main() -> None:
     if any(process.exitcode != 0 for process in processes):
         raise SystemExit("a frontend failed")
     print(f"{KEY} is owned by frontend {mptok.owner_of(KEY, args.frontends)}")
-    for frontend_id, routed, owned_here, hits, misses in rows:
-        print(f"frontend {frontend_id}: routed {routed}, owned here {owned_here}, cache hits {hits}, misses {misses}")
+    for frontend_id, routed, kept_here, owned_here, hits, misses in rows:
+        print(f"frontend {frontend_id}: routed {routed}, kept here {kept_here}, owned here {owned_here}, "
+              f"cache hits {hits}, misses {misses}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,12 @@
 """Conversations of real text that grow by about TOKENS_PER_TURN tokens a turn.
 
-Why a module of its own: the cache benchmark (scripts.bench_cache) times
-these turns and the fault drill (scripts.fault_drill) sends them to
-``mptok serve`` under faults. Both build them here, so neither script
-imports the other and a rewrite of one benchmark cannot break another.
+Why a module of its own: the fault drill (scripts.fault_drill) sends them to
+``mptok serve`` under faults, and the conversations scripts and tests build
+live in ``mptok_harness`` (``conversations``, ``prompts``, this one).
 
 Each turn adds a user message and an answer, both cut from the text, between
 the family's chat markers; every prompt ends with a generation prompt
 (``assistant\\n<think>\\n``) that the next turn replaces, as chat templates do.
-A plain conversation grows by as much text with no marker at all (a
-completions prompt, or a template with no added token between messages).
 """
 
 from __future__ import annotations
@@ -56,15 +53,3 @@ def growing_chat(
         prompts.append(history + f"{start}assistant\n<think>\n")
         history += f"{start}assistant\n{answer}{end}\n"
     return GrowingChat(prompts[-turns:], text[cursor : cursor + len(prompts[-1])])
-
-
-def growing_plain(text: str, count_tokens: Callable[[str], int], target_tokens: int, turns: int) -> GrowingChat:
-    """The last ``turns`` prompts of plain text cut from the start of ``text``,
-    each the last plus about TOKENS_PER_TURN tokens, up to about
-    ``target_tokens``."""
-    sample = text[:_SAMPLE_CHARS]
-    chars_per_token = len(sample) / count_tokens(sample)
-    step = int(TOKENS_PER_TURN * chars_per_token)
-    last = int(target_tokens * chars_per_token)
-    prompts = [text[: last - (turns - 1 - i) * step] for i in range(turns)]
-    return GrowingChat(prompts, text[last : 2 * last])

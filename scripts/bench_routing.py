@@ -66,8 +66,8 @@ AUTHKEY = os.urandom(16)
 TURN_CHARS = 1000  # about 300 tokens of the tests' mixed-script prose
 BACKOFF_S = 2.0  # how long an asker skips an owner that it gave up on
 # The askers route every keyed prompt (the "always" policy): what a crossing
-# costs is measured on every turn, not only where the default policy would
-# judge it cheaper than tokenizing here.
+# costs is measured on every turn, not only on a conversation's first turn
+# to land on a frontend, as under the default policy.
 ROUTE_EVERY_PROMPT = ALWAYS
 _LENGTH = struct.Struct("!q")
 

@@ -80,13 +80,11 @@ def chats(count: int, target_tokens: int, turn_chars: int, seed: int) -> list[li
 
 
 def mptok_totals(server: VllmServer) -> dict[str, float]:
-    """mptok's series summed over their labels, by name; a crossing's choices by name and choice."""
+    """mptok's series summed over their labels, by name."""
     totals: dict[str, float] = defaultdict(float)
-    for name, labels, value in scrape(server.port):
+    for name, _, value in scrape(server.port):
         if name.startswith("mptok_"):
             totals[name] += value
-            if "choice" in labels:
-                totals[f"{name}:{labels['choice']}"] += value
     return totals
 
 
@@ -195,7 +193,7 @@ def _report(starts: list[Start], turns: int, args: argparse.Namespace) -> str:
     routed = grown("mptok_routed_total")
     misses = grown("mptok_cache_misses_total")
     unproven = grown("mptok_cache_resync_failures_total")
-    local = grown("mptok_crossing_choices_total:local_cheaper")
+    kept_here = grown("mptok_kept_here_total")
     rows = [
         f"| {mode} | {percentile(seconds[mode], 0.5) * 1000:.1f} | {percentile(seconds[mode], 0.99) * 1000:.1f} "
         f"| {percentile(later[mode], 0.5) * 1000:.1f} | {percentile(later[mode], 0.99) * 1000:.1f} "
@@ -206,7 +204,7 @@ def _report(starts: list[Start], turns: int, args: argparse.Namespace) -> str:
         f"| {number} | {start.later_p50('vllm') * 1000:.1f} | {start.later_p50('fastokens') * 1000:.1f} "
         f"| {start.later_p50('mptok') * 1000:.1f} | {start.later_p50('fastokens') / start.later_p50('mptok'):.2f}x "
         f"| {start.grown.get('mptok_cache_hits_total', 0):.0f} | {start.grown.get('mptok_routed_total', 0):.0f} "
-        f"| {start.grown.get('mptok_crossing_choices_total:local_cheaper', 0):.0f} | {start.engines} |"
+        f"| {start.grown.get('mptok_kept_here_total', 0):.0f} | {start.engines} |"
         for number, start in enumerate(starts, 1)
     ]
     base_later = percentile(later["vllm"], 0.5)
@@ -227,18 +225,18 @@ def _report(starts: list[Start], turns: int, args: argparse.Namespace) -> str:
             *rows,
             "",
             "Every start: later turns' render p50 per mode, mptok's against fastokens' (above 1x: mptok faster), "
-            "mptok's hits, routed turns and turns tokenized in full where they landed because a call to their owner "
-            "was expected to cost more, and the engines each API server's `auto` chose at its start (short texts / "
+            "mptok's hits, routed turns and turns that extended a copy kept by the API server they reached "
+            "(`mptok_kept_here_total`), and the engines each API server's `auto` chose at its start (short texts / "
             "texts of 400,000 characters or more, from `mptok_tokenizer_engine`).",
             "",
-            "| start | vllm ms | fastokens ms | mptok ms | fastokens / mptok | hits | routed | local cheaper | engines |",
+            "| start | vllm ms | fastokens ms | mptok ms | fastokens / mptok | hits | routed | kept here | engines |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             *per_start,
             "",
             f"mptok: hits on {hits:.0f} of the {can_hit} turns that can hit ({hits / can_hit:.1%}); "
-            f"{routed:.0f} turns tokenized by the other API server (routed). Misses: {misses:.0f} "
-            f"({args.chats * len(starts)} first turns; {local:.0f} tokenized in full by the API server they reached "
-            f"because a call to their owner was expected to cost more; {unproven:.0f} with no provable seam).",
+            f"{routed:.0f} turns tokenized by the other API server (routed), {kept_here:.0f} extended a copy kept "
+            f"where they landed. Misses: {misses:.0f} ({args.chats * len(starts)} first turns; {unproven:.0f} with "
+            "no provable seam).",
             f"Later turns' render p50: {base_later / mptok_later:.1f}x faster than vLLM without the switch, "
             f"{fast_later / mptok_later:.2f}x against fastokens; the slowest start's mptok p50 was "
             f"{slowest:.2f}x its fastokens'.",

@@ -162,7 +162,7 @@ def table(results: list[rb.ModeResult], conversations: list[rb.Conversation], co
     can_hit = sum(len(c.turns) - 1 for c in conversations)
     rows = [
         "| mode | backend (frontends) | hit rate (hits / turns that can hit) | server tokenize ms p50 / p99 | end-to-end ms p50 / p99 | requests/s | server CPU ms per turn "
-        "| cache MiB per frontend | held replies MiB per frontend | all frontends' bytes / one copy | checked exact |",
+        "| cache MiB per frontend | held fingerprints MiB per frontend | all frontends' bytes / one copy | checked exact |",
         "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in results:
@@ -198,7 +198,7 @@ def targets(by_mode: dict[str, rb.ModeResult], copy_bytes: int) -> str:
     ratio = (sum(mptok.cache_bytes) + held) / copy_bytes
     rows.append(
         f"| bytes across frontends per conversation at most 1.3x one copy | ({sum(mptok.cache_bytes) / MiB:.1f} MiB cached + "
-        f"{held / MiB:.1f} MiB held replies) / {copy_bytes / MiB:.1f} MiB = {ratio:.2f}x | {'yes' if ratio <= 1.3 else 'no'} |"
+        f"{held / MiB:.1f} MiB held fingerprints) / {copy_bytes / MiB:.1f} MiB = {ratio:.2f}x | {'yes' if ratio <= 1.3 else 'no'} |"
     )
     rows.append(rb.wrong_ids_row(list(by_mode.values())))
     return "\n".join(rows)
@@ -206,22 +206,22 @@ def targets(by_mode: dict[str, rb.ModeResult], copy_bytes: int) -> str:
 
 def sweep_table(points: list[tuple[Budget, list[rb.ModeResult]]]) -> str:
     """Per budget and mode: hit rate, tokenize p50, bytes against one copy;
-    for a routed mode also the turns its crossing kept where they landed
-    (``local_cheaper``: tokenized in full there, counted as misses)."""
+    for a routed mode also the turns that extended a copy kept where they
+    landed (``mptok_kept_here_total``)."""
     modes = [r.mode for r in points[0][1]]
-    routed = {i for i in range(len(modes)) if any(results[i].crossing for _, results in points)}
+    routed = {i for i in range(len(modes)) if any(results[i].kept_here for _, results in points)}
     header = []
     for i, m in enumerate(modes):
         header.append(f"{m} hit rate | {m} tokenize p50 ms | {m} bytes / one copy")
         if i in routed:
-            header.append(f"{m} turns kept where they landed (local_cheaper)")
+            header.append(f"{m} turns extending a copy kept where they landed")
     rows = ["| per-frontend budget | " + " | ".join(header) + " |", "|---|" + "---:|" * (3 * len(modes) + len(routed))]
     for budget, results in points:
         cells = []
         for i, r in enumerate(results):
             cells += [f"{100 * r.hit_rate:.1f}%", f"{percentile(r.tokenize_ms, 0.5):.2f}", f"{(sum(r.cache_bytes) + held_of(r)) / budget.copy_bytes:.2f}"]
             if i in routed:
-                cells.append(f"{int(r.crossing['local_cheaper'])} of {r.requests}")
+                cells.append(f"{int(r.kept_here)} of {r.requests}")
         rows.append(f"| {budget.label} ({budget.cache_bytes / MiB:.1f} MiB) | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

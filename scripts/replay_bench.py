@@ -132,7 +132,7 @@ LONG_TITLE = "The replay at coding-agent lengths"
 BUILD_CACHE = REPO / ".cache" / "replay"
 MODES = ("no-cache-tokenizers", "no-cache", "no-route", "mptok", "keyless", "sticky", "mptok-always", "mptok-never")
 # Run only when --modes names them: mptok under the routing policy an operator
-# can set instead of the default ("cheaper"), for comparing the policies.
+# can set instead of the default ("kept"), for comparing the policies.
 POLICY_MODES = {"mptok-always": "always", "mptok-never": "never"}
 DEFAULT_MODES = tuple(m for m in MODES if m not in POLICY_MODES)
 TITLE = "The replay: the same conversations served six ways"
@@ -414,7 +414,8 @@ class ModeResult:
     misses: float = 0.0
     uncached: float = 0.0
     routed: float = 0.0
-    routed_since: float = 0.0  # routed prompts sent as the characters after a held reply
+    routed_since: float = 0.0  # routed prompts sent as the characters after a held fingerprint
+    kept_here: float = 0.0  # prompts extended where they landed, from a copy kept there (mptok_kept_here_total)
     # mptok mode: sums and counts of mptok_route_seconds and mptok_peer_serve_seconds.
     route_s: float = 0.0
     route_calls: float = 0.0
@@ -423,7 +424,7 @@ class ModeResult:
     route_failures: float = 0.0
     per_instance_turns: list[float] = field(default_factory=list)
     # At the end of the run, per frontend (/metrics): what its cache holds,
-    # and what it holds of owners' replies (mptok_held_fingerprint_bytes).
+    # and the fingerprints it holds of routed conversations (mptok_held_fingerprint_bytes).
     cache_bytes: list[float] = field(default_factory=list)
     held_bytes: list[float] = field(default_factory=list)
     runs: list[list[float]] = field(default_factory=list)  # per_instance_turns of each pooled run
@@ -431,9 +432,6 @@ class ModeResult:
     # and the fast results a background re-check found different.
     engines: collections.Counter = field(default_factory=collections.Counter)
     mismatches: float = 0.0
-    # Routed modes: the prompts each frontend could send its owner, by the
-    # crossing's choice (mptok_crossing_choices_total: route_cheaper, local_cheaper, ...).
-    crossing: collections.Counter = field(default_factory=collections.Counter)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -447,7 +445,7 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         return runs[0]
     merged = ModeResult(runs[0].mode, runs[0].how, server_cpu_s=0.0)
     for r in runs:
-        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "routed_since", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures", "mismatches"):
+        for name in ("requests", "checked", "exact", "failed", "wall_s", "server_cpu_s", "hits", "misses", "uncached", "routed", "routed_since", "kept_here", "route_s", "route_calls", "serve_s", "serve_calls", "route_failures", "mismatches"):
             setattr(merged, name, getattr(merged, name) + getattr(r, name))
         merged.e2e_ms += r.e2e_ms
         merged.tokenize_ms += r.tokenize_ms
@@ -455,7 +453,6 @@ def pooled(runs: list[ModeResult]) -> ModeResult:
         merged.at_owner += r.at_owner
         merged.errors += r.errors
         merged.engines += r.engines
-        merged.crossing += r.crossing
         merged.cpu_roles += r.cpu_roles
     merged.runs = [r.per_instance_turns for r in runs]
     return merged
@@ -613,6 +610,7 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     result.uncached = total(samples, "mptok_cache_uncached_total")
     result.routed = total(samples, "mptok_routed_total")
     result.routed_since = total(samples, "mptok_routed_since_total")
+    result.kept_here = total(samples, "mptok_kept_here_total")
     result.route_s = total(samples, "mptok_route_seconds_sum")
     result.route_calls = total(samples, "mptok_route_seconds_count")
     result.serve_s = total(samples, "mptok_peer_serve_seconds_sum")
@@ -621,9 +619,6 @@ def collect(result: ModeResult, ports: list[int]) -> None:
     for engine in ENGINE_GAUGES:
         result.engines[engine] += int(total(samples, f"mptok_tokenizer_backend_{engine}"))
     result.mismatches = total(samples, "mptok_tokenizer_backend_mismatches_total")
-    for name, labels, value in samples:
-        if name == "mptok_crossing_choices_total" and value:
-            result.crossing[labels.get("choice", "?")] += value
 
 
 def run_mode(
@@ -748,10 +743,8 @@ def owner_split(r: ModeResult) -> str:
         )
         if r.route_failures:
             crossing += f" ({int(r.route_failures)} routed calls failed; the owner's work for them counts above.)"
-    if r.crossing:
-        crossing += " The crossing's choices (`mptok_crossing_choices_total`): " + ", ".join(
-            f"{choice} {int(n)}" for choice, n in r.crossing.most_common()
-        ) + "."
+    if r.kept_here:
+        crossing += f" {int(r.kept_here)} turns extended a copy kept where they landed (`mptok_kept_here_total`)."
     work = [sum(per_run) for per_run in zip(*r.runs)] if r.runs else r.per_instance_turns
     busiest = f" The busiest frontend did {100 * max(work) / sum(work):.0f}% of the cache work." if sum(work) else ""
     return (

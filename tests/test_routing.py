@@ -102,13 +102,9 @@ class _CacheNamingItsThreads(mptok.PrefixTokenCache):
         super().__init__()
         self.peer_threads: set[tuple[str, int]] = set()
 
-    def encode_reply(self, *args, **kwargs):
+    def keep(self, *args, **kwargs):
         self.peer_threads.add((threading.current_thread().name, threading.get_ident()))
-        return super().encode_reply(*args, **kwargs)
-
-    def answer_peer(self, *args, **kwargs):
-        self.peer_threads.add((threading.current_thread().name, threading.get_ident()))
-        return super().answer_peer(*args, **kwargs)
+        return super().keep(*args, **kwargs)
 
 
 def test_an_owner_answers_every_connection_on_its_few_warm_workers(tmp_path, tokenizer):
@@ -180,8 +176,12 @@ def test_prompts_sent_to_any_frontend_get_exact_ids_from_their_owner(cluster, to
     after = [f.stats() for f in frontends]
     routed = sum(a["routing"]["routed"] - b["routing"]["routed"] for a, b in zip(after, before, strict=True))
     owned = sum(a["routing"]["owned_here"] - b["routing"]["owned_here"] for a, b in zip(after, before, strict=True))
-    assert routed + owned == 30 and routed >= 15
-    # Every turn after the first reached its conversation's cache.
+    kept = sum(a["routing"]["kept_here"] - b["routing"]["kept_here"] for a, b in zip(after, before, strict=True))
+    # Each conversation's first turn on each of the two frontends that do
+    # not own it goes to its owner; its later turns there extend the copy
+    # kept from the owner's answer (the default policy).
+    assert routed == 6 * 2 and routed + owned + kept == 30
+    # Every turn after the first reached a cache that kept its conversation.
     hits = sum(a["cache"]["hits"] - b["cache"]["hits"] for a, b in zip(after, before, strict=True))
     assert hits == 6 * 4
     assert all(fallbacks(s) == NO_FALLBACKS for s in after)
@@ -302,10 +302,8 @@ def in_process_owners(ipc_dir: str, tokenizer, count: int):
     owners = []
     try:
         for i in range(count):
-            # Every prompt routed, so that what crosses is known in advance.
-            owners.append(
-                TokenizationOwners(ipc_dir, i, count, caches[i], tokenizer, authkey=AUTHKEY, weigh_crossing=False)
-            )
+            # Every prompt routed ("always"), so that what crosses is known in advance.
+            owners.append(TokenizationOwners(ipc_dir, i, count, caches[i], tokenizer, authkey=AUTHKEY, routing="always"))
         yield caches, owners
     finally:
         for owner in owners:
@@ -376,7 +374,8 @@ def test_an_owner_that_answers_a_whole_text_with_none_is_a_failed_call(tmp_path,
     record = publish(ipc_dir, 0, address)
     cache = mptok.PrefixTokenCache()
     try:
-        with TokenizationOwners(ipc_dir, 1, 2, cache, tokenizer, authkey=AUTHKEY, weigh_crossing=False) as asker:
+        # Every prompt routed ("always"): no copy of the first turn to extend here.
+        with TokenizationOwners(ipc_dir, 1, 2, cache, tokenizer, authkey=AUTHKEY, routing="always") as asker:
             key = key_owned_by(0, 2, "liar")
             for text in conversation(3, 2, first_chars=9000):
                 assert asker.encode(tokenizer, text, key=key) == expected(tokenizer, text)
@@ -421,43 +420,6 @@ def test_turns_asked_from_alternating_frontends_send_only_what_changed(tmp_path,
         assert caches[0].stats()["hits"] == asked - 2
 
 
-def test_crossing_routes_unless_the_prompt_is_cheaper_here():
-    """The choice, from given costs: a character here costs 1 us, a delta
-    call to owner "a" what was observed, averaged."""
-    from mptok.routing.crossing import (
-        LOCAL_CHEAPER,
-        PROBE_EVERY,
-        ROUTE_CHEAPER,
-        ROUTE_PROBE,
-        ROUTE_UNKNOWN,
-        CrossingCosts,
-    )
-
-    costs = CrossingCosts(seconds_per_char=1e-6)
-    assert costs.choose("a", 10_000) == ROUTE_UNKNOWN  # nothing learned yet: route, and learn
-    costs.observe("a", 0.002)
-    assert costs.choose("a", 10_000) == ROUTE_CHEAPER  # 10 ms here against 2 ms
-    choices = [costs.choose("a", 1_000) for _ in range(2 * PROBE_EVERY)]  # 1 ms here
-    assert choices.count(ROUTE_PROBE) == 2 and choices.count(LOCAL_CHEAPER) == 2 * PROBE_EVERY - 2
-    assert costs.choose("b", 1_000) == ROUTE_UNKNOWN  # per owner
-    # The average follows what calls take now.
-    for _ in range(30):
-        costs.observe("a", 0.0005)
-    assert costs.choose("a", 1_000) == ROUTE_CHEAPER
-    # What a character costs here follows the prompts tokenized here: under
-    # load they wait for the CPUs as the crossing does.
-    costs.observe("a", 0.002)
-    for _ in range(30):
-        costs.observe("a", 0.002)
-    assert costs.choose("a", 1_000) in (LOCAL_CHEAPER, ROUTE_PROBE)  # 1 ms here against 2 ms
-    for _ in range(30):
-        costs.observe_here(1_000, 0.004)
-    assert costs.choose("a", 1_000) == ROUTE_CHEAPER  # 4 ms here now
-    # Without a cost per character (a lone frontend, or not weighing), always route.
-    assert CrossingCosts(None).choose("a", 1) == ROUTE_UNKNOWN
-    CrossingCosts(None).observe_here(1_000, 1.0)  # nothing to learn
-
-
 @contextlib.contextmanager
 def owner_and_asker(ipc_dir: str, tokenizer, asker_config: mptok.CacheConfig):
     """Frontends 0 and 1 in this process under the default policy, 1's
@@ -477,7 +439,8 @@ def owner_and_asker(ipc_dir: str, tokenizer, asker_config: mptok.CacheConfig):
 
 def assert_kept_what_it_had(cache, tokenizer, key: str, unrelated: str) -> None:
     """A cache with room for one entry kept its keyless prompt, not ``key``'s conversation."""
-    assert cache.stats()["entries"] == 1 and not cache.holds(tokenizer, key)
+    assert cache.stats()["entries"] == 1
+    assert cache.keep(tokenizer, unrelated, key, if_kept=True) is None
     assert cache.encode(tokenizer, unrelated) == expected(tokenizer, unrelated)
     assert cache.stats()["hits"] == 1
 
@@ -505,35 +468,41 @@ def test_an_owners_answer_is_kept_as_the_askers_copy_where_there_is_room(tmp_pat
                 assert_kept_what_it_had(caches[1], tokenizer, key, unrelated)
             else:
                 assert stats["copies_kept"] == 1 and caches[1].stats()["misses"] == 1  # the keyless prompt only
-                assert after["routed"] == 1 and after["crossing_local_kept"] == 1
+                assert after["routed"] == 1 and after["kept_here"] == 1
                 assert caches[1].stats()["hits"] == 1  # the second turn extended the copy
 
 
-def test_a_prompt_cheaper_here_is_kept_here_where_there_is_room(tmp_path, tokenizer):
-    """With a fast engine a short prompt costs less here than a crossing:
-    it is tokenized here and kept here if that evicts nothing, and the
-    conversation's next turns then extend that copy here (a hit, not a
-    crossing). A cache with no room keeps what it had and the turn is
-    tokenized here all the same; every id list is exact. (The roomy cache
-    forgets the copies the owner's answers leave in it, until a turn is
-    cheaper here: a copy kept would be extended here without weighing.)"""
+def test_a_frontend_that_keeps_a_conversation_extends_it_without_asking_its_owner(tmp_path, tokenizer):
+    """Under the default policy what is kept decides: a conversation this
+    frontend's cache keeps (here, one it tokenized itself before it had
+    peers) is extended here, and its owner is never called, at any length
+    (the later turns are long enough for a fingerprint). Every id list is exact."""
     from mptok_harness.conversations import chat_turns
 
-    for max_entries in (None, 1):
-        config = mptok.CacheConfig() if max_entries is None else mptok.CacheConfig(max_entries=max_entries)
-        with owner_and_asker(str(tmp_path / "ipc"), tokenizer, config) as (caches, owners, unrelated):
-            key = key_owned_by(0, 2, f"cheaper-here-{max_entries}")
-            prompts = chat_turns(random.Random(8), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=12, words_per_message=900)
-            for prompt in prompts:
-                assert owners[1].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
-                if max_entries is None and owners[1].stats()["crossing_local_cheaper"] == 0:
-                    caches[1].clear()
-            stats = owners[1].stats()
-            assert stats["crossing_local_cheaper"] >= 1, stats
-            if max_entries == 1:
-                assert stats["crossing_local_kept"] == 0
-                assert_kept_what_it_had(caches[1], tokenizer, key, unrelated)
-            else:
-                assert caches[1].holds(tokenizer, key)
-                assert stats["crossing_local_kept"] >= 1
-                assert caches[1].stats()["hits"] >= stats["crossing_local_kept"]
+    with owner_and_asker(str(tmp_path / "ipc"), tokenizer, mptok.CacheConfig()) as (caches, owners, _):
+        key = key_owned_by(0, 2, "kept-here")
+        prompts = chat_turns(random.Random(4), "<｜User｜>", "<｜end▁of▁sentence｜>", turns=4, words_per_message=900)
+        assert len(prompts[1]) > 4096 + 256
+        assert caches[1].encode(tokenizer, prompts[0], key=key) == expected(tokenizer, prompts[0])
+        for prompt in prompts[1:]:
+            assert owners[1].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
+        stats = owners[1].stats()
+        assert (stats["kept_here"], stats["routed"], owners[0].stats()["served"]) == (3, 0, 0)
+        assert caches[1].stats()["hits"] == 3 and caches[0].stats()["entries"] == 0
+
+
+def test_a_short_prompt_with_a_copy_kept_here_does_not_cross(tmp_path, tokenizer):
+    """A prompt of 256 to 4,351 characters is cached but too short for a
+    fingerprint: its first turn to land here goes to its owner, whose answer
+    is kept as this frontend's copy, and its later turns extend that copy
+    here instead of crossing again. Every id list is exact."""
+    with owner_and_asker(str(tmp_path / "ipc"), tokenizer, mptok.CacheConfig()) as (caches, owners, _):
+        key = key_owned_by(0, 2, "short")
+        prompts = conversation(21, 4, first_chars=300, turn_chars=400)
+        assert caches[1].config.min_chars <= len(prompts[0]) and len(prompts[-1]) < 4096 + 256
+        for prompt in prompts:
+            assert owners[1].encode(tokenizer, prompt, key=key) == expected(tokenizer, prompt)
+        stats = owners[1].stats()
+        assert (stats["routed"], stats["copies_kept"], stats["kept_here"]) == (1, 1, 3), stats
+        assert owners[0].stats()["served"] == 1 and stats["held_entries"] == 0  # no fingerprint
+        assert caches[1].stats()["hits"] == 3

@@ -152,6 +152,27 @@ def test_wrong_rules_make_no_wrong_splice_past_the_tail_check(wrong):
         backend.seam_rules = rules
 
 
+@pytest.mark.parametrize("family", ["deepseek", "qwen", "metaspace_first", "legacy_sp"])
+def test_a_prompt_that_parts_within_its_first_characters_is_exact(family):
+    """Two prompts that part at the very start (less than the longest added
+    token in): no seam can lie before that, and nothing is spliced."""
+    tokenizer = load_family(family)
+    kept = plain_delta(random.Random(5), 400)
+    for parts_at in (0, 1, 5, 20, 40):
+        cache = PrefixTokenCache(CacheConfig(min_chars=0))
+        cache.encode(tokenizer, kept, key="k")
+        text = kept[:parts_at] + "Z" + kept[parts_at + 1 :] + " and more words"
+        assert cache.encode(tokenizer, text, key="k") == reference_ids(tokenizer, text)
+
+
+def test_no_forced_boundary_is_looked_for_in_an_empty_range():
+    rules = backend_for(load_family("deepseek"), "tokenizers").seam_rules
+    text = "words and words. " * 20
+    assert rules.forced_boundaries(text, 0, -5) == []
+    assert rules.forced_boundaries(text, 10, 10) == []
+    assert all(0 < x < 30 for x in rules.forced_boundaries(text, 0, 30))
+
+
 def test_tokens_are_located_where_tokenizers_puts_them_on_long_text():
     """The walk back from the end of a long prompt, at many points, against
     `tokenizers`' own offsets (the embedded tokenizer, byte-level)."""

@@ -70,7 +70,7 @@ BAD_VARIABLES = [
     ("MPTOK_CACHE_MIN_CHARS", "-1", "must be at least 0"),
     ("MPTOK_CACHE_MAX_SEAM_ATTEMPTS", "1.5", "is not a whole number"),
     ("MPTOK_CACHE_TOKENIZER_BACKEND", "fastest", "must be one of auto, tokenizers, fastokens, gigatoken"),
-    ("MPTOK_ROUTING", "sometimes", "must be one of always, cheaper, never"),
+    ("MPTOK_ROUTING", "sometimes", "must be one of always, kept, never"),
     ("MPTOK_LOG_LEVEL", "loud", "is not a log level"),
     ("MPTOK_ENGINE_MEMO", "relative/memo", "must be an absolute directory path, or 'off'"),
 ]

@@ -12,15 +12,13 @@ It only ever tokenizes here. Ids are held as int32 arrays
 (``mptok.core.ids``): ``encode`` returns a list, ``encode_array`` the array
 itself, for a caller that writes JSON or sends ids on. Each prompt kept
 under a conversation key also keeps the fingerprint chain of its text
-(``mptok.core.fingerprint``), so that another frontend can ask for its next
-turn by sending only the new characters (``answer_peer``, one call);
-routing a prompt to the frontend that holds its conversation is a layer
-above (``mptok.routing``).
+(``mptok.core.fingerprint``), so that a prompt can be named by the
+fingerprint of its first characters (``keep``: the one call routing, a
+layer above, makes beyond encoding).
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import sys
@@ -29,18 +27,18 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
+from mptok.cache.protocols import Kept
 from mptok.cache.seam import CachedPrompt, extend_prompt, prompt_of_ids, tokenize_prompt
 import numpy as np
 
 from mptok.core.counting import Counters
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
 from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
-from mptok.core.protocol import PeerReply
 from mptok.engines.choice import TokenizerRefused
 
 logger = logging.getLogger(__name__)
@@ -87,40 +85,6 @@ def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
 _Extension = tuple[Hashable, "_Entry | None", int]
 
 
-class Holding(enum.Enum):
-    """What a cache holds for a prompt it is asked about (``holding``)."""
-
-    NOT_KEPT = "not_kept"  # it would not keep the prompt (too short, too long, disabled)
-    KEPT_HERE = "kept_here"  # it would, and a prompt of its conversation is kept here
-    NOT_HERE = "not_here"  # it would, and nothing of its conversation is kept here
-
-
-class Encoder(Protocol):
-    """Anything that tokenizes like ``PrefixTokenCache.encode``: the cache
-    itself, or routing above it (``mptok.TokenizationOwners``)."""
-
-    def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
-        """Exactly ``tokenizer(text, add_special_tokens=False)["input_ids"]``."""
-        ...
-
-    def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
-        """``encode``'s ids as a 1-D int32 numpy array."""
-        ...
-
-
-class TokenCache(Encoder, Protocol):
-    """What routing and the frontend rely on from a cache (``PrefixTokenCache``)."""
-
-    config: CacheConfig
-
-    def holding(self, tokenizer: Any, text: str, key: str | None = None) -> Holding:
-        """Whether ``encode`` would keep this prompt, and whether its conversation is kept
-        here; raises for bad input as ``encode`` does."""
-        ...
-
-    def stats(self) -> dict[str, int]:
-        """Counters and sizes, for /metrics."""
-        ...
 
 
 class PrefixTokenCache:
@@ -170,109 +134,91 @@ class PrefixTokenCache:
         entry = self._entry_or_ids(tokenizer, text, key)
         return entry.prompt.ids.to_list() if isinstance(entry, _Entry) else entry
 
-    def encode_array(
-        self, tokenizer: Any, text: str, key: str | None = None, *, room_only: bool = False
-    ) -> np.ndarray:
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array, read-only when it is
         the cache's own (it never changes). For a caller that writes the ids
         as JSON (orjson's ``OPT_SERIALIZE_NUMPY``) or sends them on: no list
-        and no Python int is made for them. With ``room_only`` the prompt
-        extends what is kept as ``encode`` would, but is kept itself only if
-        that evicts no other prompt (what this key kept stays otherwise: its
-        conversation's owner is another frontend). Raises what ``encode``
-        raises."""
+        and no Python int is made for them. Raises what ``encode`` raises."""
         _check_input(text, key)
-        entry = self._entry_or_ids(tokenizer, text, key, room_only=room_only) if text else []
+        entry = self._entry_or_ids(tokenizer, text, key) if text else []
         return entry.prompt.ids.array() if isinstance(entry, _Entry) else as_id_array(entry)
 
-    def holds(self, tokenizer: Any, key: str) -> bool:
-        """Whether a prompt of conversation ``key`` tokenized by ``tokenizer``
-        is kept (a later prompt of it would extend it here)."""
-        try:
-            serial = backend_for(tokenizer, self.config.tokenizer_backend).serial
-        except SlowTokenizerError:
-            return False
-        with self._lock:
-            return (serial, key) in self._branches
+    def keep(
+        self,
+        tokenizer: Any,
+        text: str,
+        key: str,
+        *,
+        after: Fingerprint | None = None,
+        ids: np.ndarray | None = None,
+        chain: bytes = b"",
+        if_kept: bool = False,
+        room_only: bool = False,
+    ) -> Kept | None:
+        """Make ``text`` conversation ``key``'s latest kept prompt, and give all its ids.
 
-    def holding(self, tokenizer: Any, text: str, key: str | None = None) -> Holding:
-        """What this cache holds for ``encode(tokenizer, text, key)``, in one
-        question: whether it would keep the prompt at all (its length is
-        within the limits and the cache is enabled), and if so whether a
-        prompt of its conversation is kept here. Raises for bad input as
-        ``encode`` does."""
-        _check_input(text, key)
-        if not self._keeps(text):
-            return Holding.NOT_KEPT
-        return Holding.KEPT_HERE if key is not None and self.holds(tokenizer, key) else Holding.NOT_HERE
-
-    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray, chain: bytes = b"") -> bool:
-        """Keep ``ids``, all the exact ids of ``text`` from elsewhere (its
-        conversation's owner), as this cache's copy of conversation ``key``,
-        only where that evicts nothing; a later prompt of it is then
-        extended here. ``chain``: digests of ``text``'s first blocks that the
-        caller computed already (``mptok.core.fingerprint``), continued
-        instead of hashed again. Returns whether it was kept. Nothing is
-        tokenized."""
-        _check_input(text, key)
-        if key is None or not self._keeps(text):
-            return False
-        try:
-            backend = backend_for(tokenizer, self.config.tokenizer_backend)
-        except SlowTokenizerError:
-            return False
-        holder, known, shared = self._branch_for(backend, key, text)
-        reused = max(chain, _shared_digests(known, shared), key=len)
-        entry = _new_entry(holder, prompt_of_ids(text, ids), key, reused)
-        return self._keep(holder, entry, by_content=False, room_only=True)
-
-    def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
-        """``encode_array``'s ids as a peer's reply, and whether the prompt was kept."""
-        _check_input(text, key)
-        return _reply_of(self._entry_or_ids(tokenizer, text, key) if text else [])
-
-    def answer_peer(self, tokenizer: Any, key: str, since: int, shared_chars: int, tail: str) -> PeerReply | None:
-        """The reply to a peer that sends conversation ``key``'s new prompt as
-        ``tail``, the characters after the first ``shared_chars``, which it
-        names by their fingerprint ``since`` (``Fingerprint.since``).
-
-        One call: finds the kept prompt whose first ``shared_chars``
-        characters have that fingerprint, compares ``tail`` with the rest of
-        its text, tokenizes from a seam there and keeps the new prompt, as
-        ``encode(tokenizer, text[:shared_chars] + tail, key)`` would. Returns
-        None when no kept prompt has that fingerprint (a wrong or stale one,
-        an evicted conversation, a tokenizer the cache cannot serve): the
-        peer then sends the whole text. Raises what ``encode`` raises for
-        bad input.
+        As ``encode_array`` does, it extends the kept prompt of ``key`` that
+        ``text`` shares the most with, tokenizing here from a proven seam.
+        With ``after``, ``text`` is what follows the first ``after.chars``
+        characters of a kept prompt of ``key`` whose fingerprint chain has
+        ``after`` (``mptok.core.fingerprint``): None when none has (a wrong
+        or stale fingerprint, an evicted conversation, a tokenizer the cache
+        cannot serve). With ``ids``, the exact ids of ``text`` known from
+        elsewhere, nothing is tokenized: they are kept as they are
+        (``chain``: digests of ``text``'s first blocks computed already,
+        continued instead of hashed again). With ``if_kept`` it does this
+        only where a prompt of ``key`` is kept here: None otherwise. With
+        ``room_only`` the prompt is kept only where that evicts no other
+        prompt (what ``key`` kept stays otherwise). Raises what ``encode``
+        raises for bad input.
         """
-        _check_input(tail, key)
+        _check_input(text, key)
         if key is None:
-            raise TypeError("a peer's delta names a conversation: key must be a str")
-        fingerprint = Fingerprint.from_wire(since, shared_chars)
-        if fingerprint is None:
-            return None
+            raise TypeError("key must be a str: keep names a conversation")
+        if after is None and ids is None and not if_kept:
+            return _kept(self._entry_or_ids(tokenizer, text, key, room_only=room_only) if text else [])
         try:
             backend = backend_for(tokenizer, self.config.tokenizer_backend)
         except SlowTokenizerError:
-            return None
+            return None if ids is None else Kept(as_id_array(ids), False)
+        extending = None
+        if after is not None:
+            found = self._extension_after(backend, key, after, text)
+            if found is None:
+                return None
+            extending, text = found
+        elif ids is not None:
+            ids = as_id_array(ids)
+            if not self._keeps(text):
+                return Kept(ids, False)
+            holder, known, shared = self._branch_for(backend, key, text)
+            reused = max(chain, _shared_digests(known, shared), key=len)
+            entry = _new_entry(holder, prompt_of_ids(text, ids), key, reused)
+            return Kept(ids, self._keep(holder, entry, by_content=False, room_only=room_only))
+        else:
+            with self._lock:
+                if (backend.serial, key) not in self._branches:
+                    return None
+        return _kept(self._entry_or_ids(tokenizer, text, key, extending, room_only=room_only))
+
+    def _extension_after(
+        self, backend: TokenizerBackend, key: str, after: Fingerprint, tail: str
+    ) -> tuple[_Extension, str] | None:
+        """The kept prompt of ``key`` whose chain has ``after`` (the newest
+        such branch), how the prompt it continues with ``tail`` extends it,
+        and that prompt's text; None when no kept prompt has ``after``."""
         with self._lock:
             found = next(
-                (
-                    (holder, entry)
-                    for holder, entry in self._branches_of(backend.serial, key)
-                    if fingerprint.matches(entry.chain)
-                ),
+                ((holder, entry) for holder, entry in self._branches_of(backend.serial, key) if after.matches(entry.chain)),
                 None,
             )
         if found is None:
             return None
         holder, known = found
-        kept_text = known.prompt.text
-        rest = kept_text[shared_chars:]
-        shared = shared_chars + common_prefix_length(rest, tail)
+        kept_text, shared_chars = known.prompt.text, after.chars
+        shared = shared_chars + common_prefix_length(kept_text[shared_chars:], tail)
         text = kept_text if shared == len(kept_text) == shared_chars + len(tail) else kept_text[:shared_chars] + tail
-        holder = self._branch_holder(backend, key, holder, known, shared, text)
-        return _reply_of(self._entry_or_ids(tokenizer, text, key, extending=(holder, known, shared)))
+        return (self._branch_holder(backend, key, holder, known, shared, text), known, shared), text
 
     def stats(self) -> dict[str, int]:
         """Counters since creation, and the current size of the cache.
@@ -550,11 +496,11 @@ def _new_entry(holder: Hashable, prompt: CachedPrompt, key: str | None, reused: 
     return _Entry(prompt, chain, entry_bytes(holder, prompt, chain))
 
 
-def _reply_of(entry: _Entry | list[int]) -> PeerReply:
-    """A peer's reply: the ids of the prompt kept as ``entry``, or of one not kept."""
+def _kept(entry: _Entry | list[int]) -> Kept:
+    """The ids of the prompt kept as ``entry``, or of one not kept."""
     if isinstance(entry, _Entry):
-        return PeerReply(True, entry.prompt.ids.array())
-    return PeerReply(False, as_id_array(entry))
+        return Kept(entry.prompt.ids.array(), True)
+    return Kept(as_id_array(entry), False)
 
 
 def _check_input(text: object, key: object) -> None:

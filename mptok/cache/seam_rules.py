@@ -81,6 +81,8 @@ PREFIX_UNLESS_SPACE = "unless-space"  # ByteLevel add_prefix_space, Metaspace "a
 PREFIX_FIRST_UNLESS_SPACE = "first-unless-space"  # Metaspace "first": the text's first segment only
 PREFIX_ALWAYS = "always"  # a Prepend normalizer
 
+# Code points from which a character takes 2, 3 and 4 UTF-8 bytes.
+_UTF8_UNITS = np.array([0x80, 0x800, 0x10000], dtype=np.uint32)
 _GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)|(?<=[\p{L}\p{N}])(?=[\p{P}\p{S}])"
 _GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
 _BEFORE_SPACE = r"(?= )"
@@ -130,7 +132,10 @@ class SeamRules:
     def forced_boundaries(self, text: str, low: int, high: int) -> list[int]:
         """Forced boundaries ``x`` with ``low < x < high``, ascending; each
         decided by ``text[x - 1]`` and ``text[x]`` alone."""
-        return [m.start() for m in self.forced.finditer(text, max(low, 1), high)]
+        low = max(low, 1)
+        if high <= low:
+            return []  # (``regex`` reads a negative end as counted from the text's end)
+        return [m.start() for m in self.forced.finditer(text, low, high)]
 
     def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
         """Where the last tokens of ``ids`` (the exact tokenization of
@@ -151,6 +156,8 @@ class SeamRules:
         else:
             walked = text[lowest:]
             locatable = len(walked)
+        if self.prefix == PREFIX_NONE:
+            return self._walk_back(ids, walked, lowest, locatable)
         try:
             points = np.frombuffer(walked.encode("utf-32-le"), dtype=np.uint32)
         except UnicodeEncodeError:
@@ -184,6 +191,49 @@ class SeamRules:
         positions = lowest + chars[on_boundary]
         indices = len(ids) - count + first + np.flatnonzero(on_boundary)
         return TokenStarts(positions.astype(np.int64), indices.astype(np.int64))
+
+    def _walk_back(self, ids: np.ndarray, walked: str, lowest: int, locatable: int) -> TokenStarts | None:
+        """``token_starts`` for a layout that adds nothing at a segment's
+        start: every token covers a unit at least, so the tokens to walk are
+        known at once, and a few dozen of them are walked one by one (cheaper
+        than a dozen array operations on so few)."""
+        marked = walked.replace(SPACE_MARKER, " ") if self.space_marker else walked
+        ascii_only = marked.isascii()
+        try:
+            total = len(marked) if ascii_only else len(marked.encode("utf-8"))
+        except UnicodeEncodeError:
+            return None
+        count = min(len(ids), total + 1)
+        first = len(ids) - count
+        tail = np.asarray(ids[first:])
+        if count and (int(tail.min()) < 0 or int(tail.max()) >= len(self.lengths)):
+            return None
+        lengths = self.lengths[tail].tolist()
+        position, units, indices = total, [], []
+        for k in range(count - 1, -1, -1):
+            length = lengths[k]
+            if length < 0:
+                break
+            position -= length
+            if position < 0:
+                break
+            units.append(position)
+            indices.append(first + k)
+        else:
+            if count == len(ids) and position != 0 and (position > 0 or lowest == 0):
+                return None  # every token walked, and they do not tile the text
+        units.reverse()
+        indices.reverse()
+        if ascii_only:
+            keep = [i for i, unit in enumerate(units) if unit < locatable]
+            return TokenStarts(np.asarray([lowest + units[i] for i in keep], np.int64), np.asarray([indices[i] for i in keep], np.int64))
+        points = np.frombuffer(marked.encode("utf-32-le"), dtype=np.uint32)
+        char_units = np.cumsum(_UTF8_UNITS.searchsorted(points, side="right") + 1)
+        char_units = np.concatenate(([0], char_units[:-1]))
+        begins = np.asarray(units, np.int64)
+        chars = np.searchsorted(char_units, begins)
+        ok = (chars < locatable) & (char_units[np.minimum(chars, len(char_units) - 1)] == begins)
+        return TokenStarts(lowest + chars[ok], np.asarray(indices, np.int64)[ok])
 
     def _last_tokens(self, ids: np.ndarray, total: int) -> tuple[np.ndarray | None, np.ndarray]:
         """The last ids, enough of them to cover ``total`` units or all,

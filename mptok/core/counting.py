@@ -31,6 +31,12 @@ class Counters:
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + n
 
+    def add_each(self, *names: str) -> None:
+        """One more of each of ``names``, under one acquisition of the lock."""
+        with self._lock:
+            for name in names:
+                self._counts[name] = self._counts.get(name, 0) + 1
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)

@@ -25,7 +25,6 @@ from typing import Any
 
 from mptok.api.affinity import IdentityKind
 from mptok.core.settings import ENGINES
-from mptok.routing.crossing import CHOICES as CROSSING_CHOICES
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.policy import POLICIES as ROUTING_POLICIES
 
@@ -209,7 +208,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_cache_uncached_total", "cache", "uncached", "Prompts too short or too long to cache, tokenized in full."),
     _gauge("mptok_cache_entries", "cache", "entries", "Conversations kept by the cache."),
     _gauge("mptok_cache_cached_chars", "cache", "cached_chars", "Prompt characters kept by the cache."),
-    _gauge("mptok_cache_bytes", "cache", "cached_bytes", "Bytes the cache holds for its conversations (text, ids, offsets, versions, keys, bookkeeping)."),
+    _gauge("mptok_cache_bytes", "cache", "cached_bytes", "Bytes the cache holds for its conversations (text, ids, offsets, fingerprint chains, keys, bookkeeping)."),
     _gauge("mptok_cache_max_bytes", "cache", "max_bytes", "The cache's byte budget (--cache-bytes, MPTOK_CACHE_MAX_BYTES)."),
     _counter("mptok_cache_tokens_reused_total", "cache", "tokens_reused", "Token ids answered from kept prompts, without tokenizing them again."),
     _counter("mptok_cache_tokens_tokenized_total", "cache", "tokens_tokenized", "Token ids the tokenizer backend produced: new tails and full tokenizations."),
@@ -230,6 +229,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_routed_total", "routing", "routed", "Prompts arriving here that their conversation's owner (another process) tokenized."),
     _counter("mptok_routed_since_total", "routing", "routed_since", "Routed prompts sent as the characters after a held fingerprint."),
     _counter("mptok_routed_copies_kept_total", "routing", "copies_kept", "Routed prompts whose owner's ids this process also kept as its own copy (where that evicted nothing), to extend here."),
+    _counter("mptok_kept_here_total", "routing", "kept_here", "Prompts another process owns, extended here because this process keeps a copy of their conversation."),
     _counter("mptok_route_failures_total", "routing", "route_failures", "Calls to an owner that failed; the prompt was tokenized here."),
     _counter("mptok_owned_here_total", "routing", "owned_here", "Keyed prompts whose owner is this process."),
     _counter("mptok_taken_over_here_total", "routing", "taken_over_here", "Keyed prompts tokenized here because their owners were down."),
@@ -243,10 +243,8 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_owner_refused_requests_total", "routing", "refused_requests", "Authenticated peer connections that asked for something other than encode."),
     Metric("mptok_route_fallbacks_total", "counter", "Prompts not tokenized by their owner, by reason.",
            OnePerLabel("reason", {reason: ("routing", f"fallback_{reason}") for reason in FALLBACK_REASONS})),
-    Metric("mptok_routing_policy", "gauge", "1 for the routing policy this process follows (--routing, MPTOK_ROUTING): cheaper, always or never.",
+    Metric("mptok_routing_policy", "gauge", "1 for the routing policy this process follows (--routing, MPTOK_ROUTING): kept, always or never.",
            OnePerLabel("policy", {policy: ("routing", f"policy_{policy}") for policy in ROUTING_POLICIES})),
-    Metric("mptok_crossing_choices_total", "counter", "Prompts this process could send its owner as new characters, by choice: route_cheaper, route_unknown (no estimate yet), route_probe (refreshing the estimate), local_cheaper (tokenized here: cheaper than the crossing), local_kept (extending the version kept here).",
-           OnePerLabel("choice", {choice: ("routing", f"crossing_{choice}") for choice in CROSSING_CHOICES})),
     Metric("mptok_prompts_total", "counter", "Prompts tokenized through mptok (the cache or its owner), by where their conversation's name came from: keyed (the client named it), derived (from a chat's first messages, or --affinity-chars of a prompt), keyless (not routed).",
            OnePerLabel("identity", {kind.value: ("prompts", kind.value) for kind in IdentityKind})),
     _counter("mptok_prompt_tokens_total", "prompts", PROMPT_TOKENS, "Prompt tokens returned through mptok (the cache or its owner), special tokens included."),

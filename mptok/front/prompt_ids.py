@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from mptok.api.affinity import ConversationIdentity
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.backend import SlowTokenizerError, backend_for
-from mptok.cache.prefix_cache import Encoder, TokenCache
+from mptok.cache.protocols import Encoder, Routing, TokenCache
 from mptok.core.counting import Counters
 from mptok.core.ids import as_id_array
 from mptok.front.catalogue import (
@@ -40,14 +40,6 @@ from mptok.front.catalogue import (
     PROMPT_TOKENS,
     TEXT_LENGTHS,
 )
-
-class Routing(Encoder, Protocol):
-    """Routing above a cache (``TokenizationOwners``): it encodes, and counts what it did."""
-
-    def stats(self) -> dict[str, int]:
-        """Counters since start, for /metrics."""
-        ...
-
 
 class PromptIds:
     """Exact ids of prompt text for one tokenizer, through ``routing`` (if any) or ``cache``.

@@ -2,9 +2,9 @@
 
 A peer sends a ``PeerRequest``: either a whole prompt, or the characters
 after those its fingerprint covers (``mptok.core.protocol``). ``PeerService``
-answers either in one cache call, with all the prompt's ids; None when no
-prompt kept here has that fingerprint, and the peer then sends the whole
-text. ``PeerWorkers`` runs those answers on a few threads of their own,
+answers either in one cache call (``keep``), with all the prompt's ids and
+whether the prompt is kept here; None when no prompt kept here has that
+fingerprint, and the peer then sends the whole text. ``PeerWorkers`` runs those answers on a few threads of their own,
 warmed before peers can call. The transport
 (``mptok.transport.serve_encode``) decodes the request and encodes the
 reply; this module only decides what the reply is, and on which thread.
@@ -19,9 +19,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
+from mptok.cache.protocols import TokenCache
 from mptok.core.deadline import Deadline
+from mptok.core.fingerprint import Fingerprint
 from mptok.core.protocol import PeerReply, PeerRequest
 
 logger = logging.getLogger(__name__)
@@ -35,37 +37,28 @@ PEER_WORKER_PREFIX = "mptok-peer"
 HANDED_OVER_FIRST = 8
 
 
-class PeerCache(Protocol):
-    """What the protocol needs from an owner's cache (``PrefixTokenCache``)."""
-
-    def encode_reply(self, tokenizer: Any, text: str, key: str | None) -> PeerReply:
-        """All the ids of ``text``, tokenized and kept here, and whether it was kept."""
-        ...
-
-    def answer_peer(self, tokenizer: Any, key: str, since: int, shared_chars: int, tail: str) -> PeerReply | None:
-        """The reply for the prompt whose first ``shared_chars`` characters
-        have fingerprint ``since`` and which goes on with ``tail``; None when
-        no kept prompt has that fingerprint."""
-        ...
-
-
 class PeerService:
     """This frontend's answers to its peers: ``cache`` tokenizing with ``tokenizer``."""
 
-    def __init__(self, cache: PeerCache, tokenizer: Any):
+    def __init__(self, cache: TokenCache, tokenizer: Any):
         self._cache = cache
         self._tokenizer = tokenizer
 
     def answer(self, request: PeerRequest) -> PeerReply | None:
-        """The reply to ``request``: all the prompt's ids. None when a delta's
-        fingerprint matches no prompt kept here; a prompt without a key has
-        no fingerprint and is answered whole. Raises what ``cache.encode``
-        raises for bad input. Called on the transport's threads, concurrently."""
-        if request.since is None:
-            return self._cache.encode_reply(self._tokenizer, request.text, request.key)
+        """The reply to ``request``: all the prompt's ids, and whether it is kept
+        here. None when a delta's fingerprint matches no prompt kept here; a
+        prompt without a key has no fingerprint and is answered whole, not
+        kept. Raises what ``cache.encode`` raises for bad input. Called on
+        the transport's threads, concurrently."""
         if request.key is None:
-            return None
-        return self._cache.answer_peer(self._tokenizer, request.key, request.since, request.shared_chars, request.text)
+            return None if request.delta else PeerReply(False, self._cache.encode_array(self._tokenizer, request.text))
+        after = None
+        if request.since is not None:
+            after = Fingerprint.from_wire(request.since, request.shared_chars)
+            if after is None:
+                return None
+        kept = self._cache.keep(self._tokenizer, request.text, request.key, after=after)
+        return None if kept is None else PeerReply(kept.kept, kept.ids)
 
 
 class PeerWorkers:

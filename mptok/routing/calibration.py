@@ -1,11 +1,10 @@
-"""What tokenizing a character costs in this process, learned once at start.
+"""What tokenizing a character costs in this process at worst, learned once at start; and the text threads warm on.
 
 Routing bounds its patience with an owner by what a prompt would cost here
-at worst (``mptok.routing.deadline``: made-up words, which no engine has
-cached), and weighs a prompt's cost here against a call to its owner by
-what a prompt typically costs (``mptok.routing.crossing``: real text, whose
-words repeat as a prompt's do). The two differ most for the fast engines,
-which cache words: made-up words cost them tens of times what text does.
+at worst (``mptok.routing.deadline``): made-up words, which no engine has
+cached (the fast engines cache words: made-up words cost them tens of
+times what text does). The threads that answer peers warm their engines
+on real text instead (``typical_text``), whose words repeat as a prompt's do.
 """
 
 from __future__ import annotations
@@ -37,12 +36,11 @@ def build_backend(tokenizer: Any, choice: str) -> TokenizerBackend | None:
     return backend
 
 
-def seconds_per_char(backend: TokenizerBackend, sample: str | None = None) -> float:
-    """What tokenizing one character of ``sample`` (default: made-up words)
-    in full costs ``backend`` here, with the engine its full tokenizations
-    use (a fast one, if trusted)."""
-    if sample is None:
-        sample = made_up_words()
+def seconds_per_char(backend: TokenizerBackend) -> float:
+    """What tokenizing one character of made-up words in full costs
+    ``backend`` here, with the engine its full tokenizations use (a fast
+    one, if trusted)."""
+    sample = made_up_words()
     started = time.perf_counter()
     backend.encode_ids(sample)
     return (time.perf_counter() - started) / len(sample)

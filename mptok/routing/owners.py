@@ -4,9 +4,11 @@ With several frontends behind one port, the kernel hands each connection to
 any of them, so consecutive turns of a conversation land in different
 processes, each with its own ``PrefixTokenCache``, and a turn finds its
 conversation cached only one time in F. Every frontend therefore serves its
-cache to the others (``mptok.transport``) and sends each keyed prompt to the
-conversation's owner: the first live frontend in the conversation's
-rendezvous order, which every process computes alike. While an owner is
+cache to the others (``mptok.transport``) and sends each keyed prompt whose
+conversation it keeps no copy of to the conversation's owner: the first
+live frontend in the conversation's rendezvous order, which every process
+computes alike. The owner's answer is kept here where there is room, so
+the conversation's next turn to land here is extended here. While an owner is
 down, every process sends its conversations to the same next frontend in
 their order, whose cache then holds them; when the owner is back, they go
 back to it. A prompt that no owner tokenizes in time is tokenized where it
@@ -14,10 +16,10 @@ arrived: routing changes where the work is done, never the ids.
 
 Routing is a layer above the cache. ``TokenizationOwners`` holds the two
 sides and their lifecycle: the asker's ``Router`` (``mptok.routing.router``),
-whose plain ``Decision`` is the owner's ids or "tokenize it here", and the
-owner's ``PeerService`` (``mptok.routing.answer``), which the transport
-serves to the peers; its ``encode`` asks the router, then the local cache
-when the decision says so. Nothing below calls back up.
+which gives the ids or None ("tokenize it here"), and the owner's
+``PeerService`` (``mptok.routing.answer``), which the transport serves to
+the peers; its ``encode`` asks the router, then the local cache when the
+router gave no ids. Nothing below calls back up.
 """
 
 from __future__ import annotations
@@ -25,28 +27,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
+from mptok.cache.protocols import TokenCache
 from mptok.core.deadline import Deadline
 from mptok.core.private_files import secure_ipc_dir
 from mptok.routing.answer import PeerService, PeerWorkers
 from mptok.routing.calibration import build_backend, seconds_per_char, typical_text
-from mptok.routing.crossing import CrossingCosts
 from mptok.routing.deadline import PATIENCE_FACTOR, RouteLimits
 from mptok.routing.liveness import OwnerRecord, publish, unpublish
-from mptok.routing.policy import ALWAYS, CHEAPER, NEVER, POLICIES, routing_policy
-from mptok.routing.router import RoutableCache, Router
+from mptok.routing.policy import KEPT, NEVER, POLICIES, routing_policy
+from mptok.routing.router import Router
 from mptok.routing.switch_interval import lower_switch_interval
 from mptok.transport import OwnerAlreadyServing, ServerLimits, serve_encode, socket_path
 
 __all__ = [
     "OwnerAlreadyServing",
-    "RoutableCache",
     "ServerLimits",
     "TokenizationOwners",
     "lower_switch_interval",
@@ -58,9 +58,9 @@ class TokenizationOwners:
 
     ``encode(tokenizer, text, key)`` is the routed ``cache.encode`` (and
     ``encode_array`` the routed ``cache.encode_array``): the same ids,
-    tokenized by the conversation's owner when that is another live
-    frontend and a call to it is expected to cost less than tokenizing the
-    prompt here (``mptok.routing.crossing``), else here. It never fails
+    tokenized here when this frontend keeps the conversation (or owns
+    it), else by the conversation's owner, another live frontend, whose
+    answer this frontend keeps where there is room. It never fails
     because an owner did: a call that fails or runs past its deadline
     (``timeout_s``, and for a delta call this frontend's patience,
     ``mptok.routing.deadline``) is given up and the prompt tokenized here;
@@ -69,17 +69,17 @@ class TokenizationOwners:
 
     Starting builds the tokenizer's backend (1.5 s to 3 s for a large
     vocabulary) and, with peers to ask, learns what a character costs here
-    (``mptok.routing.calibration``), then binds
+    at worst, for its patience (``mptok.routing.calibration``), then binds
     ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
     ``OwnerAlreadyServing`` while a live process serves this frontend id,
     ``PermissionError`` for an ipc dir other users can enter) and publishes
     this process as the owner. ``close()`` (or leaving the ``with`` block)
     undoes it all within one time budget; it is idempotent. A process that
     serves peers should call ``lower_switch_interval()`` once at start.
-    ``routing`` is the policy (``mptok.routing.policy``): "cheaper" (the
-    default, or ``MPTOK_ROUTING``) weighs each crossing, "always" routes every
-    prompt an owner can answer, "never" none; ``weigh_crossing=False`` is
-    "always", as before there was a policy. ``warm_thread`` (None for a
+    ``routing`` is the policy (``mptok.routing.policy``): "kept" (the
+    default, or ``MPTOK_ROUTING``) extends here what this frontend keeps and
+    routes the rest, "always" routes every prompt another frontend owns,
+    "never" none. ``warm_thread`` (None for a
     tokenizer the cache does not serve) runs the cache's fast engines once
     on real text on the calling thread (``Engines.warm_this_thread``):
     what a pool of the frontend's own threads can run on each before it
@@ -91,7 +91,7 @@ class TokenizationOwners:
         ipc_dir: str,
         frontend_id: int,
         num_frontends: int,
-        cache: RoutableCache,
+        cache: TokenCache,
         tokenizer: Any,
         *,
         authkey: bytes,
@@ -99,7 +99,6 @@ class TokenizationOwners:
         backoff_s: float = 10.0,
         limits: ServerLimits | None = None,
         patience_factor: float = PATIENCE_FACTOR,
-        weigh_crossing: bool = True,
         routing: str | None = None,
     ):
         if not 0 <= frontend_id < num_frontends:
@@ -109,7 +108,7 @@ class TokenizationOwners:
         self._frontend_id = frontend_id
         self._ipc_dir = secure_ipc_dir(ipc_dir)
         self._cache = cache
-        self.policy = routing_policy(routing if routing is not None or weigh_crossing else ALWAYS)
+        self.policy = routing_policy(routing)
         self._close_timeout_s = (limits if limits is not None else ServerLimits()).close_timeout_s
         self._close_lock = threading.Lock()
         self._closed = False
@@ -117,24 +116,20 @@ class TokenizationOwners:
         # tokenizer backend is still to be built (1.5 s to 3 s) would time
         # them out and be backed off from. So it is built first.
         backend = build_backend(tokenizer, cache.config.tokenizer_backend)
-        # Calibration is for asking peers: a lone frontend never does.
-        calibrated = num_frontends > 1 and backend is not None
-        worst_s_per_char = seconds_per_char(backend) if calibrated else None
-        # Without weighing, every prompt an owner can answer is routed.
-        weighing = calibrated and self.policy == CHEAPER
+        # Patience is for asking peers: a lone frontend never does.
+        worst_s_per_char = seconds_per_char(backend) if num_frontends > 1 and backend is not None else None
         route_limits = RouteLimits(
             timeout_s,
             backoff_s,
             patience_factor * worst_s_per_char if worst_s_per_char is not None and patience_factor > 0 else None,
         )
-        sample = typical_text() if backend is not None else ""
-        crossing = CrossingCosts(seconds_per_char(backend, sample) if weighing else None)
         self._router = Router(
-            cache, tokenizer, frontend_id, num_frontends, self._ipc_dir, authkey, route_limits, crossing, routing=self.policy != NEVER
+            cache, tokenizer, frontend_id, num_frontends, self._ipc_dir, authkey, route_limits,
+            routing=self.policy != NEVER, keep_copies=self.policy == KEPT,
         )
         # A fast engine builds per-thread state on a thread's first calls.
         self.warm_thread: Callable[[], object] | None = (
-            functools.partial(backend.engines.warm_this_thread, sample) if backend is not None else None
+            functools.partial(backend.engines.warm_this_thread, typical_text()) if backend is not None else None
         )
         # Peers are answered on threads warmed here, before they can call.
         self._workers = PeerWorkers(
@@ -166,32 +161,24 @@ class TokenizationOwners:
     def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array (``cache.encode_array``),
         for a caller that writes JSON or sends them on: no list is made."""
-        decision = self._router.decide(tokenizer, text, key)
-        if decision.ids is not None:
-            return decision.ids
-        started = time.perf_counter()
-        ids = self._cache.encode_array(tokenizer, text, key, room_only=decision.room_only)
-        if decision.timed:
-            self._router.tokenized_here(len(text), time.perf_counter() - started)
-        return ids
+        ids = self._router.decide(tokenizer, text, key)
+        return ids if ids is not None else self._cache.encode_array(tokenizer, text, key)
 
     def stats(self) -> dict[str, int]:
         """Counters since start, for /metrics.
 
         routed: prompts a peer tokenized. copies_kept: routed prompts whose
-        ids this frontend also kept as its own copy (the cheaper policy, where
-        that evicted nothing). owned_here: prompts whose owner is
+        ids this frontend also kept as its own copy (the kept policy, where
+        that evicted nothing). kept_here: prompts another frontend owns,
+        extended here because this frontend keeps a copy of their
+        conversation (the kept policy). owned_here: prompts whose owner is
         this frontend. taken_over_here: prompts tokenized here because every
         frontend before this one in their order was skipped.
         route_failures: calls that failed (each also counts as
         fallback_timeout, fallback_patience or fallback_error; a call that
         failed to reach an owner the check then found gone counts as that
         skip instead). fallback_<reason>: owners skipped or failed, by reason.
-        crossing_<choice>: for prompts this frontend could send its owner as
-        a delta, whether it did because that was cheaper (route_cheaper), not
-        yet known (route_unknown) or to refresh the estimate (route_probe), or
-        tokenized it here because that was cheaper (local_cheaper) or because
-        this frontend keeps a version of it (local_kept). served, serve_errors,
+        served, serve_errors,
         active_connections, accepted, refused, handshake_failures,
         refused_requests: this frontend as an owner. held_entries,
         held_bytes, held_max_bytes: the fingerprints of routed prompts held here.

@@ -1,15 +1,16 @@
-"""The asker's side of routing: for one prompt, its owner's ids or a plain "tokenize it here".
+"""The asker's side of routing: for one prompt, its ids from where they are kept, or a plain "tokenize it here".
 
 ``Router.decide`` is this frontend's whole part of a routed prompt, in
-order: one question to the cache (would it keep the prompt, does it hold
-the conversation), the conversation's order of frontends (``order``), the
-first one worth calling (``liveness``), whether a crossing pays
-(``crossing``), the request (``held``: a delta when a fingerprint is held),
-one call through the transport within the route's deadline (``deadline``),
-and the fingerprint of what the owner kept. It returns a ``Decision``: the
-ids, or tokenize here and how to keep the prompt. The layers below it are
-called, never calling back: the liveness check that runs while the owner
-works runs here, between sending the request and reading the reply.
+order: the conversation's order of frontends (``order``); when another
+frontend owns it, what this frontend keeps (one cache call: a
+conversation kept here is extended here, whatever its owner's state);
+else the first owner worth calling (``liveness``), the request (``held``:
+a delta when a fingerprint is held), one call through the transport within
+the route's deadline (``deadline``), the fingerprint of what the owner
+kept, and the owner's answer kept here where there is room. It returns the
+ids, or None: tokenize here. The layers below it are called, never calling
+back: the liveness check that runs while the owner works runs here,
+between sending the request and reading the reply.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from mptok.cache.prefix_cache import Holding, TokenCache
+from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.protocol import PeerRequest
-from mptok.routing.answer import PeerCache
-from mptok.routing.crossing import CHOICES, LOCAL_CHEAPER, LOCAL_KEPT, CrossingCosts
 from mptok.routing.deadline import RouteDeadline, RouteLimits
 from mptok.routing.held import HeldFingerprints
 from mptok.routing.liveness import ERROR, FALLBACK_REASONS, PATIENCE, TIMEOUT, OwnerLiveness, OwnerRecord
@@ -36,46 +35,9 @@ from mptok.transport import EncodeProxy, OwnerError, OwnerTimeout, OwnerUnreacha
 logger = logging.getLogger(__name__)
 
 ROUTE_COUNTERS = (
-    ("routed", "routed_since", "copies_kept", "owned_here", "taken_over_here", "route_failures")
-    + tuple(f"fallback_{reason}" for reason in FALLBACK_REASONS)
-    + tuple(f"crossing_{choice}" for choice in CHOICES)
-)
-
-
-class RoutableCache(TokenCache, PeerCache, Protocol):
-    """What routing needs from this frontend's cache: encode here, and
-    answer its peers (``PrefixTokenCache``)."""
-
-    def encode_array(
-        self, tokenizer: Any, text: str, key: str | None = None, *, room_only: bool = False
-    ) -> np.ndarray:
-        """``encode``'s ids as an int32 array; with ``room_only`` the prompt
-        is kept only if that evicts no other."""
-        ...
-
-    def keep_copy(self, tokenizer: Any, text: str, key: str, ids: np.ndarray, chain: bytes = b"") -> bool:
-        """Keep the owner's ``ids`` of ``text`` as this frontend's copy, only
-        where that evicts nothing (``chain``: digests of ``text`` computed
-        already); whether it was kept."""
-        ...
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What becomes of one prompt: ``ids`` (int32) from its owner, or, when
-    None, tokenize it here and keep it (``room_only``: only where that
-    evicts nothing, because its owner keeps the conversation). ``timed``:
-    tokenized here because that was judged cheaper than its owner; what it
-    takes goes to ``Router.tokenized_here``."""
-
-    ids: np.ndarray | None = None
-    room_only: bool = False
-    timed: bool = False
-
-
-TOKENIZE_HERE = Decision()
-TOKENIZE_HERE_IF_ROOM = Decision(room_only=True)
-TOKENIZE_HERE_TIMED = Decision(room_only=True, timed=True)
+    "routed", "routed_since", "copies_kept", "kept_here", "owned_here", "taken_over_here", "route_failures",
+    *(f"fallback_{reason}" for reason in FALLBACK_REASONS),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,37 +52,40 @@ class _Fallback:
 
 @dataclass(frozen=True)
 class _Answered:
-    """The owner's ids, which owner (frontend, incarnation) gave them,
-    whether a delta request got them, and the digests of the prompt's text
-    computed on the way (``HeldFingerprints``)."""
+    """The owner's ids, the digests of the prompt's text computed on the
+    way (``HeldFingerprints``), and whether a delta request got them."""
 
     ids: np.ndarray
-    owner: tuple
-    delta: bool
     chain: bytes
+    delta: bool
 
 
 class Router:
-    """Decides, for each keyed prompt, whether its owner tokenizes it, and asks it.
+    """Decides, for each keyed prompt, where it is tokenized: here, or by its owner, which it asks.
 
-    ``decide`` never raises because an owner failed: a call that fails or
-    runs past its deadline (``limits``: the timeout, and for a delta call
-    the patience) is given up and the decision is to tokenize here; an
-    owner that timed out is skipped for ``limits.backoff_s``. It raises what the cache raises for bad input.
+    ``routing`` False decides "here" for every prompt (the ``never``
+    policy). ``keep_copies`` (the ``kept`` policy) extends here every
+    conversation this frontend keeps and keeps owners' answers where there
+    is room; without it (``always``) every prompt another frontend owns
+    goes to it. ``decide`` never raises because an owner failed: a call
+    that fails or runs past its deadline (``limits``: the timeout, and for
+    a delta call the patience) is given up and the decision is to tokenize
+    here; an owner that timed out is skipped for ``limits.backoff_s``. It
+    raises what the cache raises for bad input.
     ``close(deadline)`` stops routing and closes every connection.
     """
 
     def __init__(
-        self, cache: RoutableCache, tokenizer: Any, frontend_id: int, num_frontends: int, ipc_dir: str, authkey: bytes,
-        limits: RouteLimits, crossing: CrossingCosts, *, routing: bool,
+        self, cache: TokenCache, tokenizer: Any, frontend_id: int, num_frontends: int, ipc_dir: str, authkey: bytes,
+        limits: RouteLimits, *, routing: bool, keep_copies: bool,
     ):
         self._frontend_id = frontend_id
         self._num_frontends = num_frontends
         self._cache = cache
         self._tokenizer = tokenizer
         self._limits = limits
-        self._crossing = crossing
         self._routing = routing
+        self._keep_copies = keep_copies
         self._liveness = OwnerLiveness(ipc_dir, backoff_s=limits.backoff_s)
         self._proxies = {
             peer: EncodeProxy(socket_path(ipc_dir, peer), authkey, limits.timeout_s)
@@ -131,49 +96,51 @@ class Router:
         self._counters = Counters(ROUTE_COUNTERS)
         self._route_seconds = Histogram()
 
-    def decide(self, tokenizer: Any, text: str, key: str | None) -> Decision:
-        """The ids of ``text`` from its conversation's owner, or where to tokenize it here."""
+    def decide(self, tokenizer: Any, text: str, key: str | None) -> np.ndarray | None:
+        """The ids of ``text`` from where its conversation is kept, or None: tokenize it here."""
         if not self._routing or key is None or tokenizer is not self._tokenizer:
-            return TOKENIZE_HERE
-        holding = self._cache.holding(tokenizer, text, key)
-        if holding is Holding.NOT_KEPT:
-            return TOKENIZE_HERE
+            return None
+        if len(text) < self._cache.config.min_chars:
+            return None  # no cache keeps it: a crossing would buy nothing
+        order = owner_order(key, self._num_frontends)
+        if order[0] == self._frontend_id:
+            self._counters.add("owned_here")
+            return None
+        if self._keep_copies:
+            # Kept here: extended here, before any look at its owner. The
+            # owner keeps the conversation too, so a copy is kept only where
+            # that evicts nothing.
+            here = self._cache.keep(tokenizer, text, key, if_kept=True, room_only=True)
+            if here is not None:
+                self._counters.add("kept_here")
+                return here.ids
         started = time.perf_counter()
         deadline = self._limits.deadline(len(text))
-        order = owner_order(key, self._num_frontends)
         for frontend in order:
             if frontend == self._frontend_id:
-                self._counters.add("owned_here" if frontend == order[0] else "taken_over_here")
-                return TOKENIZE_HERE
+                self._counters.add("taken_over_here")
+                return None
             try:
-                outcome = self._try_owner(frontend, key, text, holding, deadline)
+                outcome = self._try_owner(frontend, key, text, deadline)
             except Exception:
                 logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
                 outcome = _Fallback(ERROR, skip=False)
-            if isinstance(outcome, Decision):
-                return outcome
             if isinstance(outcome, _Answered):
-                took_s = time.perf_counter() - started
-                self._route_seconds.observe(took_s)
-                if outcome.delta:
-                    self._crossing.observe(outcome.owner, took_s)
-                if self._crossing.weighing and self._cache.keep_copy(tokenizer, text, key, outcome.ids, outcome.chain):
-                    # Where there is room, the owner's answer is also this
-                    # frontend's copy: the conversation's next prompt to land
-                    # here is extended here, with no crossing and no miss.
-                    self._counters.add("copies_kept")
-                return Decision(outcome.ids)
+                self._route_seconds.observe(time.perf_counter() - started)
+                # Where there is room, the conversation's next prompt to land here is extended here.
+                copied = self._keep_copies and self._cache.keep(
+                    tokenizer, text, key, ids=outcome.ids, chain=outcome.chain, room_only=True
+                ).kept
+                self._counters.add_each(
+                    "routed", *(("routed_since",) if outcome.delta else ()), *(("copies_kept",) if copied else ())
+                )
+                return outcome.ids
             self._counters.add(f"fallback_{outcome.reason}")
             if not outcome.skip:
                 self._counters.add("route_failures")
                 logger.debug("frontend %d did not tokenize a prompt of %r: %s", frontend, key, outcome.reason)
-                return TOKENIZE_HERE
+                return None
         raise AssertionError("this frontend is in every order")
-
-    def tokenized_here(self, prompt_chars: int, seconds: float) -> None:
-        """A prompt ``decide`` timed took ``seconds`` to tokenize here: the
-        crossing's estimate of what a character costs here follows it."""
-        self._crossing.observe_here(prompt_chars, seconds)
 
     def stats(self) -> dict[str, int]:
         """The route counters (see ``TokenizationOwners.stats``) and the held fingerprints'."""
@@ -194,9 +161,7 @@ class Router:
         for proxy in self._proxies.values():
             proxy.close(deadline)
 
-    def _try_owner(
-        self, frontend: int, key: str, text: str, holding: Holding, deadline: RouteDeadline
-    ) -> _Answered | Decision | _Fallback:
+    def _try_owner(self, frontend: int, key: str, text: str, deadline: RouteDeadline) -> _Answered | _Fallback:
         # An owner found live (or that answered) within revalidate_s is
         # called at once and checked while it works.
         record, checked = self._liveness.recently_live(frontend), False
@@ -206,18 +171,6 @@ class Router:
                 return _Fallback(reason, skip=True)
             assert record is not None
             checked = True
-        owner = (frontend, record.incarnation)
-        if self._held.get(owner, key) is not None:
-            # A delta call: weigh it against tokenizing here. Extending the
-            # version kept here costs less than the owner extending its own,
-            # plus the crossing.
-            weighing_kept = self._crossing.weighing and holding is Holding.KEPT_HERE
-            choice = LOCAL_KEPT if weighing_kept else self._crossing.choose(owner, len(text))
-            self._counters.add(f"crossing_{choice}")
-            if choice == LOCAL_KEPT:
-                return TOKENIZE_HERE_IF_ROOM
-            if choice == LOCAL_CHEAPER:
-                return TOKENIZE_HERE_TIMED
         return self._ask(frontend, record, key, text, deadline, checked)
 
     def _ask(
@@ -262,10 +215,7 @@ class Router:
             return _Fallback(ERROR, skip=False)
         chain = self._held.remember(owner, key, text, chain, reply.kept)
         self._liveness.answered(frontend, record)
-        if answered_delta:
-            self._counters.add("routed_since")
-        self._counters.add("routed")
-        return _Answered(reply.ids, owner, answered_delta, chain)
+        return _Answered(reply.ids, chain, answered_delta)
 
     def _skip_reason(self, frontend: int) -> str | None:
         """Why the liveness check says to skip ``frontend`` now; None: call it."""

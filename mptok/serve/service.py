@@ -42,7 +42,7 @@ from mptok.api.tokenize_request import (
     parse_tokenize_request,
 )
 from mptok.api.vllm_contract import RequestLimits, UnknownModel
-from mptok.cache.prefix_cache import TokenCache
+from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.warm_threads import warm_every_thread

@@ -191,11 +191,11 @@ class ServeOptions:
         "are always routed by their first messages (default: %(default)s)",
         use=Use.SERVICE, default=0,
     )
-    # None: MPTOK_ROUTING, else "cheaper" (mptok.routing.policy).
+    # None: MPTOK_ROUTING, else "kept" (mptok.routing.policy).
     routing: str | None = option(
         "--routing", str, "POLICY",
-        "which prompts go to their conversation's owner: cheaper (when that costs less than tokenizing "
-        "here), always, or never (a cache per frontend); default: MPTOK_ROUTING, else cheaper",
+        "which prompts go to their conversation's owner: kept (those of conversations this frontend "
+        "keeps no copy of), always, or never (a cache per frontend); default: MPTOK_ROUTING, else kept",
         use=Use.ROUTING, default=None, choices=POLICIES,
     )
     route_timeout_s: float = option(

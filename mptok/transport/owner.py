@@ -67,9 +67,7 @@ class _EncodeService:
             logger.debug("could not tokenize a prompt for a peer: %r", e)
             return f"{type(e).__name__}: {e}"
         self.serve_seconds.observe(time.perf_counter() - started)
-        self.counters.add("served")
-        if request.delta and packed is not None:
-            self.counters.add("served_since")
+        self.counters.add_each("served", *(("served_since",) if request.delta and packed is not None else ()))
         return packed
 
 

@@ -19,7 +19,6 @@ message ends by the ``mptok.core.deadline.Deadline`` its call was given.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import pickle
 import socket
@@ -96,6 +95,37 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load global {module}.{name}")
 
 
+class _MessageReader:
+    """A message's bytes, where they arrived, as the file the unpickler reads.
+
+    ``read`` hands the unpickler views of them, never copies (it reads
+    through any buffer), and ``readinto`` fills a large bytes object (a
+    reply's ids) from them: each object unpickled is copied once, from the
+    message into itself.
+    """
+
+    def __init__(self, view: memoryview):
+        self._view = view
+        self._at = 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self._view) if n < 0 else min(len(self._view), self._at + n)
+        start, self._at = self._at, end
+        return self._view[start:end]
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as target:
+            n = min(len(target), len(self._view) - self._at)
+            target[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def readline(self) -> memoryview:
+        rest = self._view[self._at :]
+        end = bytes(rest[:256]).find(b"\n")  # pickles of these protocols have no long lines
+        return self.read(len(rest) if end < 0 else end + 1)
+
+
 class TimedConnection:
     """A manager connection on a Unix socket whose every message ends by ``deadline``.
 
@@ -152,7 +182,12 @@ class TimedConnection:
         self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> Any:
-        return _NoGlobalsUnpickler(io.BytesIO(self.recv_bytes())).load()
+        # Unpickled where the bytes arrived (the inbox, or a large message's
+        # own buffer): a large bytes object in it is copied once, into itself.
+        size = self._message_size()
+        message = self._take_view(size) if size <= len(self._inbox) else memoryview(self._read_large(size))
+        with message as view:
+            return _NoGlobalsUnpickler(_MessageReader(view)).load()
 
     def send_bytes(self, buf: bytes) -> None:
         n = len(buf)
@@ -171,6 +206,11 @@ class TimedConnection:
     def recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
         """The next message; ``MessageTooLarge`` (and the connection shut down) past ``maxlength``
         (default: the connection's cap)."""
+        size = self._message_size(maxlength)
+        return self._take(size) if size <= len(self._inbox) else self._read_large(size)
+
+    def _message_size(self, maxlength: int | None = None) -> int:
+        """The next message's length, from its header (see ``recv_bytes``)."""
         (size,) = _SHORT_HEADER.unpack(self._take(_SHORT_HEADER.size))
         if size == -1:
             (size,) = _LENGTH_ONLY.unpack(self._take(_LENGTH_ONLY.size))
@@ -181,9 +221,7 @@ class TimedConnection:
         if size > limit:
             self.shutdown()  # the body is still in the stream, which is therefore useless
             raise MessageTooLarge(f"message of {size} bytes, longer than {limit}")
-        if size <= len(self._inbox):
-            return self._take(size)
-        return self._read_large(size)
+        return size
 
     def wait_for_message(self) -> None:
         """Block until the next message's first byte has arrived."""
@@ -217,12 +255,17 @@ class TimedConnection:
 
     def _take(self, size: int) -> bytes:
         """The next ``size`` bytes of the stream (``size`` <= the inbox)."""
+        with self._take_view(size) as view:
+            return view.tobytes()
+
+    def _take_view(self, size: int) -> memoryview:
+        """A view of the next ``size`` bytes of the stream in the inbox (``size`` <= the inbox),
+        to release before the next read."""
         if self._end - self._start < size:
             self._fill(size)
         start = self._start
         self._start += size
-        with memoryview(self._inbox) as view:
-            return view[start : self._start].tobytes()
+        return memoryview(self._inbox)[start : self._start]
 
     def _fill(self, size: int) -> None:
         """Have at least ``size`` bytes in the inbox: one read of whatever has arrived, then the rest."""

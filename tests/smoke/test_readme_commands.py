@@ -101,9 +101,11 @@ def test_benchmark_runs_to_its_end_in_its_smoke_form_and_writes_no_report(target
     assert results_written() == before
 
 
-def test_owners_example_routes_every_turn_to_the_owner():
+def test_owners_example_routes_a_first_landing_and_extends_the_copy_it_kept():
     """examples/owners.py as the README runs it: two frontend processes, six
-    turns of one conversation alternating between them; the owner tokenizes them all."""
+    turns of one conversation alternating between them; the other frontend
+    routes its first turn to the owner, keeps the answer, and extends that
+    copy for its next two turns."""
     done = subprocess.run(
         [str(ROOT / BIN / "python"), "examples/owners.py"], cwd=ROOT,
         capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, check=False,
@@ -112,5 +114,5 @@ def test_owners_example_routes_every_turn_to_the_owner():
     owner = mptok.owner_of("conversation-1", 2)
     lines = done.stdout.splitlines()
     assert lines[0] == f"conversation-1 is owned by frontend {owner}"
-    assert f"frontend {owner}: routed 0, owned here 3, cache hits 5, misses 1" in lines
-    assert f"frontend {1 - owner}: routed 3, owned here 0, cache hits 0, misses 0" in lines
+    assert f"frontend {owner}: routed 0, kept here 0, owned here 3, cache hits 3, misses 1" in lines
+    assert f"frontend {1 - owner}: routed 1, kept here 2, owned here 0, cache hits 2, misses 0" in lines

@@ -241,13 +241,11 @@ def test_a_session_header_names_the_conversation_as_mptok_serve_does(switched):
     entries = grown("mptok_cache_entries")
     # Every session is kept by its owner. An API server keeps a copy of a
     # session it does not own only where it tokenized a turn itself (the
-    # crossing chose here, or the owner was too slow on a loaded machine) or
-    # kept the owner's answer (the default policy, where there is room).
-    # Those are counted, so the copies are bounded by them.
+    # owner was too slow on a loaded machine) or kept the owner's answer
+    # (the default policy, where there is room). Those are counted, so the
+    # copies are bounded by them.
     copies_made = {
-        rank: grown('mptok_crossing_choices_total{choice="local_cheaper"}')[rank]
-        + grown('mptok_crossing_choices_total{choice="local_kept"}')[rank]
-        + grown("mptok_route_fallbacks_total")[rank]
+        rank: grown("mptok_route_fallbacks_total")[rank]
         + grown("mptok_routed_copies_kept_total")[rank]
         for rank in ("0", "1")
     }
@@ -346,7 +344,7 @@ def test_mptok_serve_and_the_plugin_export_the_catalogue_alike(switched, tmp_pat
     assert serve_families == declared
     assert plugin_families == {metric.name: (metric.kind, metric.help) for metric in exported_by(VLLM)}
     shared = set(plugin_families) & set(serve_families)
-    for name in ("mptok_prompts_total", "mptok_route_fallbacks_total", "mptok_crossing_choices_total", "mptok_errors_total"):
+    for name in ("mptok_prompts_total", "mptok_route_fallbacks_total", "mptok_kept_here_total", "mptok_errors_total"):
         assert name in shared, name
     for metric in exported_by(VLLM):
         assert plugin_labels[metric.name] == set(metric.labels), metric.name
