@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mptok.cache.backend import load_tokenizer
+    from mptok.cache.loading import load_tokenizer
     from mptok.cache.config import CacheConfig
     from mptok.cache.prefix_cache import PrefixTokenCache
     from mptok.routing.order import owner_of, owner_order
@@ -25,7 +25,7 @@ _PUBLIC = {
     "CacheConfig": "mptok.cache.config",
     "PrefixTokenCache": "mptok.cache.prefix_cache",
     "TokenizationOwners": "mptok.routing.owners",
-    "load_tokenizer": "mptok.cache.backend",
+    "load_tokenizer": "mptok.cache.loading",
     "owner_of": "mptok.routing.order",
     "owner_order": "mptok.routing.order",
 }

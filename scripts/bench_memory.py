@@ -52,10 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mptok
-from mptok.cache import fast_backends
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
 from mptok_harness.checks import warm_up
 from mptok_harness.texts import stdlib_sources
+from mptok.engines import tripwire
 from scripts.report import script_command, write_report
 from scripts.smoke import parse_args_with_smoke
 
@@ -111,7 +111,7 @@ def bytes_per_token(tokenizer, text: str, rng: random.Random, count: int) -> dic
             cache.encode(tokenizer, second, key)
         # A queued check holds a result's ids until the background thread gets
         # to it; what is measured is what the cache keeps, so let it finish.
-        fast_backends.VERIFIER.drain(timeout=600)
+        tripwire.VERIFIER.drain(timeout=600)
         gc.collect()
         held = traced() - before
     finally:
@@ -288,7 +288,7 @@ def fastokens_cpu(text: str, sizes: list[tuple[int, int]], reps: int, tokenizer)
     """Median CPU seconds of fastokens' full tokenization of each prompt, after other work."""
     import fastokens
 
-    from mptok.cache.backend import _embedded_tokenizer_file
+    from mptok.cache.loading import _embedded_tokenizer_file
 
     fast = fastokens.Tokenizer.from_file(str(_embedded_tokenizer_file()))
     scratch = bytearray(64 << 20)

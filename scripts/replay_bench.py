@@ -117,7 +117,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import mptok  # noqa: E402
 from mptok.api.affinity import chat_identity  # noqa: E402
 from mptok.api.chat_template import ChatTemplate  # noqa: E402
-from mptok.cache.fast_backends import CHOICES  # noqa: E402
+from mptok.core.settings import CHOICES  # noqa: E402
 from mptok_harness.nginx import Nginx, nginx_binary, render_nginx  # noqa: E402
 from mptok_harness.serve import Server, free_port, request, scrape, total, wait_for_snapshots  # noqa: E402
 from mptok_harness.texts import license_texts, package_descriptions, package_file_lists, stdlib_sources  # noqa: E402

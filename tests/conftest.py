@@ -43,9 +43,9 @@ def trust_restored():
     """Tests that make an engine or a tokenizer's seam rules give wrong ids
     leave the process distrusting them for good; the tests after them must
     find them trusted."""
-    from mptok.cache import backend as backend_module
+    from mptok.engines import choice
 
-    distrusted = set(backend_module._distrusted)
+    distrusted = set(choice._distrusted)
     yield
-    backend_module._distrusted.clear()
-    backend_module._distrusted.update(distrusted)
+    choice._distrusted.clear()
+    choice._distrusted.update(distrusted)

@@ -15,10 +15,11 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.cache import backend as backend_module
-from mptok.cache import fast_backends
 from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
-from mptok.cache.fast_backends import ENGINES, SampledVerifier, load_engine, self_check_texts
+from mptok.core.settings import ENGINES
+from mptok.engines import choice, fast, tripwire
+from mptok.engines.fast import load_engine, self_check_texts
+from mptok.engines.tripwire import SampledVerifier
 from mptok_harness.conversations import adversarial_delta, chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
@@ -39,14 +40,14 @@ def spec_json(tokenizer: Tokenizer) -> str:
 
 def test_auto_picks_a_fast_engine_for_byte_level_bpe():
     backend = backend_for(load_family("deepseek"), "auto")
-    assert backend.fast and backend.engine_name in ENGINES
-    assert backend_stats()[f"backend_{backend.engine_name}"] >= 1
+    assert backend.engines.fast and backend.engines.name in ENGINES
+    assert backend_stats()[f"backend_{backend.engines.name}"] >= 1
 
 
 def test_forcing_tokenizers_uses_no_fast_engine():
     tokenizer = load_family("deepseek")
     backend = backend_for(tokenizer, "tokenizers")
-    assert not backend.fast and backend.engine_name == "tokenizers"
+    assert not backend.engines.fast and backend.engines.name == "tokenizers"
     cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="tokenizers"))
     text = "hello world, " * 40
     assert cache.encode(tokenizer, text, key="k") == reference_ids(tokenizer, text)
@@ -74,7 +75,7 @@ def test_threads_asking_at_once_share_one_backend():
 def test_forcing_an_engine_uses_it(engine):
     tokenizer = load_family("deepseek")
     backend = backend_for(tokenizer, engine)
-    assert backend.engine_name == engine
+    assert backend.engines.name == engine
     text = "def f(x):\n    return x  # \u00e9\u0301 \U0001f600 \u6211\u4eec\n" * 30
     assert backend.encode_ids(text) == reference_ids(tokenizer, text)
 
@@ -85,7 +86,7 @@ def test_warming_a_thread_runs_the_engine_there_and_leaves_the_checks_to_real_pr
     backend = backend_for(tokenizer, engine)
     before = backend_stats()
     text = "def f(x):\n    return x  # prose, code and \u6211\u4eec\n" * 50
-    worker = threading.Thread(target=backend.warm_this_thread, args=(text,))
+    worker = threading.Thread(target=backend.engines.warm_this_thread, args=(text,))
     worker.start()
     worker.join(60)
     after = backend_stats()
@@ -100,9 +101,9 @@ def test_warming_a_thread_runs_the_engine_there_and_leaves_the_checks_to_real_pr
 )
 def test_an_engine_that_cannot_load_the_layout_falls_back_to_tokenizers(family, engine, caplog):
     tokenizer = load_family(family)
-    with caplog.at_level(logging.WARNING, logger="mptok.cache.backend"):
+    with caplog.at_level(logging.WARNING, logger="mptok.engines.choice"):
         backend = TokenizerBackend(tokenizer, engine)
-    assert not backend.fast
+    assert not backend.engines.fast
     assert any(f"{engine} refused" in r.getMessage() for r in caplog.records)
     start, end = CHAT_MARKERS[family]
     cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend=engine))
@@ -116,10 +117,10 @@ def test_start_up_check_catches_an_engine_loaded_from_another_tokenizer():
     caller, other = load_family("deepseek"), load_family("qwen")
     engine = load_engine("fastokens", spec_json(other), split_special=False)
     texts = self_check_texts(t.content for t in caller.get_added_tokens_decoder().values())
-    difference = fast_backends.first_difference(engine, lambda t: reference_ids(caller, t), texts)
+    difference = fast.first_difference(engine, lambda t: reference_ids(caller, t), texts)
     assert difference is not None and "different ids" in difference
     same = load_engine("fastokens", spec_json(caller), split_special=False)
-    assert fast_backends.first_difference(same, lambda t: reference_ids(caller, t), texts) is None
+    assert fast.first_difference(same, lambda t: reference_ids(caller, t), texts) is None
 
 
 def test_background_check_switches_back_to_tokenizers_on_a_real_mismatch(caplog):
@@ -131,11 +132,11 @@ def test_background_check_switches_back_to_tokenizers_on_a_real_mismatch(caplog)
     backend = TokenizerBackend(caller, engine=wrong_engine)
     text = "Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 " * 20
     before = backend_stats()["backend_mismatches"]
-    with caplog.at_level(logging.WARNING, logger="mptok.cache.backend"):
+    with caplog.at_level(logging.WARNING, logger="mptok.engines.choice"):
         first = backend.encode_ids(text)
         assert first != reference_ids(caller, text)  # a real mismatch, already returned
-        assert fast_backends.VERIFIER.drain(timeout=60)
-    assert not backend.fast and backend.engine_name == "tokenizers"
+        assert tripwire.VERIFIER.drain(timeout=60)
+    assert not backend.engines.fast and backend.engines.name == "tokenizers"
     assert backend_stats()["backend_mismatches"] == before + 1
     warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "fastokens" in warning and f"{len(text)}-character" in warning
@@ -150,12 +151,12 @@ def test_sampled_checks_are_counted_and_agree():
     start, end = CHAT_MARKERS["deepseek"]
     for prompt in chat_turns(random.Random(7), start, end, turns=12):
         assert cache.encode(tokenizer, prompt, key="chat") == reference_ids(tokenizer, prompt)
-    assert fast_backends.VERIFIER.drain(timeout=120)
+    assert tripwire.VERIFIER.drain(timeout=120)
     after = cache.stats()
     checked = after["backend_checks"] + after["backend_checks_dropped"] - before["backend_checks"] - before["backend_checks_dropped"]
     assert checked > 0
     assert after["backend_mismatches"] == before["backend_mismatches"]
-    assert backend.fast
+    assert backend.engines.fast
 
 
 class _Blocking:
@@ -206,16 +207,16 @@ def test_config_names_the_backend(monkeypatch):
 
 def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "gigatoken", None)  # a real ImportError on import
-    monkeypatch.setattr(fast_backends, "_import_failures", {})
+    monkeypatch.setattr(fast, "_import_failures", {})
     # A process decides once per tokenizer; this one is a process in which
     # gigatoken never imported, on a machine where no start decided before.
-    monkeypatch.setattr(backend_module, "_verdicts", {})
+    monkeypatch.setattr(choice, "_verdicts", {})
     monkeypatch.setenv("MPTOK_ENGINE_MEMO", str(tmp_path))
     tokenizer = load_family("deepseek")
-    with caplog.at_level(logging.INFO, logger="mptok.cache.fast_backends"):
+    with caplog.at_level(logging.INFO, logger="mptok.engines.fast"):
         first = TokenizerBackend(tokenizer, "auto")
         second = TokenizerBackend(tokenizer, "auto")
-    assert first.engine_name != "gigatoken" and second.engine_name != "gigatoken"
+    assert first.engines.name != "gigatoken" and second.engines.name != "gigatoken"
     assert sum("gigatoken unavailable" in r.getMessage() for r in caplog.records) == 1
     text = "plain text, twice over. " * 30
     assert second.encode_ids(text) == reference_ids(tokenizer, text)
@@ -265,12 +266,12 @@ def test_after_a_mismatch_the_cache_forgets_what_the_engine_tokenized():
     caller, other = load_family_hf("deepseek"), load_family("qwen")
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="fastokens", min_chars=0))
     backend = backend_for(caller, "fastokens")
-    backend._engine = load_engine("fastokens", spec_json(other), split_special=False)  # honest, and wrong
+    backend.engines._engine = load_engine("fastokens", spec_json(other), split_special=False)  # honest, and wrong
     start, end = CHAT_MARKERS["deepseek"]
     first = f"{start}Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 {end}" * 20
     assert cache.encode(caller, first, key="k") != caller(first, add_special_tokens=False)["input_ids"]
-    assert fast_backends.VERIFIER.drain(timeout=60)
-    assert not backend.fast
+    assert tripwire.VERIFIER.drain(timeout=60)
+    assert not backend.engines.fast
     for text in (first, first + f"{start}and one more turn{end}"):
         assert cache.encode(caller, text, key="k") == caller(text, add_special_tokens=False)["input_ids"]
         assert cache.encode(caller, text) == caller(text, add_special_tokens=False)["input_ids"]
@@ -293,7 +294,7 @@ def test_overlapping_raw_and_normalized_added_tokens_keep_tokenizers():
         "bytelevel_prefix", AddedToken("<tool>", normalized=True), AddedToken("l>ABCDEFGHIJKLMNOPQRSTUVWXYZ", normalized=False)
     )
     backend = TokenizerBackend(tokenizer, "auto")
-    assert not backend.fast and "overlap" in backend.choice_report
+    assert not backend.engines.fast and "overlap" in backend.engines.report
     text = "x " * 200 + "hello!!<tool>ABCDEFGHIJKLMNOPQRSTUVWXYZ."
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))
     assert cache.encode(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -309,17 +310,17 @@ def test_a_normalized_added_token_that_begins_with_a_space_is_in_the_start_up_ch
     for text in ("<|im_start|>sp and", "sp", "sp and more " * 30):
         assert cache.encode(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
     gigatoken = TokenizerBackend(tokenizer, "gigatoken")
-    assert gigatoken.engine_name == "tokenizers" and "different ids" in gigatoken.choice_report
+    assert gigatoken.engines.name == "tokenizers" and "different ids" in gigatoken.engines.report
 
 
 def test_a_caller_that_changes_the_returned_list_does_not_fail_the_check():
     tokenizer = load_family_hf("deepseek")
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto"))
-    if not backend_for(tokenizer, "auto").fast:
+    if not backend_for(tokenizer, "auto").engines.fast:
         pytest.skip("no fast engine is trusted for the embedded tokenizer here")
     before = backend_stats()["backend_mismatches"]
     for i in range(12):  # uncached (short) prompts: their lists go straight to the caller
         ids = cache.encode(tokenizer, f"short prompt {i}")
         ids.insert(0, 0)  # a BOS, say
-    assert fast_backends.VERIFIER.drain(timeout=60)
+    assert tripwire.VERIFIER.drain(timeout=60)
     assert backend_stats()["backend_mismatches"] == before

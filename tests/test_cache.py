@@ -358,7 +358,7 @@ def test_a_copy_turns_behind_is_extended_at_a_segment_by_the_engine(tokenizer, m
     pass of the reference tokenizer, which costs tens of times more."""
     from mptok.cache.backend import TokenizerBackend, backend_for
 
-    assert backend_for(tokenizer, "auto").fast, "the default configuration tokenizes with a fast engine"
+    assert backend_for(tokenizer, "auto").engines.fast, "the default configuration tokenizes with a fast engine"
     prompts = conversation(3, 7, first_chars=6000, turn_chars=1200, markers=TEMPLATE_MARKERS)
     assert len(prompts[-1]) > 2 * len(prompts[0])
     cache = PrefixTokenCache()

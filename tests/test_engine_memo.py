@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from mptok.cache.engine_memo import LOCK_WAIT_S
+from mptok.engines.memo import LOCK_WAIT_S
 from mptok_harness.checks import HANG_GUARD_S, expected_ids
 from mptok_harness.serve import REPO, Server, scrape, tokenize, wait_for_snapshots
 
@@ -32,7 +32,8 @@ _LIBRARY_START = r"""
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
 import mptok
-from mptok.cache.backend import LONG_TEXT_CHARS, backend_for
+from mptok.cache.backend import backend_for
+from mptok.engines.choice import LONG_TEXT_CHARS
 from mptok_harness.vllm_requests import text_source
 args = sys.argv[1:]
 tokenizer = mptok.load_tokenizer(None if args[0] == "-" else args[0])
@@ -43,10 +44,10 @@ if "--long" in args:
 for i, text in enumerate(texts):
     if i == 2:
         deadline = time.monotonic() + 120
-        while backend.engine_names != backend.chosen_engine_names and time.monotonic() < deadline:
+        while backend.engines.names != backend.engines.chosen_names and time.monotonic() < deadline:
             time.sleep(0.05)
     assert backend.encode_ids(text) == tokenizer(text, add_special_tokens=False)["input_ids"], i
-print(json.dumps({"engines": backend.engine_names, "chosen": backend.chosen_engine_names}))
+print(json.dumps({"engines": backend.engines.names, "chosen": backend.engines.chosen_names}))
 """
 
 
@@ -129,7 +130,7 @@ def test_a_corrupt_memo_is_ignored_and_decided_again(memo):
     [path] = _memo_files(memo)
     path.write_bytes(path.read_bytes()[:100])
     _, log = _library_start(memo)
-    assert re.search(rf"WARNING mptok.cache.engine_memo engine memo {path} is not used: ", log), log[-3000:]
+    assert re.search(rf"WARNING mptok.engines.memo engine memo {path} is not used: ", log), log[-3000:]
     [line] = _backend_lines(log)
     assert f"decided at this start, kept in the engine memo {path}" in line, line
     assert json.loads(path.read_bytes())["verdict"]["short"]  # whole again

@@ -56,7 +56,7 @@ def engine_loads_its_families(request, backend):
         return
     if family not in ENGINE_FAMILIES[backend]:
         pytest.skip(f"{backend} does not load {family} (the tokenizers run covers it)")
-    assert backend_for(load_family(family), backend).engine_name == backend
+    assert backend_for(load_family(family), backend).engines.name == backend
 
 
 # Where adversarial text leaves fewer provable seams, and why (docs/CACHE.md,

@@ -19,12 +19,12 @@ PACKAGE = REPO / "mptok"
 # Bottom to top. A module may import its own layer and the layers below it;
 # layers of one rank (cache and transport, routing and api, supervise and
 # vllm, serve and render) stand side by side and may not import each other.
-# front joins routing and api for serve and vllm; supervise is the floor
-# serve and render both stand on; cli (mptok/cli.py, the ``mptok`` command)
-# starts either.
+# engines is the floor the cache tokenizes on; front joins routing and api
+# for serve and vllm; supervise is the floor serve and render both stand on;
+# cli (mptok/cli.py, the ``mptok`` command) starts either.
 RANKS = {
-    "core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "front": 3, "supervise": 4, "vllm": 4,
-    "serve": 5, "render": 5, "cli": 6,
+    "core": 0, "engines": 1, "cache": 2, "transport": 2, "routing": 3, "api": 3, "front": 4, "supervise": 5, "vllm": 5,
+    "serve": 6, "render": 6, "cli": 7,
 }
 
 

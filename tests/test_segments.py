@@ -58,7 +58,7 @@ def test_a_token_that_the_new_text_completes_around_an_opener_is_not_spliced_pas
         AddedToken("<|end|>", normalized=False),
     )
     # One engine forced (the cache's own backend for it): no choice between engines to time.
-    if not backend_for(tokenizer, "fastokens").fast:
+    if not backend_for(tokenizer, "fastokens").engines.fast:
         pytest.skip("fastokens is not trusted for this tokenizer here")
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="fastokens", min_chars=0))
     kept = HEAD + "<|end|>ab<|turn|>c"
@@ -73,7 +73,7 @@ def test_a_chat_hits_from_its_second_turn_with_a_fast_engine():
     from the kept prompt, is a seam from the second turn on (a splice
     re-tokenizes at most half the prompt)."""
     tokenizer = load_family_hf("deepseek")
-    if not backend_for(tokenizer, "auto").fast:
+    if not backend_for(tokenizer, "auto").engines.fast:
         pytest.skip("no fast engine is trusted for this tokenizer here")
     start, end = CHAT_MARKERS["deepseek"]
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="auto", min_chars=0))

@@ -61,7 +61,7 @@ class CacheConfig:
     tokenizer_backend: what tokenizes prompts in full: "auto" (the cheapest
         of fastokens, gigatoken and `tokenizers` that gives identical ids on
         the start-up check), "tokenizers", "fastokens" or "gigatoken"
-        (``mptok.cache.fast_backends``); default ``MPTOK_CACHE_TOKENIZER_BACKEND``,
+        (``mptok.engines``); default ``MPTOK_CACHE_TOKENIZER_BACKEND``,
         else "auto".
     """
 

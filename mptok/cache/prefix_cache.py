@@ -29,7 +29,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, TokenizerRefused, backend_for, backend_stats
+from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
 from mptok.cache.protocols import Kept
@@ -39,6 +39,7 @@ import numpy as np
 from mptok.core.counting import Counters
 from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
 from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
+from mptok.engines.choice import TokenizerRefused
 
 logger = logging.getLogger(__name__)
 

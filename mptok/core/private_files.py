@@ -41,7 +41,7 @@ def secure_ipc_dir(path: str) -> str:
 def private_cache_dir(path: str) -> str:
     """Create ``path`` and its parents (mode 0700) if missing and check that only this user can write in it.
 
-    For what this user keeps between runs (``mptok.cache.engine_memo``):
+    For what this user keeps between runs (``mptok.engines.memo``):
     others may read it, as they may read the rest of a home directory, but
     nothing in it may come from them. Raises as ``secure_ipc_dir`` does,
     with ``PermissionError`` for a directory group or others may write.

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 MiB = 1024 * 1024
 
-# The engines ``mptok.cache.fast_backends`` runs, and what
+# The engines ``mptok.engines.fast`` runs, and what
 # ``CacheConfig.tokenizer_backend`` accepts ("auto" picks the cheapest exact one).
 ENGINES = ("fastokens", "gigatoken")
 CHOICES = ("auto", "tokenizers") + ENGINES
@@ -34,7 +34,7 @@ def parse_bytes(text: str) -> int:
 
 
 # Where a start keeps its verdict on the fast engines for the next start on
-# this machine (``mptok.cache.engine_memo``): a directory, or "off".
+# this machine (``mptok.engines.memo``): a directory, or "off".
 ENGINE_MEMO_VARIABLE = "MPTOK_ENGINE_MEMO"
 ENGINE_MEMO_OFF = "off"
 

@@ -139,7 +139,7 @@ class Grid:
 
 Source = Value | OnePerLabel | Table | Grid
 
-# The lengths of text a backend may give different engines (``TokenizerBackend.engine_names``),
+# The lengths of text a backend may give different engines (``Engines.names``),
 # and the engines it may give them.
 TEXT_LENGTHS = ("short", "long")
 ENGINE_NAMES = ("tokenizers", *ENGINES)

@@ -109,7 +109,7 @@ class PromptIds:
     def _engines(self) -> dict[str, dict[str, int]]:
         """For each length of text, 1 for the engine that tokenizes it in full, 0 for the others."""
         try:
-            names = backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engine_names
+            names = backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engines.names
         except SlowTokenizerError:
             names = {}
         return {texts: {engine: int(names.get(texts) == engine) for engine in ENGINE_NAMES} for texts in TEXT_LENGTHS}

@@ -32,7 +32,7 @@ def build_backend(tokenizer: Any, choice: str) -> TokenizerBackend | None:
         backend = backend_for(tokenizer, choice)
     except SlowTokenizerError:
         return None
-    backend.warm()
+    backend.engines.warm()
     return backend
 
 

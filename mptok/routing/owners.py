@@ -81,7 +81,7 @@ class TokenizationOwners:
     routes the rest, "always" routes every prompt another frontend owns,
     "never" none. ``warm_thread`` (None for a
     tokenizer the cache does not serve) runs the cache's fast engines once
-    on real text on the calling thread (``TokenizerBackend.warm_this_thread``):
+    on real text on the calling thread (``Engines.warm_this_thread``):
     what a pool of the frontend's own threads can run on each before it
     serves (``mptok.core.warm_threads``).
     """
@@ -129,7 +129,7 @@ class TokenizationOwners:
         )
         # A fast engine builds per-thread state on a thread's first calls.
         self.warm_thread: Callable[[], object] | None = (
-            functools.partial(backend.warm_this_thread, typical_text()) if backend is not None else None
+            functools.partial(backend.engines.warm_this_thread, typical_text()) if backend is not None else None
         )
         # Peers are answered on threads warmed here, before they can call.
         self._workers = PeerWorkers(

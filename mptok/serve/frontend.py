@@ -231,7 +231,7 @@ class Frontend:
     """
 
     def __init__(self, settings: FrontendSettings, authkey: bytes, listener: socket.socket):
-        from mptok.cache.backend import load_tokenizer
+        from mptok.cache.loading import load_tokenizer
         from mptok.cache.config import CacheConfig
         from mptok.cache.prefix_cache import PrefixTokenCache
         from mptok.routing.owners import TokenizationOwners

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mptok.api.affinity import ConversationIdentity
-from mptok.cache.backend import LONG_TEXT_CHARS, SlowTokenizerError, backend_for
+from mptok.cache.backend import SlowTokenizerError, backend_for
 from mptok.cache.config import CacheConfig
 from mptok.cache.prefix_cache import PrefixTokenCache
+from mptok.engines.choice import LONG_TEXT_CHARS
 from mptok.front.prompt_ids import PromptIds
 from mptok.routing.owners import TokenizationOwners, lower_switch_interval
 from mptok.vllm.ipc_dir import SharedIpcDir
@@ -198,7 +199,7 @@ class PromptTokens:
         # Building it copies the Rust tokenizer, and warming it loads the long
         # texts' engine (seconds each for 128k ids): at start, not on a request.
         try:
-            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).warm()
+            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engines.warm()
         except SlowTokenizerError:
             pass
 
@@ -206,10 +207,10 @@ class PromptTokens:
         choice = self._cache.config.tokenizer_backend
         try:
             backend = backend_for(self._tokenizer, choice)
-            engines = backend.chosen_engine_names
+            engines = backend.engines.chosen_names
             backend_text = (
                 f"{engines['short']}, {engines['long']} for texts of {LONG_TEXT_CHARS:,} characters or more "
-                f"(chosen from {choice!r}: {backend.choice_report or 'no fast engine asked for'})"
+                f"(chosen from {choice!r}: {backend.engines.report or 'no fast engine asked for'})"
             )
         except SlowTokenizerError as e:
             backend_text = f"none ({e}): vLLM's own tokenization"

@@ -1,17 +1,12 @@
 """The engine memo: a start's verdict on the fast engines, kept for the next start on this machine.
 
-Choosing the engine of a tokenizer (``mptok.cache.backend``) loads every
-fast engine, checks each one id for id against `tokenizers` on the
-start-up corpus and times the ones that pass, per length of text. That is
-seconds of CPU in every process that starts, and the timing is a race:
-fastokens and gigatoken are close, so two processes of one server, or two
-starts of it, could pick different engines and run at different speeds.
-
-The first start that decides writes the verdict here; a later start whose
-inputs are the same reads it and loads only the engines it names, and
-skips the check and the timing. So every process on a machine tokenizes a
-tokenizer with the same engines, until something the verdict rests on
-changes.
+Choosing the engine of a tokenizer (``mptok.engines.choice``) checks and
+times every fast engine: seconds of CPU in every process that starts, and a
+race, since fastokens and gigatoken are close, so two processes of one
+server could choose apart. The first start that decides writes its verdict
+here; a later start with the same inputs reads it, loads only the engines
+it names and skips the check and the timing, so every process on a machine
+tokenizes a tokenizer with the same engines.
 
 **Why skipping the start-up check keeps exactness.** The check is a pure
 function of what it is given: the specification the engines load (its
@@ -25,26 +20,21 @@ processor, and a memo is used only when its key is equal to the start's,
 field by field. An engine that passed the check once passes it again on
 the same inputs, so reading the verdict gives the trust the check would
 give; everything after the start is unchanged: the background checks
-(``fast_backends.SampledVerifier``) sample the engine's results as before,
+(``mptok.engines.tripwire``) sample the engine's results as before,
 and one difference switches the process back to `tokenizers` and removes
 the memo, so the next start decides afresh.
 
-**What cannot be used is ignored.** A memo that is missing, unreadable,
-not valid, written under another key, or in a directory that another user
-owns or that others may write, is ignored (a WARNING once per process and
-directory) and the start decides as it would without one. The directory is
-``MPTOK_ENGINE_MEMO`` (``off`` turns the memo off), else
-``$XDG_CACHE_HOME/mptok`` or ``~/.cache/mptok`` (``mptok.core.settings``).
-Files are written whole (a new file renamed over the old one, mode 0600);
-processes that start at once take a lock per key while they decide, so one
-decides and the others read its verdict, and a process that finds the lock
-held longer than ``LOCK_WAIT_S`` decides without it.
+**What cannot be used is ignored**, with a WARNING once per process and
+directory: a memo that is unreadable, not valid, written under another key,
+or in a directory another user owns or others may write; the start decides
+as without one. The directory: ``mptok.core.settings.engine_memo_dir``.
+Files are replaced whole, mode 0600; processes that start at once take a
+lock per key while they decide, for at most ``LOCK_WAIT_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -53,14 +43,15 @@ import os
 import platform
 import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from mptok.core.deadline import Deadline
+from mptok.core.file_locks import lock_by
 from mptok.core.private_files import open_private_file, private_cache_dir, replace_private_file
 from mptok.core.settings import ENGINE_MEMO_VARIABLE, ENGINES, engine_memo_dir
 
@@ -107,13 +98,8 @@ class Verdict:
         names = ("tokenizers", *ENGINES)
         try:
             verdict = cls(
-                short=data["short"],
-                long=data["long"],
-                passed=tuple(data["passed"]),
-                ratio=float(data["ratio"]),
-                report=str(data["report"]),
-                decided_by=int(data["decided_by"]),
-                decided_at=float(data["decided_at"]),
+                data["short"], data["long"], tuple(data["passed"]), float(data["ratio"]), str(data["report"]),
+                int(data["decided_by"]), float(data["decided_at"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a verdict: {e!r}") from None
@@ -202,21 +188,10 @@ class EngineMemo:
             yield False
             return
         try:
-            deadline = Deadline.after(LOCK_WAIT_S)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if deadline.passed:
-                        _warn_once(
-                            self.directory,
-                            f"engine memo lock {path} held for more than {LOCK_WAIT_S:g} s; deciding without it",
-                        )
-                        yield False
-                        return
-                    time.sleep(_LOCK_POLL_S)
-            yield True
+            held = lock_by(fd, Deadline.after(LOCK_WAIT_S), poll_s=_LOCK_POLL_S)
+            if not held:
+                _warn_once(self.directory, f"engine memo lock {path} held for more than {LOCK_WAIT_S:g} s; deciding without it")
+            yield held
         finally:
             os.close(fd)  # releases the lock
 
@@ -258,17 +233,17 @@ def _digest(key: dict[str, Any]) -> str:
 
 
 _identities: dict[str, Any] = {}
+# The modules whose code makes a verdict, beside this one: found, not imported
+# (the one that decides imports this one).
+_DECIDERS = ("choice.py", "fast.py")
 
 
 def _decider() -> dict[str, Any]:
     """mptok's version, and the digest of the modules whose code makes a verdict."""
     if "mptok" not in _identities:
-        from mptok.cache import backend, fast_backends
-
         sources = hashlib.sha256()
-        for module in (backend, fast_backends):
-            with open(module.__file__, "rb") as f:
-                sources.update(f.read())
+        for name in _DECIDERS:
+            sources.update(Path(__file__).with_name(name).read_bytes())
         _identities["mptok"] = {"version": _version("mptok"), "sources": sources.hexdigest()}
     return _identities["mptok"]
 

@@ -4,8 +4,9 @@
 gigatoken load the same ``tokenizer.json`` and give the same ids in 1.5 to
 3.5 ms. They give ids only (no offsets, no pre-token boundaries) and each
 refuses some layouts (fastokens: Metaspace, BertNormalizer, tekken;
-gigatoken: WordPiece, Unigram). This module loads them, decides whether one
-can be trusted for a given tokenizer, and keeps checking it.
+gigatoken: WordPiece, Unigram). This module loads them, checks them id for
+id at start and times them; ``mptok.engines.choice`` decides which one is
+trusted for a tokenizer, ``mptok.engines.tripwire`` keeps checking it.
 
 **Why a fast engine may be trusted (rule 1: every id list equals full
 tokenization).** Nothing proves that two implementations of a tokenizer agree
@@ -19,7 +20,7 @@ order:
    They do not implement every part of it as `tokenizers` does: both match
    added tokens in one pass where `tokenizers` matches raw ones before
    normalized ones, so a tokenizer whose raw and normalized added tokens
-   overlap is never given to them (``mptok.cache.backend``).
+   overlap is never given to them (``mptok.engines.choice``).
 2. At start an engine must give ids identical to `tokenizers`, id for id, on a
    fixed adversarial corpus built for that tokenizer (``self_check_texts``:
    combining-mark runs, emoji ZWJ sequences, CJK, CRLF, digit and whitespace
@@ -27,22 +28,14 @@ order:
    strings alone, doubled and inside words), the places where
    implementations have diverged before. One difference and the engine is not
    used for that tokenizer. The check is made by the first start on the
-   machine and kept in the engine memo (``mptok.cache.engine_memo``) under
+   machine and kept in the engine memo (``mptok.engines.memo``) under
    a key that holds everything its result is a function of (the
    specification, the corpus, the engines' and `tokenizers`' builds);
    later starts with the same key read it.
-3. While serving, the first ``FIRST_CHECKS`` results, and then as many as
-   a CPU budget allows (``CheckBudget``: the checks cost at most a share,
-   5% by default, of what the engine itself spends), are re-tokenized by
-   `tokenizers` on one background thread (``SampledVerifier``). What is
-   checked is what the engine produced: a full tokenization, or the tail it
-   tokenized after a seam. A conversation that goes on past a fast full
-   tokenization has it re-tokenized by `tokenizers` anyway, for the offsets
-   its later splices are proven with, and the ids are compared then too
-   (``mptok.cache.prefix_cache``). One difference switches that tokenizer back to
-   `tokenizers`, with a WARNING, and the engine is not trusted for it again
-   in this process; the cache forgets every prompt the engine tokenized for
-   it. That bounds how long an engine that diverges on real traffic goes on
+3. While serving, results are re-checked by `tokenizers` in the background
+   within a CPU budget (``mptok.engines.tripwire``), and one difference
+   switches that tokenizer back to `tokenizers` for the rest of the process.
+   That bounds how long an engine that diverges on real traffic goes on
    being used, not whether one result was wrong: the differing result, and
    any returned before the check ran, had already been returned.
 
@@ -55,8 +48,6 @@ forces `tokenizers` (``CacheConfig.tokenizer_backend``,
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import random
 import threading
 import time
@@ -66,18 +57,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mptok.core.deadline import Deadline
-from mptok.core.settings import CHOICES, ENGINES
-
 logger = logging.getLogger(__name__)
-
-# The process's one background checker thread (it outlives every cache and
-# TokenizationOwners, as the backends it checks do).
-VERIFIER_THREAD = "mptok-backend-verifier"
-# Results of a fast engine re-checked before sampling starts.
-FIRST_CHECKS = 8
-# Re-checks waiting for the background thread; more are dropped (counted).
-CHECK_QUEUE = 4
 
 
 class EngineUnavailable(Exception):
@@ -276,107 +256,3 @@ def cost_of(encode: Callable[[str], object], texts: Sequence[str]) -> Cost:
         cpus.append(time.process_time() - cpu_began)
         walls.append(time.perf_counter() - wall_began)
     return Cost(sorted(cpus)[len(cpus) // 2], sorted(walls)[len(walls) // 2])
-
-
-# -- the tripwire -----------------------------------------------------------------
-
-
-class CheckBudget:
-    """Which results to re-check so that the checks cost a bounded share of
-    the engine's CPU, without a clock on the hot path.
-
-    Both the engine and the reference tokenizer are linear in the text, so
-    costs are counted in characters: each result earns ``share`` (the check
-    share times the engine's CPU per character against the reference's,
-    measured when the engine was chosen) of its length as credit, and a
-    result is checked when the credit covers re-tokenizing it whole. Safe to
-    share between threads.
-    """
-
-    def __init__(self, share: float):
-        self._share = share
-        self._credit = 0.0
-        self._lock = threading.Lock()
-
-    def allows(self, chars: int, check_chars: int | None = None) -> bool:
-        """Earn credit for a result whose engine tokenized ``chars``
-        characters; whether it is to be checked by re-tokenizing
-        ``check_chars`` (default ``chars``), whose cost is then spent."""
-        cost = chars if check_chars is None else check_chars
-        with self._lock:
-            self._credit += self._share * chars
-            if self._credit < cost:
-                return False
-            self._credit -= cost
-            return True
-
-
-
-class Checked(Protocol):
-    """What the verifier checks: a backend that can tell right from wrong."""
-
-    def verify(self, text: str, ids: Any) -> None: ...
-
-
-class SampledVerifier:
-    """One background thread re-checking sampled results against `tokenizers`.
-
-    Bounded: one thread per process, at most ``CHECK_QUEUE`` checks waiting;
-    a check that finds the queue full is dropped and counted by the caller.
-    The thread starts with the first check and is a daemon: a process that
-    exits does not wait for a check of a result it already returned.
-    """
-
-    def __init__(self, capacity: int = CHECK_QUEUE):
-        self._queue: queue.Queue[tuple[Checked, str, Any]] = queue.Queue(capacity)
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, backend: Checked, text: str, ids: Any) -> bool:
-        """Queue a check; False if the queue was full (the check is dropped)."""
-        self._start()
-        try:
-            self._queue.put_nowait((backend, text, ids))
-        except queue.Full:
-            return False
-        return True
-
-    def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the queued checks; True if done."""
-        deadline = Deadline.after(timeout)
-        while not deadline.passed:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.005)
-        return self._queue.unfinished_tasks == 0
-
-    def after_fork(self) -> None:
-        """In a forked child: the parent's thread did not come along, and
-        neither may its queue's lock; start afresh."""
-        self._queue = queue.Queue(self._queue.maxsize)
-        self._thread = None
-        self._lock = threading.Lock()
-
-    def _start(self) -> None:
-        if self._thread is not None:
-            return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=VERIFIER_THREAD, daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            backend, text, ids = self._queue.get()
-            try:
-                backend.verify(text, ids)
-            except Exception:
-                logger.exception("tokenizer backend check failed to run")
-            finally:
-                # Not kept while waiting for the next check: a prompt may be large.
-                del backend, text, ids
-                self._queue.task_done()
-
-
-VERIFIER = SampledVerifier()
-os.register_at_fork(after_in_child=VERIFIER.after_fork)
