@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "mptok"
 
 # Bottom to top. A module may import its own layer and the layers below it;
-# layers of one rank (cache and transport, routing and api, serve and vllm)
+# layers of one rank (cache and transport, routing and api, serve, vllm and sglang)
 # stand side by side and may not import each other. front joins routing and
-# api for the two fronts above it, serve and vllm.
-RANKS = {"core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "front": 3, "serve": 4, "vllm": 4, "render": 5}
+# api for the fronts above it, serve, vllm and sglang.
+RANKS = {"core": 0, "cache": 1, "transport": 1, "routing": 2, "api": 2, "front": 3, "serve": 4, "vllm": 4, "sglang": 4, "render": 5}
 
 
 def _layer(module: str) -> str | None:

@@ -1,9 +1,10 @@
-"""The ``mptok`` command: ``mptok serve`` and ``mptok render``.
+"""The ``mptok`` command: ``mptok serve``, ``mptok render`` and ``mptok sglang``.
 
 ``mptok serve``'s parser and process set-up are ``mptok.serve.cli``'s; this
 adds the ``render`` command (``mptok.render.options``) and runs it on the
 same supervisor with the render processes as its ``FrontendKind``. The
-arguments ``mptok render`` does not know are vLLM's, passed on.
+arguments ``mptok render`` does not know are vLLM's, passed on. ``mptok
+sglang``'s arguments are all SGLang's (``mptok.sglang.launch``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,20 @@ def add_render_command(commands: argparse._SubParsersAction) -> None:
     add_render_arguments(render)
 
 
+def run_sglang_command(argv: Sequence[str]) -> int | None:
+    """``mptok sglang ARGS`` (SGLang's launch_server arguments, all of them SGLang's); None for another command."""
+    if list(argv[:1]) != ["sglang"]:
+        return None
+    from mptok.sglang.launch import launch_sglang
+
+    return launch_sglang(argv[1:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mptok``; returns the exit status."""
+    sglang_status = run_sglang_command(sys.argv[1:] if argv is None else argv)
+    if sglang_status is not None:
+        return sglang_status
     parser = build_parser(add_render_command)
     args, unknown = parser.parse_known_args(argv)
     if args.command != "render":
