@@ -84,6 +84,7 @@ def attach(result: Any, manager: Any) -> None:
     tokenizer = getattr(manager, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "is_fast", False) or isinstance(tokenizer.encode, MptokEncode):
         return None
+    _log_where_sglang_logs()
     count = max(1, int(getattr(manager.server_args, "tokenizer_worker_num", 1) or 1))
     try:
         prompt_tokens = PromptTokens.of_process(tokenizer, ANY_SEAT if count > 1 else 0, count, FRONT)
@@ -93,6 +94,17 @@ def attach(result: Any, manager: Any) -> None:
     if prompt_tokens is not None:
         tokenizer.encode = MptokEncode(tokenizer, prompt_tokens)
     return None
+
+
+def _log_where_sglang_logs() -> None:
+    """In a uvicorn worker SGLang gives handlers only to its HTTP server's and uvicorn's loggers, so
+    mptok's lines (its start line above all) would be dropped: give them one, in SGLang's format."""
+    if logger.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def render_chat(original: Any, serving: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
