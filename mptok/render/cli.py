@@ -34,6 +34,16 @@ def add_render_command(commands: argparse._SubParsersAction) -> None:
     add_render_arguments(render)
 
 
+def add_sglang_command(commands: argparse._SubParsersAction) -> None:
+    """``mptok sglang`` in ``mptok --help``; its arguments are SGLang's, never parsed here (``run_sglang_command``)."""
+    commands.add_parser(
+        "sglang",
+        add_help=False,
+        help="run SGLang's server (python -m sglang.launch_server ARGS) with mptok on",
+        usage="mptok sglang [SGLang's launch_server arguments]",
+    )
+
+
 def run_sglang_command(argv: Sequence[str]) -> int | None:
     """``mptok sglang ARGS`` (SGLang's launch_server arguments, all of them SGLang's); None for another command."""
     if list(argv[:1]) != ["sglang"]:
@@ -48,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sglang_status = run_sglang_command(sys.argv[1:] if argv is None else argv)
     if sglang_status is not None:
         return sglang_status
-    parser = build_parser(add_render_command)
+    parser = build_parser(add_render_command, add_sglang_command)
     args, unknown = parser.parse_known_args(argv)
     if args.command != "render":
         return serve(parse_serve_options(argv))
