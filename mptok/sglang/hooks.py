@@ -97,14 +97,15 @@ def attach(result: Any, manager: Any) -> None:
 
 
 def _log_where_sglang_logs() -> None:
-    """In a uvicorn worker SGLang gives handlers only to its HTTP server's and uvicorn's loggers, so
-    mptok's lines (its start line above all) would be dropped: give them one, in SGLang's format."""
-    if logger.hasHandlers():
+    """In a uvicorn worker SGLang configures only its HTTP server's and uvicorn's loggers, so mptok's
+    lines (its start line above all) would be dropped: they get a handler of their own, in SGLang's format."""
+    if logger.handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def render_chat(original: Any, serving: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
