@@ -8,7 +8,11 @@ machine):
 
 - ``huggingface``: stock SGLang (its default tokenizer backend, with
   ``parallel_prompt_encode``, on by default from 32,768 characters);
-- ``fastokens``: stock SGLang with ``--tokenizer-backend fastokens``;
+- ``fastokens``: stock SGLang with ``--tokenizer-backend fastokens``, and
+  ``SGLANG_PARALLEL_PROMPT_ENCODE=0``: in SGLang 0.5.23
+  ``parallel_prompt_encode`` fails on fastokens' tokenizer (its
+  post-processor has no ``num_special_tokens_to_add``), so every chat of
+  32,768 characters or more gets a 500 without it;
 - ``mptok``: ``mptok sglang`` with the same arguments.
 
 The workloads are ``scripts/bench_render.py``'s: keyless agentic chats (a
@@ -22,8 +26,8 @@ the tokenization, no engine) on a new connection. Reported per service and
 workload: tokenize p50/p99 (all turns and later turns: each chat's last
 half), requests/s over the run's wall time, CPU seconds per request of the
 service's processes, mptok's hits from its ``/metrics`` over the turns that
-can hit, and every answer's ids against ``huggingface``'s for the same
-request. Writes ``docs/results/bench_sglang.md``.
+can hit, and every answer's ids against the first service's for the same
+request (``--services`` orders them). Writes ``docs/results/bench_sglang.md``.
 
     .venv-sglang/bin/python -m scripts.bench_sglang            # about 15 minutes on 2 cores
     .venv-sglang/bin/python -m scripts.bench_sglang --smoke    # short chats, C=2, no report
@@ -62,7 +66,10 @@ def mptok_hits(service: Service) -> float:
 
 def server_for(name: str, model: Path, log: Path) -> SglangServer:
     if name == "fastokens":
-        return SglangServer(model, log, mptok=False, workers=WORKERS, extra_args=("--tokenizer-backend", "fastokens"))
+        return SglangServer(
+            model, log, mptok=False, workers=WORKERS, extra_args=("--tokenizer-backend", "fastokens"),
+            env={"SGLANG_PARALLEL_PROMPT_ENCODE": "0"},
+        )  # fmt: skip
     return SglangServer(model, log, mptok=name == "mptok", workers=WORKERS)
 
 
@@ -72,6 +79,10 @@ def main() -> int:
     parser.add_argument("--turn-chars", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--long-turns", type=int, default=10, help="the turns each coding-agent chat sends (default 10)")
+    parser.add_argument(
+        "--services", type=lambda text: text.split(","), default=list(SERVICES),
+        help=f"the services in the order they run, the first the ids' reference (default {','.join(SERVICES)})",
+    )  # fmt: skip
     parser.add_argument("--report-dir", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     parser.add_argument("--no-write", action="store_true", help="print the report, write no file")
     smoke = {"concurrency": 2, "target_tokens": 6_000, "long_turns": 3, "no_write": True}
@@ -83,19 +94,21 @@ def main() -> int:
         f"~{args.target_tokens // 1000}k": [agent_chat(1000 * c + n, args.target_tokens, args.turn_chars, system) for n in range(c)],
         "coding-agent": long_workload(c, SMOKE_LONG_TARGETS if args.smoke else LONG_TARGETS, args.long_turns, system),
     }
+    if sorted(args.services) != sorted(SERVICES):
+        parser.error(f"--services orders {', '.join(SERVICES)}")
     results: dict[str, dict[str, Run]] = {name: {} for name in SERVICES}
     lengths: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model_dir(Path(tmp) / "model", context=LONG_CONTEXT)
         expected: dict[str, dict[tuple[int, int], AnsweredIds]] = {w: {} for w in workloads}
-        for name in SERVICES:
+        for name in args.services:
             server = server_for(name, model, Path(tmp) / f"{name}.log")
             try:
                 server.start()
                 service = Service(name, server.port, server.model, [server.process.pid])
                 for workload, chats in workloads.items():
                     before = mptok_hits(service) if name == "mptok" else 0.0
-                    run = drive(service, chats, c, expected[workload], name == SERVICES[0], PATH, FIELD)
+                    run = drive(service, chats, c, expected[workload], name == args.services[0], PATH, FIELD)
                     if name == "mptok":
                         time.sleep(1.0)  # the counters reach /metrics every 0.5 s
                         run.hits = mptok_hits(service) - before
@@ -147,10 +160,12 @@ def _report(results: dict[str, dict[str, Run]], workloads: dict[str, list[list[b
             f"{'; '.join(describe)}. The coding-agent chats grow by about {LONG_DELTA_TOKENS:,} tokens a turn, each "
             f"resumed {args.long_turns} turns before its end (its first request new to every service). Services run one "
             "at a time. CPU per request: user + system seconds of the service's processes over the run, per request. "
-            "The clients run on the same two cores. Ids are compared with huggingface's by the digest of their JSON text.",
+            f"The clients run on the same two cores. Ids are compared with {args.services[0]}'s by the digest of their JSON text. "
+            "SGLang with fastokens runs with `SGLANG_PARALLEL_PROMPT_ENCODE=0`: in SGLang 0.5.23 its `parallel_prompt_encode` "
+            "fails on fastokens' tokenizer (a 500 for every chat of 32,768 characters or more).",
             "",
             "| workload | service | tokenize p50 ms | p99 ms | later turns p50 ms | requests/s | CPU ms/request "
-            "| mptok hits | ids unlike huggingface's | failed |",
+            f"| mptok hits | ids unlike {args.services[0]}'s | failed |",
             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
             *rows,
             "",
