@@ -141,7 +141,7 @@ bench-render-long: $(VLLM_RENDER_VENV)/bin/.installed
 # `mptok sglang` in real SGLang (0.5.23, on CPU with a tiny random GPT-2),
 # two tokenizer workers: stock SGLang with the plugin installed but off, then
 # `mptok sglang`, the same ids on every endpoint, routed hits, a SIGKILLed
-# worker (tests/sglang; two server starts, about 8 minutes on 2 cores).
+# worker (tests/sglang; two server starts, about 6 minutes on 2 cores).
 # SGLang's venv is built once per machine and kept (scripts/sglang_venv.sh:
 # about 5 minutes and 11 GB the first time); .venv-sglang links this checkout to it.
 SGLANG_VENV := .venv-sglang
