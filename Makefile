@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render bench-render bench-render-long run bench bench-memory replay replay-long replay-capacity drill smoke test soak test-versions ci clean
+.PHONY: test-vllm test-vllm-render test-sglang bench-sglang bench-render bench-render-long run bench bench-memory replay replay-long replay-capacity drill smoke test soak test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -142,6 +142,26 @@ bench-render-long: $(VLLM_RENDER_VENV)/bin/.installed
 	scripts/ensure_nginx.sh
 	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render --long $(ARGS)
 
+# `mptok sglang` in real SGLang (0.5.23, on CPU with a tiny random GPT-2),
+# two tokenizer workers: stock SGLang with the plugin installed but off, then
+# `mptok sglang`, the same ids on every endpoint, routed hits, a SIGKILLed
+# worker (tests/sglang; two server starts, about 6 minutes on 2 cores).
+# SGLang's venv is built once per machine and kept (scripts/sglang_venv.sh:
+# about 5 minutes and 11 GB the first time); .venv-sglang links this checkout to it.
+SGLANG_VENV := .venv-sglang
+$(SGLANG_VENV)/bin/.installed: pyproject.toml scripts/sglang_venv.sh scripts/engine_venv.sh
+	scripts/sglang_venv.sh $(SGLANG_VENV)
+	touch $@
+
+test-sglang: $(SGLANG_VENV)/bin/.installed
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(ARGS)
+
+# Stock SGLang (huggingface, fastokens) and `mptok sglang`, two workers,
+# keyless agentic chats to ~40k tokens and at coding-agent lengths, C=8
+# (docs/results/bench_sglang.md; about 15 minutes on 2 cores).
+bench-sglang: $(SGLANG_VENV)/bin/.installed
+	$(SGLANG_VENV)/bin/python -m scripts.bench_sglang $(ARGS)
+
 # The transport's tests on the other declared Python versions.
 test-versions:
 	scripts/test_versions.sh
@@ -149,4 +169,4 @@ test-versions:
 ci: test smoke test-versions
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-3.* .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-3.* .cache .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""The ``mptok`` command: ``mptok serve`` and ``mptok render``, two servers on one supervisor.
+"""The ``mptok`` command: ``mptok serve`` and ``mptok render``, two servers on one supervisor, and ``mptok sglang``.
 
 Only argument parsing lives here. The options are declared in
 ``mptok.supervise.options`` (``mptok serve``'s) and ``mptok.render.options``
@@ -6,7 +6,8 @@ Only argument parsing lives here. The options are declared in
 ``mptok.serve.launch.TokenizeFrontends`` or
 ``mptok.render.frontends.RenderFrontends``, under the supervisor that
 ``mptok.supervise.run`` starts. The arguments ``mptok render`` does not know
-are vLLM's, passed on.
+are vLLM's, passed on. ``mptok sglang``'s arguments are all SGLang's
+(``mptok.sglang.launch``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add_render_arguments(render)
+    commands.add_parser(
+        "sglang",
+        add_help=False,
+        help="run SGLang's server (python -m sglang.launch_server ARGS) with mptok on",
+        usage="mptok sglang [SGLang's launch_server arguments]",
+    )
     return parser
 
 
@@ -88,6 +95,12 @@ def parse_serve_options(argv: Sequence[str] | None = None) -> ServeOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mptok`` (and ``scripts/supervise.py``); returns the exit status."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["sglang"]:
+        # Every argument after it is SGLang's: never parsed here.
+        from mptok.sglang.launch import launch_sglang
+
+        return launch_sglang(words[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     # Imported here: parsing loads neither the supervisor nor what runs in its slots.

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok_harness.checks import HANG_GUARD_S, wait_until
@@ -83,6 +83,22 @@ def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, s
             labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
             samples.append((match.group(1), labels, float(match.group(3))))
     return samples
+
+
+_T = TypeVar("_T")
+
+
+def settled(read: Callable[[], _T], timeout_s: float = 10.0, interval_s: float = 0.6) -> _T:
+    """``read()`` once two reads ``interval_s`` apart agree, or the last one at ``timeout_s``
+    (an engine plugin copies its counters to /metrics every 0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        previous, value = value, read()
+        if value == previous:
+            break
+    return value
 
 
 def wait_for_snapshots(*servers: Server, timeout_s: float = HANG_GUARD_S) -> None:

@@ -170,8 +170,8 @@ class AnsweredIds:
     digest: bytes
 
     @classmethod
-    def of(cls, answer: bytes) -> AnsweredIds:
-        field_at = answer.index(b'"token_ids"')
+    def of(cls, answer: bytes, field: bytes = b'"token_ids"') -> AnsweredIds:
+        field_at = answer.index(field)
         start = answer.index(b"[", field_at)
         end = answer.index(b"]", start)  # a flat list of ints: its first "]" closes it
         text = answer[start + 1 : end]
@@ -193,9 +193,16 @@ class Run:
 
 
 def drive(
-    service: Service, chats: list[list[bytes]], concurrency: int, expected: dict[tuple[int, int], AnsweredIds], record: bool
+    service: Service,
+    chats: list[list[bytes]],
+    concurrency: int,
+    expected: dict[tuple[int, int], AnsweredIds],
+    record: bool,
+    path: str = PATH,
+    field: bytes = b'"token_ids"',
 ) -> Run:
-    """Chats ``chats`` split over ``concurrency`` threads, each turn after turn."""
+    """Chats ``chats`` split over ``concurrency`` threads, each turn after turn, each turn a POST to ``path``
+    whose answer holds the ids in ``field``; a request that fails (a status but 200, a connection error) counts as failed."""
     run = Run()
     lock = threading.Lock()
     model = json.dumps(service.model)
@@ -206,9 +213,12 @@ def drive(
             for turn, body in enumerate(turns):
                 payload = b'{"model": ' + model.encode() + b", " + body[1:]
                 started = time.perf_counter()
-                status, answer, _ = request(service.port, "POST", PATH, payload, timeout_s=300)
+                try:
+                    status, answer, _ = request(service.port, "POST", path, payload, timeout_s=300)
+                except OSError:
+                    status, answer = 0, b""
                 elapsed = time.perf_counter() - started
-                ids = AnsweredIds.of(answer) if status == 200 else None
+                ids = AnsweredIds.of(answer, field) if status == 200 else None
                 with lock:
                     if ids is None:
                         run.failed += 1

@@ -38,6 +38,8 @@ VLLM_OPTIONS = {
     "--api-server-count", "--headless", "--middleware", "--model", "--shutdown-timeout", "--tokenizer-mode",
     "--trust-request-chat-template", "--uds",
 }  # fmt: skip
+# SGLang's own options, which the docs name beside mptok's (mptok sglang passes every one on).
+SGLANG_OPTIONS = {"--enable-dynamic-batch-tokenizer", "--enable-metrics", "--model-path", "--tokenizer-worker-num"}
 
 
 def _named(pattern: str, *, flags: int = 0) -> list[tuple[str, str]]:
@@ -86,7 +88,7 @@ def test_every_metric_the_docs_name_is_exported():
 
 def test_every_variable_the_docs_name_is_read():
     read = set()
-    for path in (REPO / "mptok").rglob("*.py"):
+    for path in [*(REPO / "mptok").rglob("*.py"), *(REPO / "scripts").glob("*.sh")]:
         read.update(re.findall(r"\bMPTOK_[A-Z0-9_]+\b", path.read_text()))
     read |= {ENV_PREFIX + field.name.upper() for field in dataclasses.fields(CacheConfig)}
     unknown = [(doc, name) for doc, name in _named(r"\b(MPTOK_[A-Z0-9_]+)") if not name.endswith("_") and name not in read]
@@ -102,7 +104,7 @@ def test_every_make_target_the_docs_name_is_in_the_makefile():
 
 @pytest.mark.parametrize("doc", [path.name for path in DOCS])
 def test_every_option_a_doc_names_is_taken_by_a_command(doc):
-    options = _options(build_parser()) | VLLM_OPTIONS
+    options = _options(build_parser()) | VLLM_OPTIONS | SGLANG_OPTIONS
     for path in [*(REPO / "scripts").glob("*.py"), *(REPO / "examples").glob("*.py")]:
         options.update(re.findall(r'add_argument\(\s*"(--[\w-]+)"', path.read_text()))
     named = [name for where, name in _named(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])") if where == doc]

@@ -17,13 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "mptok"
 
 # Bottom to top. A module may import its own layer and the layers below it;
-# layers of one rank (cache and transport, routing and api, supervise and
-# vllm, serve and render) stand side by side and may not import each other.
+# layers of one rank (cache and transport, routing and api, supervise, vllm
+# and sglang, serve and render) stand side by side and may not import each other.
 # engines is the floor the cache tokenizes on; front joins routing and api
-# for serve and vllm; supervise is the floor serve and render both stand on;
+# for serve, vllm and sglang; supervise is the floor serve and render both stand on;
 # cli (mptok/cli.py, the ``mptok`` command) starts either.
 RANKS = {
-    "core": 0, "engines": 1, "cache": 2, "transport": 2, "routing": 3, "api": 3, "front": 4, "supervise": 5, "vllm": 5,
+    "core": 0, "engines": 1, "cache": 2, "transport": 2, "routing": 3, "api": 3, "front": 4, "supervise": 5, "vllm": 5, "sglang": 5,
     "serve": 6, "render": 6, "cli": 7,
 }
 

@@ -11,7 +11,8 @@ cannot drift between them:
 - ``mptok serve`` renders the text itself (``mptok.supervise.metrics``), with a
   ``frontend`` label;
 - the plugin copies the values into ``prometheus_client`` series on vLLM's
-  own ``/metrics`` (``mptok.vllm.metrics``), with an ``api_server`` label.
+  own ``/metrics`` (``mptok.front.prometheus``), with an ``api_server`` label
+  (SGLang's: ``tokenizer_worker``).
 
 One convention for a set of values: a label, never one series per value
 (``identity``, ``reason``, ``choice``, ``policy``).

@@ -19,7 +19,7 @@ The process starts without a frontend id (the supervisor's standby
 protocol, ``FrontendKind.standby``). vLLM takes the shared socket (and
 accepts nothing from it yet), builds its app, its
 renderer and the plugin's cache with its tokenizer backend
-(``mptok.vllm.prompt_tokens.stand_by``), and warms them; then, at the
+(``mptok.front.engine_tokens.stand_by``), and warms them; then, at the
 start of ``serve_http``, the process tells the supervisor
 ``("standby", pid)`` and waits on its event loop for ``("serve",
 frontend_id)``. That comes at once for a slot's process, and whenever a
@@ -115,7 +115,7 @@ class VllmRenderHooks:
         frontend_id = await self._frontend_id()
         options = self._settings.options.serve
         multiprocessing.current_process().name = f"mptok-frontend-{frontend_id}"
-        from mptok.vllm.prompt_tokens import Seat, take_seat
+        from mptok.front.engine_tokens import Seat, take_seat
 
         routing = options.arguments_for(Use.ROUTING)
         take_seat(Seat(frontend_id, options.frontends, self._settings.ipc_dir, self._authkey, routing=routing))
@@ -171,7 +171,7 @@ def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: s
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_dir
     parent = multiprocessing.parent_process()
     stop_with_parent(parent.pid if parent is not None else os.getppid())
-    from mptok.vllm.prompt_tokens import stand_by
+    from mptok.front.engine_tokens import stand_by
 
     stand_by()
     hooks = VllmRenderHooks(settings, authkey, conn, listener)

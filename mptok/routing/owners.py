@@ -43,14 +43,20 @@ from mptok.routing.liveness import OwnerRecord, publish, unpublish
 from mptok.routing.policy import KEPT, NEVER, POLICIES, routing_policy
 from mptok.routing.router import Router
 from mptok.routing.switch_interval import lower_switch_interval
-from mptok.transport import OwnerAlreadyServing, ServerLimits, serve_encode, socket_path
+from mptok.transport import OwnerAlreadyServing, ServerLimits, is_served, serve_encode, socket_path
 
 __all__ = [
     "OwnerAlreadyServing",
     "ServerLimits",
     "TokenizationOwners",
     "lower_switch_interval",
+    "seat_taken",
 ]
+
+
+def seat_taken(ipc_dir: str, frontend_id: int) -> bool:
+    """Whether a live process serves frontend id ``frontend_id`` in ``ipc_dir`` now."""
+    return is_served(socket_path(ipc_dir, frontend_id))
 
 
 class TokenizationOwners:

@@ -39,7 +39,7 @@ What crosses is ``mptok.core.protocol``'s ``PeerRequest`` and
 Everything a caller needs is importable from ``mptok.transport``.
 """
 
-from mptok.transport.listener import OwnerAlreadyServing, ServerLimits
+from mptok.transport.listener import OwnerAlreadyServing, ServerLimits, is_served
 from mptok.transport.owner import PeerAnswer, TokenizeManager, serve_encode
 from mptok.transport.proxy import CALL_TIMEOUT_S, EncodeProxy, SentRequest
 from mptok.transport.wire import (
@@ -62,6 +62,7 @@ __all__ = [
     "EncodeProxy",
     "MessageTooLarge",
     "OwnerAlreadyServing",
+    "is_served",
     "OwnerError",
     "OwnerTimeout",
     "OwnerUnreachable",

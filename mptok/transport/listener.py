@@ -305,6 +305,19 @@ class _SocketFile:
         os.close(self._lock_fd)
 
 
+def is_served(path: str) -> bool:
+    """Whether a live process serves ``path`` now (holds its lock file): a look
+    before claiming it, which a claim made meanwhile may still beat."""
+    try:
+        fd = open_private_file(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return not try_lock(fd, shared=True)
+    finally:
+        os.close(fd)
+
+
 def _lock_or_raise(lock_path: str, path: str) -> int:
     """Hold ``lock_path``'s file with ``flock``; the fd is returned once the path names it."""
     while True:

@@ -36,9 +36,11 @@ from vllm.inputs import TokensPrompt
 from vllm.renderers.hf import HfRenderer
 
 from mptok.api.affinity import ConversationIdentity, chat_identity, named
-from mptok.vllm.prompt_tokens import PromptTokens
+from mptok.front.catalogue import PROCESS_LABEL, VLLM
+from mptok.front.engine_tokens import EngineFront, PromptTokens
 from mptok.vllm.session import run_in_context, session_id
 
+FRONT = EngineFront(switch="--tokenizer-mode mptok", process_label=PROCESS_LABEL[VLLM], logger_name="vllm.mptok")
 # The conversation's name, from render_messages to _tokenize_prompt.
 CONVERSATION_FIELD = "_mptok_conversation"
 # Prompt fields that send it down vLLM's own path.
@@ -55,7 +57,7 @@ class MptokRenderer(HfRenderer):
         self._prompt_tokens = (
             None
             if self.tokenizer is None
-            else PromptTokens.of_process(self.tokenizer, parallel._api_process_rank, parallel._api_process_count)
+            else PromptTokens.of_process(self.tokenizer, parallel._api_process_rank, parallel._api_process_count, FRONT)
         )
         # vLLM's own wrapper runs it on this executor, outside the request's context.
         executor = getattr(self, "_executor", None)
@@ -79,7 +81,7 @@ class MptokRenderer(HfRenderer):
             return TokensPrompt(prompt_token_ids=ids, **prompt)
         tokens_prompt = super()._tokenize_prompt(prompt, params)
         if self._prompt_tokens is not None:
-            self._prompt_tokens.count_vllm(len(tokens_prompt["prompt_token_ids"]))
+            self._prompt_tokens.count_direct(len(tokens_prompt["prompt_token_ids"]))
         return tokens_prompt
 
     def _ids_through_mptok(self, prompt: Any, params: Any, identity: ConversationIdentity) -> list[int] | None:

@@ -26,7 +26,7 @@ import pytest
 from mptok.api.affinity import chat_identity
 from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, VLLM, exported_by
 from mptok.routing.order import owner_of
-from mptok_harness.serve import Server, request, scrape
+from mptok_harness.serve import Server, request, scrape, settled
 from mptok_harness.vllm import VllmServer
 from mptok_harness.vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
 
@@ -164,14 +164,7 @@ def _scraped(server: VllmServer, series: str, at_least: float, timeout_s: float 
 
 def _settled_totals(server: VllmServer, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
     """The totals once two scrapes a sync interval apart agree (counters are copied every 0.5 s)."""
-    deadline = time.monotonic() + timeout_s
-    totals = _mptok_totals(server)
-    while time.monotonic() < deadline:
-        time.sleep(0.6)
-        previous, totals = totals, _mptok_totals(server)
-        if totals == previous:
-            break
-    return totals
+    return settled(lambda: _mptok_totals(server), timeout_s)
 
 
 @pytest.mark.parametrize("name", list(CASES))

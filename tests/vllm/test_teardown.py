@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from mptok.vllm.ipc_dir import PREFIX
+from mptok.front.ipc_dir import PREFIX
 from mptok_harness.vllm import VllmServer
 from mptok_harness.vllm_requests import agent_turns
 
@@ -25,7 +25,7 @@ from mptok_harness.vllm_requests import agent_turns
 # servers do at shutdown.
 _JOIN_AND_DIE = """
 import os, signal, subprocess, sys
-from mptok.vllm.ipc_dir import SharedIpcDir
+from mptok.front.ipc_dir import SharedIpcDir
 server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 joined = SharedIpcDir(server_pid=server.pid)
 print(joined.path, flush=True)

@@ -1,13 +1,14 @@
-"""mptok's series on vLLM's own ``/metrics``, summed over its API servers.
+"""mptok's series on an engine's own ``/metrics`` (vLLM's, SGLang's), summed over its processes.
 
-vLLM serves ``/metrics`` from whichever API server the scrape lands on. With
-``--api-server-count`` > 1 it runs ``prometheus_client`` in multiprocess
-mode (``PROMETHEUS_MULTIPROC_DIR``, made by ``vllm serve`` for its API
-servers): each process writes its values into files there and the scraped
-process reads them all. So each API server copies its snapshot into
+vLLM and SGLang serve ``/metrics`` from whichever process the scrape lands
+on. With several processes they run ``prometheus_client`` in multiprocess
+mode (``PROMETHEUS_MULTIPROC_DIR``, made by the engine for its processes):
+each process writes its values into files there and the scraped process
+reads them all. So each process copies its snapshot into
 ``prometheus_client`` series every ``SYNC_INTERVAL_S`` (counters by the
-amount they grew, gauges as they are), labelled with its ``api_server``
-rank; with one API server the same series are in the default registry.
+amount they grew, gauges as they are), labelled with its seat (vLLM's
+``api_server`` rank, SGLang's ``tokenizer_worker``); with one process the
+same series are in the default registry.
 
 The series are the catalogue's (``mptok.front.catalogue``), the same names,
 help, kinds and labels ``mptok serve`` shows.
@@ -21,13 +22,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mptok.core.periodic import PeriodicTask
-from mptok.front.catalogue import PROCESS_LABEL, VLLM, Metric, exported_by
+from mptok.front.catalogue import VLLM, Metric, exported_by
 
-logger = logging.getLogger("vllm.mptok")
+logger = logging.getLogger("mptok")
 
 SYNC_INTERVAL_S = 0.5
 PLUGIN_SERIES = exported_by(VLLM)
-_RANK_LABEL = PROCESS_LABEL[VLLM]
 
 
 def _labels_key(labels: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -35,10 +35,15 @@ def _labels_key(labels: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 class MetricsExport:
-    """Copies ``snapshot()`` into prometheus series every ``interval_s`` on a daemon thread until ``stop()``."""
+    """Copies ``snapshot()`` into prometheus series, labelled ``process_label=seat``, every ``interval_s``
+    on a daemon thread until ``stop()``."""
 
     def __init__(
-        self, api_server: int, snapshot: Callable[[], Mapping[str, Any]], interval_s: float = SYNC_INTERVAL_S
+        self,
+        seat: int,
+        snapshot: Callable[[], Mapping[str, Any]],
+        process_label: str,
+        interval_s: float = SYNC_INTERVAL_S,
     ):
         from prometheus_client import Counter, Gauge
 
@@ -46,11 +51,11 @@ class MetricsExport:
         self._lock = threading.Lock()
         # The last value copied of each counter's sample, by series and labels.
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        rank = str(api_server)
+        rank = str(seat)
         self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._series: list[Metric] = list(PLUGIN_SERIES)
         for metric in self._series:
-            names = [_RANK_LABEL, *metric.labels]
+            names = [process_label, *metric.labels]
             if metric.kind == "counter":
                 family = Counter(metric.name.removesuffix("_total"), metric.help, names)
             else:
@@ -58,7 +63,7 @@ class MetricsExport:
             # Every label set made now, so that each series shows (at 0) before its first count.
             for labels in metric.source.fixed_labels() or []:
                 key = (metric.name, _labels_key(labels))
-                self._children[key] = family.labels(**{_RANK_LABEL: rank, **labels})
+                self._children[key] = family.labels(**{process_label: rank, **labels})
         self._task = PeriodicTask("mptok-metrics", self._synced, interval_s)
 
     def start(self) -> None:

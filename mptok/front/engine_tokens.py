@@ -1,27 +1,34 @@
-"""One API server's prompt tokenization through mptok: the cache, and routing between API servers.
+"""One engine process's prompt tokenization through mptok: the cache, and routing between its peers.
 
-vLLM builds its renderer (and may build more than one) in each API server
-process; the cache and the owner serving it to the other API servers must
-exist once per process, under the API server's rank. ``PromptTokens.of_process``
-makes that one instance on first use and hands it to every renderer of the
-same tokenizer.
+An engine (vLLM, SGLang) runs several processes on one port that tokenize
+prompts (vLLM's API servers, SGLang's tokenizer workers), each with a
+tokenizer and no memory of the prompts it tokenized. Each of them gets one
+``PromptTokens``: its cache, and with N > 1 processes ``TokenizationOwners``,
+routing each conversation to the process that holds it, in the ipc
+directory the processes of one engine share (``mptok.front.ipc_dir``).
+``PromptTokens.of_process`` makes that one instance on first use and hands
+it to every caller with the same tokenizer. ``EngineFront`` names the
+engine in its log and series.
 
-With ``--api-server-count N`` > 1, vLLM gives API server i the rank i of N
-(``parallel_config._api_process_rank`` / ``_api_process_count``, set from
-``client_index`` / ``client_count`` when ``vllm serve`` spawns it): that is
-the frontend id and count of ``TokenizationOwners``, in the ipc directory the
-API servers of one ``vllm serve`` share (``mptok.vllm.ipc_dir``). With one
-process (``vllm serve`` with one API server, ``vllm launch render``), or if
-routing cannot start, the cache alone. A process of an outside supervisor
-(``mptok render``) takes its seat instead (``take_seat``): before vLLM
-builds its renderer, or, for a process built as a spare (``stand_by``),
-once the supervisor gives it an id: until then its cache and tokenizer
-backend are built and warm, and nothing routes, serves or exports.
+A process learns its seat (its frontend id of N) in one of three ways:
+
+- the engine gives it a rank (vLLM's ``parallel_config._api_process_rank``
+  / ``_api_process_count``);
+- it claims the first seat no live process serves (``ANY_SEAT``: SGLang's
+  uvicorn workers have no rank; a worker that replaces a dead one takes the
+  seat the dead one held, whose lock the kernel released);
+- an outside supervisor (``mptok render``) gives it one (``take_seat``):
+  before the engine builds its tokenizing object, or, for a process built
+  as a spare (``stand_by``), once the supervisor gives it an id: until then
+  its cache and tokenizer backend are built and warm, and nothing routes,
+  serves or exports.
+
+With one process, or if routing cannot start, the cache alone.
 
 Whatever happens inside mptok, the ids are either exactly
 ``tokenizer(text, add_special_tokens=...)["input_ids"]`` or ``None``, and
-``None`` sends the prompt down vLLM's own path: mptok never turns a request
-vLLM would answer into an error.
+``None`` sends the prompt down the engine's own path: mptok never turns a
+request the engine would answer into an error.
 """
 
 from __future__ import annotations
@@ -38,13 +45,27 @@ from mptok.cache.config import CacheConfig
 from mptok.cache.prefix_cache import PrefixTokenCache
 from mptok.engines.choice import LONG_TEXT_CHARS
 from mptok.front.prompt_ids import PromptIds
-from mptok.routing.owners import TokenizationOwners, lower_switch_interval
-from mptok.vllm.ipc_dir import SharedIpcDir
-from mptok.vllm.metrics import MetricsExport
-
-logger = logging.getLogger("vllm.mptok")
+from mptok.routing.owners import OwnerAlreadyServing, TokenizationOwners, lower_switch_interval, seat_taken
+from mptok.front.ipc_dir import SharedIpcDir
+from mptok.front.prometheus import MetricsExport
 
 CLOSE_TIMEOUT_S = 2.0
+# The rank of a process that claims the first free seat itself.
+ANY_SEAT = -1
+
+
+@dataclass(frozen=True)
+class EngineFront:
+    """The engine a ``PromptTokens`` serves: how the user turned mptok on, the label of its processes' series, its log."""
+
+    switch: str
+    process_label: str
+    logger_name: str
+
+    @property
+    def logger(self) -> logging.Logger:
+        return logging.getLogger(self.logger_name)
+
 
 _lock = threading.Lock()
 _of_process: PromptTokens | None = None
@@ -67,14 +88,14 @@ _standing_by = False
 
 
 def stand_by() -> None:
-    """This process's seat comes after vLLM builds its renderer: build the cache and wait for ``take_seat``."""
+    """This process's seat comes after the engine builds its renderer: build the cache and wait for ``take_seat``."""
     global _standing_by
     with _lock:
         _standing_by = True
 
 
 def take_seat(seat: Seat) -> None:
-    """Route this process's prompts as ``seat`` says: before vLLM builds its renderer, or after it when standing by."""
+    """Route this process's prompts as ``seat`` says: before the engine builds its renderer, or after it when standing by."""
     global _seat
     with _lock:
         if _seat is not None:
@@ -88,17 +109,19 @@ def take_seat(seat: Seat) -> None:
 
 
 class PromptTokens:
-    """Exact prompt ids through mptok for API server ``rank`` of ``count``.
+    """Exact prompt ids through mptok for process ``rank`` of ``count`` of the engine ``front``.
 
     ``tokenize`` returns ``tokenizer(text, add_special_tokens=...)["input_ids"]``
-    or None (the caller then tokenizes as vLLM does). ``close()`` stops routing
-    and serving within ``CLOSE_TIMEOUT_S`` and leaves the ipc directory; it runs
-    at process exit and is idempotent. Made with ``rank`` None it waits for
-    ``seat(rank, count)`` (its cache alone meanwhile, counted but not exported).
+    or None (the caller then tokenizes as the engine does). ``close()`` stops
+    routing and serving within ``CLOSE_TIMEOUT_S`` and leaves the ipc directory;
+    it runs at process exit and is idempotent. Made with ``rank`` None it waits
+    for ``seat(rank, count)`` (its cache alone meanwhile, counted but not
+    exported); with ``ANY_SEAT`` it claims the first free seat of ``count``.
     """
 
-    def __init__(self, tokenizer: Any, rank: int | None, count: int):
+    def __init__(self, tokenizer: Any, rank: int | None, count: int, front: EngineFront):
         self._tokenizer = tokenizer
+        self.front = front
         self.name = getattr(tokenizer, "name_or_path", None)
         self.rank = rank
         self._cache = PrefixTokenCache(CacheConfig.from_env())
@@ -119,19 +142,19 @@ class PromptTokens:
         return self._metrics is not None
 
     def seat(self, rank: int, count: int) -> None:
-        """Start routing (with ``count`` > 1) and the metrics export as API server ``rank`` of ``count``."""
+        """Start routing (with ``count`` > 1) and the metrics export as process ``rank`` (or ``ANY_SEAT``) of ``count``."""
         self.rank = rank
-        routing = "off: one API server"
-        if count > 1 and 0 <= rank < count:
+        routing = "off: one process"
+        if count > 1 and (rank == ANY_SEAT or 0 <= rank < count):
             routing = self._start_routing(rank, count)
         if self._owners is not None:
             self._ids.route_through(self._owners)
-        self._metrics = MetricsExport(max(rank, 0), self.snapshot)
+        self._metrics = MetricsExport(max(self.rank, 0), self.snapshot, self.front.process_label)
         self._metrics.start()
         self._log_start(routing, count)
 
     @classmethod
-    def of_process(cls, tokenizer: Any, rank: int, count: int) -> PromptTokens | None:
+    def of_process(cls, tokenizer: Any, rank: int, count: int, front: EngineFront) -> PromptTokens | None:
         """This process's instance, made on first call; None for a renderer of another tokenizer."""
         global _of_process
         with _lock:
@@ -141,23 +164,23 @@ class PromptTokens:
                     seat_rank, count = _seat.frontend_id, _seat.count
                 elif _standing_by:
                     seat_rank = None
-                _of_process = cls(tokenizer, seat_rank, count)
+                _of_process = cls(tokenizer, seat_rank, count, front)
             elif _of_process.name != getattr(tokenizer, "name_or_path", None):
-                logger.warning("mptok: a second tokenizer in this process (%r) is tokenized by vLLM alone", tokenizer)
+                front.logger.warning("mptok: a second tokenizer in this process (%r) is tokenized by the engine alone", tokenizer)
                 return None
             return _of_process
 
     def tokenize(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> list[int] | None:
-        """The exact ids of ``text``, routed under ``identity.key``; None to let vLLM tokenize it."""
+        """The exact ids of ``text``, routed under ``identity.key``; None to let the engine tokenize it."""
         try:
             return self._ids.ids(text, add_special_tokens, identity)
         except Exception:
-            # vLLM's own path then gives the request whatever vLLM gives it.
-            logger.debug("mptok: tokenizing through the cache raised; vLLM tokenizes it", exc_info=True)
+            # The engine's own path then gives the request whatever it gives it.
+            self.front.logger.debug("mptok: tokenizing through the cache raised; the engine tokenizes it", exc_info=True)
             return None
 
-    def count_vllm(self, tokens: int) -> None:
-        """One prompt that vLLM tokenized itself, of ``tokens`` tokens."""
+    def count_direct(self, tokens: int) -> None:
+        """One prompt that the engine tokenized itself, of ``tokens`` tokens."""
         self._ids.count_direct(tokens)
 
     def snapshot(self) -> dict[str, Any]:
@@ -186,14 +209,28 @@ class PromptTokens:
                 path, authkey, options = seat.ipc_dir, seat.authkey, seat.routing
             # Peers' calls wait for this process's GIL: about 1 ms instead of 5.
             lower_switch_interval()
-            self._owners = TokenizationOwners(path, rank, count, self._cache, self._tokenizer, authkey=authkey, **options)
+            self._owners = self._owners_at(path, rank, count, authkey, options)
         except Exception as e:
-            logger.warning("mptok: routing between API servers is off (%s); this API server uses its cache alone", e)
+            self.front.logger.warning("mptok: routing between processes is off (%s); this process uses its cache alone", e)
             if self._ipc_dir is not None:
                 self._ipc_dir.close()
                 self._ipc_dir = None
             return f"off: {e}"
-        return f"on: API server {rank} of {count}, ipc dir {path}"
+        return f"on: {self.front.process_label} {self.rank} of {count}, ipc dir {path}"
+
+    def _owners_at(self, path: str, rank: int, count: int, authkey: bytes, options: dict[str, Any]) -> TokenizationOwners:
+        """Owners serving seat ``rank``, or with ``ANY_SEAT`` the first seat no live process serves."""
+        seats = [rank] if rank != ANY_SEAT else [i for i in range(count) if not seat_taken(path, i)]
+        for seat in seats:
+            try:
+                owners = TokenizationOwners(path, seat, count, self._cache, self._tokenizer, authkey=authkey, **options)
+            except OwnerAlreadyServing:
+                if rank != ANY_SEAT:
+                    raise
+                continue  # another process claimed it since the look
+            self.rank = seat
+            return owners
+        raise OwnerAlreadyServing(f"every seat of {count} in {path} is served by a live process")
 
     def _warm_backend(self) -> None:
         # Building it copies the Rust tokenizer, and warming it loads the long
@@ -213,16 +250,17 @@ class PromptTokens:
                 f"(chosen from {choice!r}: {backend.engines.report or 'no fast engine asked for'})"
             )
         except SlowTokenizerError as e:
-            backend_text = f"none ({e}): vLLM's own tokenization"
+            backend_text = f"none ({e}): the engine's own tokenization"
         config = self._cache.config
-        logger.info(
-            "mptok is on (--tokenizer-mode mptok): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
+        self.front.logger.info(
+            "mptok is on (%s): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
             "min_chars=%d; add_special_tokens %s; routing %s",
+            self.front.switch,
             self.name,
             backend_text,
             config.max_bytes,
             config.max_entries,
             config.min_chars,
-            "framed by the cache" if self._ids.frame is not None else "tokenized by vLLM",
+            "framed by the cache" if self._ids.frame is not None else "tokenized by the engine",
             routing,
         )

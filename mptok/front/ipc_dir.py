@@ -1,27 +1,29 @@
-"""The private directory and authkey that the API servers of one ``vllm serve`` share.
+"""The private directory and authkey that the tokenizing processes of one engine server share.
 
 ``mptok serve`` has a supervisor that makes its ipc directory and authkey and
-hands the key to each frontend over a pipe. In vLLM the supervisor is
-vLLM's own ``vllm serve`` process, which runs no mptok code before it
-spawns its API servers; so the API servers agree among themselves:
+hands the key to each frontend over a pipe. In vLLM and SGLang the supervisor
+is the engine's own server process (``vllm serve``, SGLang's
+``launch_server``), which runs no mptok code before it spawns the processes
+that tokenize (vLLM's API servers, SGLang's uvicorn workers); so those
+processes agree among themselves:
 
-- the directory is named after the ``vllm serve`` process they share (their
+- the directory is named after the server process they share (their
   parent): its pid and its start time in clock ticks since boot
-  (``/proc/<pid>/stat``), so two ``vllm serve`` never share one, and a pid
+  (``/proc/<pid>/stat``), so two servers never share one, and a pid
   reused after a reboot or wrap gives another name; it is made 0700 by
-  whichever API server comes first and checked by every one
+  whichever process comes first and checked by every one
   (``secure_ipc_dir``: owned by this user, no access for group or others,
   no symbolic link);
 - the authkey is 32 random bytes in a 0600 file in it, written by the first
-  API server and published with ``link`` (atomic: it appears whole or not at
+  process and published with ``link`` (atomic: it appears whole or not at
   all, and a second writer loses instead of replacing it); never in argv,
   the environment or a log;
-- every API server holds a shared ``flock`` on ``supervisor.lock`` for as
+- every process holds a shared ``flock`` on ``supervisor.lock`` for as
   long as it lives, and each serves its socket under its own lock
   (``mptok.transport``). The directory is in use while any of those locks is
-  held. The last API server to close removes it; the directories of a
-  ``vllm serve`` that was SIGKILLed are removed by the next one to start
-  (never a link, another user's directory, or one with a lock held).
+  held. The last process to close removes it; the directories of a server
+  that was SIGKILLed are removed by the next one to start (never a link,
+  another user's directory, or one with a lock held).
 
 The name starts with ``mptok-serve-`` and holds the same ``supervisor.lock``
 as an ``mptok serve`` directory, so either sweep may remove the other's
@@ -42,9 +44,9 @@ from mptok.core.file_locks import lock_by, try_lock
 from mptok.core.private_files import SERVER_LOCK, remove_if_unused, secure_ipc_dir, sweep_unused
 from mptok.routing.liveness import start_ticks
 
-logger = logging.getLogger("vllm.mptok")
+logger = logging.getLogger("mptok")
 
-PREFIX = "mptok-serve-vllm-"
+PREFIX = "mptok-serve-engine-"
 LOCK_NAME = SERVER_LOCK
 KEY_NAME = "authkey"
 KEY_BYTES = 32
@@ -56,20 +58,20 @@ _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class SharedIpcDir:
-    """The ipc directory of the ``vllm serve`` process ``server_pid`` (default: the parent), joined.
+    """The ipc directory of the engine's server process ``server_pid`` (default: the parent), joined.
 
-    ``path`` and ``authkey`` are the same in every API server of that
-    ``vllm serve``. Raises ``PermissionError`` for a directory that is not
-    this user's alone, ``ProcessLookupError`` when ``server_pid`` is gone,
+    ``path`` and ``authkey`` are the same in every process of that server.
+    Raises ``PermissionError`` for a directory that is not this user's
+    alone, ``ProcessLookupError`` when ``server_pid`` is gone,
     and ``OSError`` when the directory cannot be made. ``close()`` leaves it,
-    and removes it if no other API server is in it; it is idempotent.
+    and removes it if no other process is in it; it is idempotent.
     """
 
     def __init__(self, server_pid: int | None = None, parent: str | None = None):
         server_pid = os.getppid() if server_pid is None else server_pid
         ticks = start_ticks(server_pid)
         if ticks is None:
-            raise ProcessLookupError(f"vllm serve process {server_pid} is gone")
+            raise ProcessLookupError(f"server process {server_pid} is gone")
         self.parent = parent or tempfile.gettempdir()
         self.path = os.path.join(self.parent, f"{PREFIX}{server_pid}-{ticks}")
         sweep_stale(self.parent, keep=self.path)
@@ -90,13 +92,13 @@ class SharedIpcDir:
 
 
 def sweep_stale(parent: str, keep: str | None = None) -> list[str]:
-    """Remove this user's ``mptok-serve-vllm-*`` directories in ``parent`` that no process uses.
+    """Remove this user's ``mptok-serve-engine-*`` directories in ``parent`` that no process uses.
 
     Returns what was removed; never raises for one directory it cannot
     judge or remove (it is left)."""
     removed = sweep_unused(parent, PREFIX, keep)
     for path in removed:
-        logger.warning("mptok: removed the ipc dir %s of a vllm serve that is gone", path)
+        logger.warning("mptok: removed the ipc dir %s of a server that is gone", path)
     return removed
 
 
@@ -165,7 +167,7 @@ def _shared_key(path: str) -> bytes:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_bytes(KEY_BYTES))
-            with contextlib.suppress(FileExistsError):  # another API server's key won
+            with contextlib.suppress(FileExistsError):  # another process's key won
                 os.link(pending, KEY_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         finally:
             with contextlib.suppress(FileNotFoundError):
