@@ -95,6 +95,11 @@ VLLM_ENV = {
     # Without a GPU, vLLM's CUDA build (the render server of 0.33 and 0.34) fails at start
     # with "Failed to infer device type" unless told.
     "VLLM_TARGET_DEVICE": "cpu",
+    # ... and 0.34's CPU platform refuses an x86 machine without Triton: the
+    # CUDA build ships Triton, which disables itself when it finds no GPU
+    # driver, unless the visible devices are set empty (what a distributed
+    # launcher does before CUDA starts). Nothing here runs a kernel.
+    "CUDA_VISIBLE_DEVICES": "",
     # GiB of KV cache; by default the CPU engine wants 92% of the memory.
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
