@@ -132,14 +132,15 @@ test-vllm-render: $(foreach version,$(VLLM_RENDER_VERSIONS),.venv-vllm-$(version
 	done
 
 # `mptok render --frontends 2` beside `vllm launch render`, the same with
-# fastokens, and two of those behind an nginx round robin, on keyless agentic
-# chats at concurrency 1, 4 and 8 (docs/results/bench_render.md; about 10
-# minutes on 2 cores).
+# fastokens, `vllm-rs render` (vLLM's Rust render server), and two of
+# `vllm launch render` with fastokens behind an nginx round robin, on keyless
+# agentic chats at concurrency 1, 4 and 8, on the first of
+# VLLM_RENDER_VERSIONS (docs/results/bench_render.md; about 12 minutes on 2 cores).
 bench-render: $(VLLM_RENDER_VENV)/bin/.installed
 	scripts/ensure_nginx.sh
 	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render $(ARGS)
 
-# The same four at the lengths coding agents send (40k to 180k tokens,
+# The same five at the lengths coding agents send (40k to 180k tokens,
 # median ~70k, 1000 tokens a turn), each chat resumed at its long prefix for
 # its last 10 turns (docs/results/bench_render_long.md; about 25 minutes on
 # 2 cores). `make bench-render-long ARGS=--smoke` is its short form (two
