@@ -144,7 +144,7 @@ bench-render: $(VLLM_RENDER_VENV)/bin/.installed
 # median ~70k, 1000 tokens a turn), each chat resumed at its long prefix for
 # its last 10 turns (docs/results/bench_render_long.md; about 25 minutes on
 # 2 cores). `make bench-render-long ARGS=--smoke` is its short form (two
-# short lengths at C=2, no report; about 4 minutes, most of it five vLLM
+# short lengths at C=2, no report; about 4 minutes, most of it six vLLM
 # processes starting); `make smoke` leaves it out, for want of this venv.
 bench-render-long: $(VLLM_RENDER_VENV)/bin/.installed
 	scripts/ensure_nginx.sh
