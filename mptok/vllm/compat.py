@@ -77,7 +77,7 @@ class Hook:
             wrong = _signature_problem(found, isinstance(container, type), self.parameters, self.overridden)
             if wrong is not None:
                 return f"{self.name}: {wrong}"
-        if self.called_in is not None and not _called_in(getattr(importlib.import_module(self.module), self.called_in), last):
+        if self.called_in is not None and not _called_in(getattr(importlib.import_module(self.module), self.called_in, None), last):
             return f"{self.name}: no method of {self.called_in} calls it"
         return None
 
