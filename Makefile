@@ -115,7 +115,7 @@ test-vllm: $(VLLM_VENV)/bin/.installed
 # and a SIGSTOPped process replaced by a warm spare within seconds,
 # SIGTERM), and the hooks check, once per release of VLLM_RENDER_VERSIONS
 # (each 10 GB; about 5 minutes to build; the tests start six render servers
-# and one `mptok render` one after another, 7-10 minutes on 2 shared cores).
+# and one `mptok render` one after another: 4 minutes for 0.34 here, up to 10 on 2 busy cores).
 # CI runs 0.34, the newest; `make test-vllm-render VLLM_RENDER_VERSIONS="0.34.0
 # 0.33.0"` runs 0.33 as well. flashinfer (CUDA kernels; 0.34's pinned release
 # is not on the package index) is left out: the render server does not import it.
