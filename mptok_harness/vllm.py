@@ -11,8 +11,10 @@ SIGTERMs it, then SIGKILLs the whole group, so a failing test leaves no
 process behind. With ``command=RENDER`` it is ``vllm launch render`` instead:
 vLLM's GPU-less render server, one process, no engine, the serve command's
 flags. ``MptokRender`` is ``mptok render`` on the same model: N render
-processes under mptok's supervisor, answering as ``VllmServer`` does. Needs the ``make test-vllm`` environment (``.venv-vllm``), or for the
-render server ``make test-vllm-render``'s (``.venv-vllm33``).
+processes under mptok's supervisor, answering as ``VllmServer`` does;
+``VllmRsRender`` is vLLM's Rust render server. Needs the ``make test-vllm``
+environment (``.venv-vllm``), or for the render server ``make
+test-vllm-render``'s (``.venv-vllm-<version>``).
 """
 
 from __future__ import annotations
@@ -90,9 +92,14 @@ LLAMA_CONFIG = {
 }
 
 VLLM_ENV = {
-    # Without a GPU, vLLM's CUDA build (0.33's render server) fails at start
+    # Without a GPU, vLLM's CUDA build (the render server of 0.33 and 0.34) fails at start
     # with "Failed to infer device type" unless told.
     "VLLM_TARGET_DEVICE": "cpu",
+    # ... and 0.34's CPU platform refuses an x86 machine without Triton: the
+    # CUDA build ships Triton, which disables itself when it finds no GPU
+    # driver, unless the visible devices are set empty (what a distributed
+    # launcher does before CUDA starts). Nothing here runs a kernel.
+    "CUDA_VISIBLE_DEVICES": "",
     # GiB of KV cache; by default the CPU engine wants 92% of the memory.
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
@@ -313,3 +320,31 @@ class MptokRender(VllmServer):
         for frontend, pid in re.findall(r"event=frontend_ready frontend=(\d+) pid=(\d+)", self.log()):
             pids[int(frontend)] = int(pid)
         return pids
+
+
+class VllmRsRender(VllmServer):
+    """``vllm-rs render MODEL_DIR``: vLLM's Rust render server, the executable its wheel ships
+    (``vllm/vllm-rs``; fastokens inside), started and stopped as ``VllmServer`` is."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *, max_model_len: int = 65536, env: dict[str, str] | None = None):
+        super().__init__(model_dir, log_path, mptok=False, api_servers=1, command=RENDER, env=env)
+        self.args = [
+            str(vllm_rs_path()), "render", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(max_model_len),
+        ]
+
+    def started(self) -> bool:
+        return "starting engine-free Rust render server" in self.log()
+
+
+def vllm_rs_path() -> Path:
+    """The ``vllm-rs`` executable in the installed vLLM package (vLLM 0.33 and later)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("vLLM is not installed here")
+    path = Path(spec.origin).with_name("vllm-rs")
+    if not path.is_file():
+        raise FileNotFoundError(f"this vLLM ships no Rust renderer ({path})")
+    return path

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Benchmark: a render tier beside its anchors, on keyless agentic chats, at several concurrencies.
 
-Four render services of one model directory (``mptok_harness.vllm``), all
+Five render services of one model directory (``mptok_harness.vllm``), all
 running at once (each idle while another is measured):
 
 - ``vllm``: ``vllm launch render``, one process, as it is;
 - ``fastokens``: the same with ``VLLM_USE_FASTOKENS=1``;
-- ``nginx-2x-fastokens``: two of those behind an nginx round robin (a
+- ``vllm-rs``: ``vllm-rs render``, vLLM's Rust render server (the
+  executable vLLM's wheel ships; fastokens inside), one process;
+- ``nginx-2x-fastokens``: two of ``fastokens`` behind an nginx round robin (a
   Service of replicas);
 - ``mptok-render``: ``mptok render --frontends 2``.
 
@@ -32,16 +34,17 @@ every thread carries the same work until the end and the concurrency stays
 C. The model directory and every service take a context of
 ``LONG_CONTEXT`` tokens. Writes ``docs/results/bench_render_long.md``.
 
-    .venv-vllm33/bin/python -m scripts.bench_render              # about 10 minutes on 2 cores
-    .venv-vllm33/bin/python -m scripts.bench_render --target-tokens 70000 --concurrency 8
-    .venv-vllm33/bin/python -m scripts.bench_render --long       # about 25 minutes on 2 cores
-    .venv-vllm33/bin/python -m scripts.bench_render --long --smoke  # two short lengths at C=2, no report
+    .venv-vllm-0.34.0/bin/python -m scripts.bench_render              # about 12 minutes on 2 cores
+    .venv-vllm-0.34.0/bin/python -m scripts.bench_render --target-tokens 70000 --concurrency 8
+    .venv-vllm-0.34.0/bin/python -m scripts.bench_render --long       # about 30 minutes on 2 cores
+    .venv-vllm-0.34.0/bin/python -m scripts.bench_render --long --smoke  # two short lengths at C=2, no report
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -58,7 +61,7 @@ import psutil
 from mptok.render.options import SPARES
 from mptok_harness.nginx import Nginx, render_nginx
 from mptok_harness.serve import free_port, request, scrape
-from mptok_harness.vllm import RENDER, MptokRender, VllmServer, write_model_dir
+from mptok_harness.vllm import RENDER, MptokRender, VllmRsRender, VllmServer, write_model_dir
 from mptok_harness.vllm_requests import TOOLS, agent_turns, text_source
 from scripts.lengths import LONG_DELTA_TOKENS, LONG_TARGETS, SMOKE_LONG_TARGETS
 from scripts.percentiles import percentile
@@ -68,14 +71,14 @@ from scripts.smoke import parse_args_with_smoke
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "docs" / "results" / "bench_render.md"
 NGINX_TEMPLATE = REPO / "deploy" / "nginx-sticky.conf"
-SERVICES = ("vllm", "fastokens", "nginx-2x-fastokens", "mptok-render")
+SERVICES = ("vllm", "fastokens", "vllm-rs", "nginx-2x-fastokens", "mptok-render")
 # Characters of these chats per token of the embedded tokenizer: at 3.3, 33
 # turns of 4000 characters reached 32.7k tokens where --target-tokens asked
 # for 40k.
 CHARS_PER_TOKEN = 4.0
 FASTOKENS = {"VLLM_USE_FASTOKENS": "1"}
 PATH = "/v1/chat/completions/render"
-TITLE = "A render tier beside its anchors: vllm launch render, with fastokens, two behind nginx, mptok render"
+TITLE = "A render tier beside its anchors: vllm launch render, with fastokens, vllm-rs render, two behind nginx, mptok render"
 LONG_TITLE = "A render tier beside its anchors at coding-agent lengths"
 CONTEXT = 131072  # the model directory's context and every service's --max-model-len
 LONG_CONTEXT = 196608  # --long: the longest chat (about 181k tokens) and a margin
@@ -157,8 +160,9 @@ class Service:
 class AnsweredIds:
     """An answer's ``token_ids`` as vLLM wrote them: their count and a digest of their JSON text.
 
-    Every service answers through vLLM's own JSON response, so equal ids are
-    equal text, and a difference in the text is counted as wrong ids. The
+    The Python services answer through vLLM's own JSON response, ``vllm-rs``
+    through its own (without spaces): equal ids are equal text once spaces
+    are removed, and a difference in the text is counted as wrong ids. The
     clients share the machine's cores with the services: parsing each
     answer's 400 KB of JSON into a list and an array cost a client 6 ms a
     request at the coding-agent lengths, as much CPU as the service under
@@ -174,7 +178,7 @@ class AnsweredIds:
         field_at = answer.index(field)
         start = answer.index(b"[", field_at)
         end = answer.index(b"]", start)  # a flat list of ints: its first "]" closes it
-        text = answer[start + 1 : end]
+        text = answer[start + 1 : end].replace(b" ", b"")
         return cls(text.count(b",") + 1 if text.strip() else 0, hashlib.blake2b(text, digest_size=16).digest())
 
 
@@ -288,8 +292,9 @@ def main() -> int:
                 VllmServer(model, Path(tmp) / f"replica{i}.log", mptok=False, api_servers=1, command=RENDER, env=FASTOKENS, max_model_len=context)
                 for i in range(2)
             ]
+            rust = VllmRsRender(model, Path(tmp) / "vllm-rs.log", max_model_len=context)
             tier = MptokRender(model, Path(tmp) / "mptok-render.log", frontends=2, max_model_len=context)
-            for server in (plain, fast, *replicas, tier):
+            for server in (plain, fast, rust, *replicas, tier):
                 started.append(server.launch())
             for server in started:
                 server.wait_started(900)
@@ -301,6 +306,7 @@ def main() -> int:
             services = {
                 "vllm": Service("vllm", plain.port, plain.model, [plain.process.pid]),
                 "fastokens": Service("fastokens", fast.port, fast.model, [fast.process.pid]),
+                "vllm-rs": Service("vllm-rs", rust.port, rust.model, [rust.process.pid]),
                 "nginx-2x-fastokens": Service(
                     "nginx-2x-fastokens", nginx_port, plain.model, [nginx.process.pid, *(r.process.pid for r in replicas)]
                 ),
@@ -327,7 +333,7 @@ def main() -> int:
         print(body)
     else:
         print_report(
-            LONG_TITLE if args.long else TITLE, body, python=".venv-vllm33/bin/python", packages=PACKAGES,
+            LONG_TITLE if args.long else TITLE, body, python=f".venv-vllm-{importlib.metadata.version('vllm')}/bin/python", packages=PACKAGES,
             directory=args.report_dir, file="bench_render_long" if args.long else None,
         )  # fmt: skip
     return 1 if any(run.wrong or run.failed for runs in results.values() for run in runs.values()) else 0
@@ -353,7 +359,9 @@ def _report(results: dict[str, dict[int, Run]], workloads: dict[int, list[list[b
         ratios.append(
             f"- C={concurrency}: mptok render {rate['mptok-render'] / rate['fastokens']:.2f}x the requests/s of vLLM with "
             f"fastokens, {rate['mptok-render'] / rate['nginx-2x-fastokens']:.2f}x two of them behind nginx, "
-            f"{rate['mptok-render'] / rate['vllm']:.2f}x vLLM without fastokens."
+            f"{rate['mptok-render'] / rate['vllm-rs']:.2f}x vllm-rs render, "
+            f"{rate['mptok-render'] / rate['vllm']:.2f}x vLLM without fastokens; vllm-rs render "
+            f"{rate['vllm-rs'] / rate['fastokens']:.2f}x vLLM with fastokens."
         )
     chats_per_c = ", ".join(f"{len(chats)} at C={c}" for c, chats in workloads.items())
     tokens = list(lengths.values())

@@ -19,7 +19,10 @@ vLLM's own for every request. A start decides things a timing makes (the
 tokenizer engine ``auto`` picks in each API server, what a call to another
 API server is expected to cost), so the three servers are started
 ``--starts`` times, one start after another, and every start is reported
-with the engines each of mptok's API servers chose. Writes
+with the engines each of mptok's API servers chose and its hits. mptok's
+engine memo is a new directory of the run's (``MPTOK_ENGINE_MEMO``): the
+first start is a machine's first start, which checks and times the engines
+and keeps the verdict, and the later ones read it. Writes
 ``docs/results/bench_vllm_plugin.md``.
 
     .venv-vllm/bin/python -m scripts.bench_vllm_plugin            # about 15 minutes on 2 cores
@@ -112,12 +115,16 @@ class Start:
         return percentile(self.later[mode], 0.5)
 
 
-def run_start(model: Path, logs: Path, conversations: list[list[list[dict]]]) -> Start:
-    """Start the three servers afresh, send every turn to each (in rotating order), stop them."""
+def run_start(model: Path, logs: Path, memo: Path, conversations: list[list[list[dict]]]) -> Start:
+    """Start the three servers afresh (mptok's with the engine memo ``memo``), send every turn to each
+    (in rotating order), stop them."""
     start = Start()
     turns, count = len(conversations[0]), len(conversations)
     servers = {
-        mode: VllmServer(model, logs / f"{mode}.log", mptok=spec["mptok"], env=spec["env"], max_model_len=131072)
+        mode: VllmServer(
+            model, logs / f"{mode}.log", mptok=spec["mptok"], env={**spec["env"], "MPTOK_ENGINE_MEMO": str(memo)},
+            max_model_len=131072,
+        )  # fmt: skip
         for mode, spec in MODES.items()
     }
     try:
@@ -170,7 +177,7 @@ def main() -> int:
         for number in range(args.starts):
             logs = Path(tmp) / f"start{number}"
             logs.mkdir()
-            starts.append(run_start(model, logs, conversations))
+            starts.append(run_start(model, logs, Path(tmp) / "engine-memo", conversations))
             print(f"start {number + 1}: later p50 " + ", ".join(
                 f"{mode} {starts[-1].later_p50(mode) * 1000:.1f} ms" for mode in MODES
             ) + f"; engines {starts[-1].engines}", flush=True)
@@ -224,8 +231,9 @@ def _report(starts: list[Start], turns: int, args: argparse.Namespace) -> str:
             "|---|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
-            "Every start: later turns' render p50 per mode, mptok's against fastokens' (above 1x: mptok faster), "
-            "mptok's hits, routed turns and turns that extended a copy kept by the API server they reached "
+            "Every start (the first one on an empty engine memo, as a machine's first start; the later ones read "
+            "its verdict): later turns' render p50 per mode, mptok's against fastokens' (above 1x: mptok faster), "
+            f"mptok's hits (of the {requests - args.chats} turns that can hit), routed turns and turns that extended a copy kept by the API server they reached "
             "(`mptok_kept_here_total`), and the engines each API server's `auto` chose at its start (short texts / "
             "texts of 400,000 characters or more, from `mptok_tokenizer_engine`).",
             "",

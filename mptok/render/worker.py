@@ -89,6 +89,9 @@ class VllmRenderHooks:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
+        from mptok.vllm.compat import HOOKS, RENDER_HOOKS, check_vllm
+
+        check_vllm(HOOKS + RENDER_HOOKS)  # refused here, by name, rather than failing inside vLLM
         from vllm.entrypoints.launchers.render import entry
 
         setup_server, serve_http = entry.setup_server, entry.serve_http

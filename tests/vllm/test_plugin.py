@@ -1,8 +1,10 @@
 """vLLM with ``--tokenizer-mode mptok`` against vLLM without it: the same ids, one cache, bounded faults.
 
 One ``vllm serve`` without the switch answers every request of ``CASES``
-first and is stopped; then one with the switch (two API servers) answers
-the same requests, and must give every one the same ``token_ids``. The
+first and is stopped; then one with the switch (two API servers, on an
+empty engine memo: a machine's first start) answers the same requests, and
+must give every one the same ``token_ids``; a later start of it must hit
+on as many turns. The
 same server then shows the routing and counters on its ``/metrics``, and
 serves through a SIGSTOPped API server. Expected ids always come from vLLM
 itself without the switch, never from mptok. The requests that carry a
@@ -129,10 +131,18 @@ def plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]]):
+def engine_memo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """An engine memo of the module's own, empty until the first server with
+    the switch starts: that start is a machine's first (it checks and times
+    the engines and keeps the verdict), the hardest start for routing."""
+    return {"MPTOK_ENGINE_MEMO": str(tmp_path_factory.mktemp("engine-memo"))}
+
+
+@pytest.fixture(scope="module")
+def switched(model_dir: Path, logs_dir: Path, plain_ids: dict[str, list[int]], engine_memo: dict[str, str]):
     """The server with the switch, its ids for every case, and mptok's totals
     before and after the session cases (which it answers last)."""
-    with VllmServer(model_dir, logs_dir / "mptok.log", mptok=True) as server:
+    with VllmServer(model_dir, logs_dir / "mptok.log", mptok=True, env=engine_memo) as server:
         ids = {name: _case_ids(server, name) for name in CASES if name not in SESSION_CASES}
         before = _settled_totals(server)
         ids.update((name, _case_ids(server, name)) for name in SESSION_CASES)
@@ -217,6 +227,29 @@ def test_turns_landing_on_both_api_servers_are_served_by_one_cache(switched):
     assert sum(totals["mptok_cache_hits_total"].values()) > 0, totals
     # Each agent's later turns extended its earlier ones in its owner's cache.
     assert sum(totals["mptok_cache_hits_total"].values()) >= AGENTS * (TURNS - 2)
+
+
+@pytest.fixture(scope="module")
+def later_start(model_dir: Path, logs_dir: Path, switched, engine_memo: dict[str, str]):
+    """The server with the switch started again on the engine memo its first start kept
+    (a later start on the machine), answering the same cases but the session ones; its log and totals."""
+    with VllmServer(model_dir, logs_dir / "mptok-later.log", mptok=True, env=engine_memo) as server:
+        for name in CASES:
+            if name not in SESSION_CASES:
+                _case_ids(server, name)
+        return server.log(), _settled_totals(server)
+
+
+def test_a_machines_first_start_hits_as_a_later_start_does(switched, later_start):
+    """The first start decides the engines (timing them for seconds) while the
+    other API server waits for its verdict; neither may route worse for it."""
+    server, _, (first, _) = switched
+    later_log, later = later_start
+    assert "decided at this start, kept in the engine memo" in server.log(), server.log_tail()
+    assert "decided at this start" not in later_log and "from the engine memo" in later_log
+    first_hits, later_hits = (sum(totals["mptok_cache_hits_total"].values()) for totals in (first, later))
+    assert later_hits >= AGENTS * (TURNS - 2), later
+    assert first_hits >= later_hits - 1, (first, later)
 
 
 def test_a_session_header_names_the_conversation_as_mptok_serve_does(switched):

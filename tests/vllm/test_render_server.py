@@ -2,8 +2,8 @@
 
 The render server is vLLM's GPU-less front (what a router such as llm-d's
 calls to turn requests into ids): one process, no engine, so it runs where
-vLLM's engine cannot (vLLM 0.33's CUDA build on this CPU-only machine, ``make
-test-vllm-render``), and on vLLM 0.32's CPU build as well (``make test-vllm``).
+vLLM's engine cannot (the CUDA builds of 0.33 and 0.34 on a machine without
+a GPU, ``make test-vllm-render``), and on vLLM 0.32's CPU build as well.
 One render server without the switch answers every request of
 ``test_plugin.CASES`` (agentic chats with tool turns, ``add_special_tokens``
 both ways, ``continue_final_message``, ``chat_template_kwargs``, completion
@@ -14,6 +14,9 @@ on the same model directory must give every request the same ids, with its cache
 alone (one process: nothing routed) hitting on the agents' later turns, as
 its ``/metrics`` shows. vLLM's own fastokens backend (``VLLM_USE_FASTOKENS=1``)
 must agree too. Expected ids always come from vLLM without the switch.
+A vLLM that reports a release the plugin was not tested with starts with a
+warning and the same ids; one whose renderer no longer matches the plugin's
+override refuses to start, naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from mptok.vllm.compat import supported_range
+from mptok.vllm.compat import TESTED_RELEASES
+from mptok_harness.vllm import VllmServer
 
 from render_cases import API_CASES, LATER_TURNS, WITHOUT_OFFSETS, answer_every_format, render_server
 from test_plugin import CASES, _scraped
@@ -98,19 +102,38 @@ def test_vllm_with_fastokens_gives_the_ids_mptok_gives(switched, fastokens_ids):
     assert set(fastokens_ids) == {*WITHOUT_OFFSETS, *API_CASES}
 
 
-# Runs vLLM's CLI in a process whose vLLM reports another version.
+# Runs vLLM's CLI in a process whose vLLM reports another version
+# (argv: the CLI, the version, then its arguments), and with
+# MPTOK_TEST_RESIGN set, whose renderer calls _tokenize_prompt with one
+# more parameter, as a later vLLM might.
 _AS_VERSION = (
-    "import runpy, sys, vllm.version\n"
+    "import os, runpy, sys, vllm.version\n"
     "sys.argv = sys.argv[1:]\n"
     "vllm.version.__version__ = sys.argv.pop(1)\n"
+    "if os.environ.get('MPTOK_TEST_RESIGN'):\n"
+    "    import vllm.renderers.base as base\n"
+    "    base.BaseRenderer._tokenize_prompt = lambda self, prompt, params, lora_request=None: None\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
 
 
-def test_a_vllm_outside_the_tested_range_refuses_to_start_with_the_switch(model_dir, logs_dir):
+def _as_version(server: VllmServer, version: str) -> VllmServer:
+    server.args = [sys.executable, "-c", _AS_VERSION, server.args[1], version, *server.args[2:]]
+    return server
+
+
+def test_an_untested_release_with_every_hook_starts_with_a_warning_and_vllms_ids(model_dir, logs_dir, plain_ids):
     """The render server is one process, so the version it reports is the one the plugin checks."""
-    server = render_server(model_dir, logs_dir / "render-unsupported.log", mptok=True)
-    server.args = [sys.executable, "-c", _AS_VERSION, server.args[1], "0.34.0", *server.args[2:]]
+    with _as_version(render_server(model_dir, logs_dir / "render-untested.log", mptok=True), "0.99.0") as server:
+        ids = answer_every_format(server, {name: CASES[name] for name in list(CASES)[:4]})
+        log = server.log()
+    assert f"--tokenizer-mode mptok was tested with vLLM {TESTED_RELEASES}, not 0.99.0" in log, log[-3000:]
+    assert log.count("mptok is on (--tokenizer-mode mptok)") == 1
+    assert ids == {name: plain_ids[name] for name in ids}
+
+
+def test_a_vllm_lacking_a_hook_refuses_to_start_naming_it(model_dir, logs_dir):
+    server = _as_version(render_server(model_dir, logs_dir / "render-resigned.log", mptok=True, env={"MPTOK_TEST_RESIGN": "1"}), "0.99.0")
     server.launch()
     assert server.process is not None
     try:
@@ -120,4 +143,6 @@ def test_a_vllm_outside_the_tested_range_refuses_to_start_with_the_switch(model_
     finally:
         server.stop()
     assert code not in (None, 0), server.log_tail()
-    assert f"--tokenizer-mode mptok supports vLLM {supported_range()}, not 0.34.0" in server.log(), server.log_tail()
+    log = server.log()
+    assert "--tokenizer-mode mptok cannot run on vLLM 0.99.0" in log, server.log_tail()
+    assert "HfRenderer._tokenize_prompt(prompt, params): takes (prompt, params, lora_request)" in log, server.log_tail()
