@@ -68,7 +68,7 @@ class SglangServer(VllmServer):
         env: dict[str, str] | None = None,
     ):
         super().__init__(model_dir, log_path, mptok=mptok, api_servers=workers)
-        launcher = ["-m", "mptok.render.cli", "sglang"] if mptok else ["-m", "sglang.launch_server"]
+        launcher = ["-m", "mptok.cli", "sglang"] if mptok else ["-m", "sglang.launch_server"]
         self.args = [
             sys.executable, *launcher, "--model-path", self.model,
             "--host", "127.0.0.1", "--port", str(self.port),

@@ -31,7 +31,7 @@ def _hold_a_seat(ipc_parent: str, conn) -> None:
     from mptok_harness.vllm_requests import text_source
 
     tokenizer = mptok.load_tokenizer()
-    tokens = PromptTokens(tokenizer, ANY_SEAT, 2, EngineFront("a test", "worker", "mptok.test"))
+    tokens = PromptTokens(tokenizer, ANY_SEAT, 2, EngineFront("a test", "worker", "test worker", "mptok.test"))
     text = text_source(5)(TEXT_CHARS)
     right = all(
         tokens.tokenize(text, False, named(None, f"chat:{n}")) == tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -56,10 +56,12 @@ ANY_SEAT = -1
 
 @dataclass(frozen=True)
 class EngineFront:
-    """The engine a ``PromptTokens`` serves: how the user turned mptok on, the label of its processes' series, its log."""
+    """The engine a ``PromptTokens`` serves: how the user turned mptok on, the label of its processes' series,
+    what its log calls one of its processes, its log."""
 
     switch: str
     process_label: str
+    process_name: str
     logger_name: str
 
     @property
@@ -144,7 +146,7 @@ class PromptTokens:
     def seat(self, rank: int, count: int) -> None:
         """Start routing (with ``count`` > 1) and the metrics export as process ``rank`` (or ``ANY_SEAT``) of ``count``."""
         self.rank = rank
-        routing = "off: one process"
+        routing = f"off: one {self.front.process_name}"
         if count > 1 and (rank == ANY_SEAT or 0 <= rank < count):
             routing = self._start_routing(rank, count)
         if self._owners is not None:
@@ -216,7 +218,7 @@ class PromptTokens:
                 self._ipc_dir.close()
                 self._ipc_dir = None
             return f"off: {e}"
-        return f"on: {self.front.process_label} {self.rank} of {count}, ipc dir {path}"
+        return f"on: {self.front.process_name} {self.rank} of {count}, ipc dir {path}"
 
     def _owners_at(self, path: str, rank: int, count: int, authkey: bytes, options: dict[str, Any]) -> TokenizationOwners:
         """Owners serving seat ``rank``, or with ``ANY_SEAT`` the first seat no live process serves."""

@@ -40,7 +40,9 @@ from mptok.front.engine_tokens import ANY_SEAT, EngineFront, PromptTokens
 
 logger = logging.getLogger("sglang.mptok")
 
-FRONT = EngineFront(switch="mptok sglang", process_label="tokenizer_worker", logger_name="sglang.mptok")
+FRONT = EngineFront(
+    switch="mptok sglang", process_label="tokenizer_worker", process_name="tokenizer worker", logger_name="sglang.mptok"
+)
 
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _CHAT_RENDER = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._render_and_encode_chat_template"

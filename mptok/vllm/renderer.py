@@ -40,7 +40,9 @@ from mptok.front.catalogue import PROCESS_LABEL, VLLM
 from mptok.front.engine_tokens import EngineFront, PromptTokens
 from mptok.vllm.session import run_in_context, session_id
 
-FRONT = EngineFront(switch="--tokenizer-mode mptok", process_label=PROCESS_LABEL[VLLM], logger_name="vllm.mptok")
+FRONT = EngineFront(
+    switch="--tokenizer-mode mptok", process_label=PROCESS_LABEL[VLLM], process_name="API server", logger_name="vllm.mptok"
+)
 # The conversation's name, from render_messages to _tokenize_prompt.
 CONVERSATION_FIELD = "_mptok_conversation"
 # Prompt fields that send it down vLLM's own path.
