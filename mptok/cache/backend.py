@@ -276,7 +276,7 @@ class TokenizerBackend:
 
     def _tail_for_check(self, text: str, at_segment_start: bool) -> list[int]:
         """``encode_tail`` by the reference tokenizer: the rules' check tests the rules, not an engine."""
-        if at_segment_start or self._continuation is None or (self._prefix_unless_space and text.startswith(" ")):
+        if self._tokenized_whole(text, at_segment_start):
             return self.encode(text).ids
         return self._continuation_ids(text) or []
 
@@ -297,9 +297,14 @@ class TokenizerBackend:
         and it does not), which goes to the continuation tokenizer. None if that
         cannot tell the segments apart.
         Raises ``TokenizerRefused``."""
-        if at_segment_start or self._continuation is None or (self._prefix_unless_space and text.startswith(" ")):
+        if self._tokenized_whole(text, at_segment_start):
             return self.encode_id_array(text)
         return self._continuation_ids(text)
+
+    def _tokenized_whole(self, text: str, at_segment_start: bool) -> bool:
+        """Whether a tail is tokenized as a whole text (no prefix would be added
+        to it that its prompt's tokenization lacks), not as a continuation."""
+        return at_segment_start or self._continuation is None or (self._prefix_unless_space and text.startswith(" "))
 
     def _continuation_ids(self, text: str) -> list[int] | None:
         """``text`` as the continuation of a segment: its first segment by the
