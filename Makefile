@@ -59,12 +59,13 @@ replay-long: $(BIN)/.installed-bench
 
 # The replay under a memory budget (each frontend's --cache-bytes half of one
 # copy of 64 conversations growing to 38k tokens, turns interleaved): the
-# F = 4 and F = 8 tables and the hit rate against the budget
-# (docs/results/capacity_replay.md); about 20 minutes on 2 cores once the
+# F = 4 table (two runs, for the hit rate's spread between runs), the F = 8
+# table and the hit rate against the budget
+# (docs/results/capacity_replay.md); about 25 minutes on 2 cores once the
 # conversations are built (kept in .cache/replay/; building them takes longer).
 replay-capacity: $(BIN)/.installed-bench
 	scripts/ensure_nginx.sh
-	$(BIN)/python -m scripts.capacity_replay $(ARGS)
+	$(BIN)/python -m scripts.capacity_replay --repeat 2 $(ARGS)
 	$(BIN)/python -m scripts.capacity_replay --frontends 8 --modes no-route,mptok,sticky $(ARGS)
 	$(BIN)/python -m scripts.capacity_replay --sweep 0.25,0.5,1,2 --modes no-route,mptok --conversations 32 --target-tokens 20000 $(ARGS)
 
