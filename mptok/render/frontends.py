@@ -32,10 +32,6 @@ class RenderSettings:
     ipc_dir: str
     options: RenderOptions
 
-    @property
-    def prometheus_dir(self) -> str:
-        return prometheus_dir(self.ipc_dir)
-
 
 def prometheus_dir(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, PROMETHEUS_DIR)

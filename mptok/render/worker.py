@@ -35,7 +35,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from mptok.render.frontends import RenderSettings
+from mptok.render.frontends import RenderSettings, prometheus_dir
 from mptok.render.gate import RenderGate
 from mptok.render.options import MODE
 from mptok.supervise.admission import Admission
@@ -158,7 +158,7 @@ def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: s
     and exits 1 if vLLM does not start.
     """
     # Read by prometheus_client when it is first imported (vLLM imports it).
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_dir
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = prometheus_dir(settings.ipc_dir)
     parent = multiprocessing.parent_process()
     stop_with_parent(parent.pid if parent is not None else os.getppid())
     from mptok.front.engine_tokens import stand_by
