@@ -249,8 +249,7 @@ class Supervisor:
         is stopped and removed first.
         """
         with contextlib.ExitStack() as cleanup:
-            self._preflight()
-            cleanup.callback(self._close_listener)  # last: the port is free once everything stopped
+            cleanup.enter_context(self._preflight())  # closed last: the port is free once everything stopped
             sweep_stale()
             run_dir = RunDir()  # mode 0700
             cleanup.callback(run_dir.close)
@@ -269,7 +268,8 @@ class Supervisor:
             self._start_all()
             return self._serve()
 
-    def _preflight(self) -> None:
+    def _preflight(self) -> socket.socket:
+        """Check everything that can be checked before a process starts; the port's listening socket."""
         options = self.options
         if options.frontends < 1:
             raise StartupError(f"--frontends must be at least 1, got {options.frontends}")
@@ -282,11 +282,7 @@ class Supervisor:
             raise StartupError(f"cannot bind {options.host}:{options.port}: {e.strerror or e}") from None
         # From here on, the options name the port actually bound (not 0).
         self.options = dataclasses.replace(options, port=self._listener.getsockname()[1])
-
-    def _close_listener(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        return self._listener
 
     def _start_all(self) -> None:
         for slot in self._slots:
