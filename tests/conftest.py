@@ -31,6 +31,12 @@ def engine_memo_of_the_session(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory):
+    """Where the engine suites' servers write their logs."""
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """The embedded default tokenizer, loaded once for every test that names it."""
     import mptok

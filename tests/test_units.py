@@ -42,7 +42,7 @@ from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection
 
 
 def test_restart_delay_doubles_with_each_exit_up_to_its_cap():
-    policy = RestartPolicy(max_restarts=10, window_s=60.0, first_delay_s=0.25, max_delay_s=8.0)
+    policy = RestartPolicy(max_restarts=10, window_s=60.0, first_delay_s=0.25)
     delays = [policy.delay_after_exit(float(t)) for t in range(8)]
     assert delays == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
     assert policy.recent_exits == 8
