@@ -29,7 +29,7 @@ AUTHKEY = b"mptok-test-authkey"
 
 def key_owned_by(owner: int, num_frontends: int, prefix: str, *, then: int | None = None) -> str:
     """A conversation key whose owner is ``owner`` (and whose next frontend is ``then``)."""
-    from mptok.routing.order import owner_order
+    from mptok.routing.router import owner_order
 
     for i in range(100_000):
         key = f"{prefix}-{i}"

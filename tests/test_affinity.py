@@ -16,7 +16,7 @@ import mptok
 from mptok.api.affinity import IdentityKind, chat_identity, identify, prompt_identity
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE
 from mptok.core.protocol import PeerRequest
-from mptok.routing.answer import PeerService
+from mptok.routing.owners import PeerService
 from mptok_harness.conversations import plain_delta
 from mptok_harness.serve import scrape, serving, tokenize, total, wait_for_snapshots
 

@@ -22,7 +22,7 @@ ENV_PREFIX = "MPTOK_CACHE_"
 MAX_KEY_BYTES = 256
 
 # The default budget of what a frontend holds of the conversations it routed
-# to their owners: a fingerprint each (``mptok.routing.held``), about 440
+# to their owners: a fingerprint each (``mptok.routing.router``), about 440
 # bytes with a 36-character key, whatever the conversation's length, so 4 MiB
 # holds about 9,000 conversations per frontend.
 DEFAULT_MAX_HELD_BYTES = 4 * MiB
@@ -50,7 +50,7 @@ class CacheConfig:
         evicted to stay within it, and a prompt that alone exceeds it is
         tokenized but not kept.
     max_held_bytes: memory for the fingerprints a frontend holds of the
-        conversations it routed to their owners (``mptok.routing.held``):
+        conversations it routed to their owners (``mptok.routing.router``):
         about 440 bytes each with a 36-character key, never a copy of the
         text or ids (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently
         routed evicted.

@@ -12,7 +12,7 @@ It only ever tokenizes here. Ids are held as int32 arrays
 (``mptok.core.ids``): ``encode`` returns a list, ``encode_array`` the array
 itself, for a caller that writes JSON or sends ids on. Each prompt kept
 under a conversation key also keeps the fingerprint chain of its text
-(``mptok.core.fingerprint``), so that a prompt can be named by the
+(``mptok.core.protocol``), so that a prompt can be named by the
 fingerprint of its first characters (``keep``: the one call routing, a
 layer above, makes beyond encoding).
 """
@@ -37,7 +37,7 @@ from mptok.cache.seam import CachedPrompt, extend_prompt, prompt_of_ids, tokeniz
 import numpy as np
 
 from mptok.core.counting import Counters
-from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
+from mptok.core.protocol import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
 from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
 from mptok.engines.choice import TokenizerRefused
 
@@ -161,7 +161,7 @@ class PrefixTokenCache:
         ``text`` shares the most with, tokenizing here from a proven seam.
         With ``after``, ``text`` is what follows the first ``after.chars``
         characters of a kept prompt of ``key`` whose fingerprint chain has
-        ``after`` (``mptok.core.fingerprint``): None when none has (a wrong
+        ``after`` (``mptok.core.protocol``): None when none has (a wrong
         or stale fingerprint, an evicted conversation, a tokenizer the cache
         cannot serve). With ``ids``, the exact ids of ``text`` known from
         elsewhere, nothing is tokenized: they are kept as they are

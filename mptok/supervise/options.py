@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.core.settings import CHOICES, parse_bytes
-from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S, ROUTE_TIMEOUT_S
-from mptok.routing.policy import POLICIES
+from mptok.routing.policy import PATIENCE_FACTOR, PATIENCE_FLOOR_S, POLICIES, ROUTE_TIMEOUT_S
 
 
 class Use(enum.Enum):
