@@ -21,7 +21,7 @@ from mptok.api.tokenize_request import RequestError, parse_tokenize_request
 from mptok.cache.config import DEFAULT_MAX_HELD_BYTES, MAX_KEY_BYTES
 from mptok.core.fingerprint import Fingerprint, extend_chain
 from mptok.core.protocol import PeerRequest
-from mptok.engines import tripwire
+from mptok.engines import choice
 from mptok.routing.answer import PeerService
 from mptok.routing.held import HeldFingerprints
 from mptok_harness.checks import expected_ids as full_ids
@@ -212,7 +212,7 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
             for text in turns:
                 cache.encode(tokenizer, text, key=key)
         # A background check holds the prompt it works on until it is done.
-        assert tripwire.VERIFIER.drain(timeout=120)
+        assert choice.VERIFIER.drain(timeout=120)
         gc.collect()
         traced = tracemalloc.get_traced_memory()[0] - before
     finally:

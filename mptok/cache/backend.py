@@ -41,12 +41,10 @@ import orjson
 from tokenizers import Encoding, Tokenizer
 
 from mptok.cache.config import CacheConfig
-from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, check_rules, derive_rules
-from mptok.cache.segments import SegmentOpeners
+from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, SegmentOpeners, check_rules, derive_rules
 from mptok.core.settings import CHOICES, ENGINES
-from mptok.engines.choice import DEFAULT_CHECK_SHARE, Engines, TokenizerRefused
+from mptok.engines.choice import COUNTERS, Engines, TokenizerRefused
 from mptok.engines.fast import IdsEngine, self_check_texts
-from mptok.engines.tripwire import COUNTERS
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +158,7 @@ class TokenizerBackend:
     engines' encode. Exceptions from the Rust tokenizer (for instance on lone
     surrogates) propagate as they are.
 
-    ``choice``, ``engine`` and ``check_share`` choose the engines
+    ``choice`` and ``engine`` choose the engines
     (``mptok.engines.choice.Engines``, which is ``engines``).
     """
 
@@ -172,7 +170,6 @@ class TokenizerBackend:
         choice: str = "auto",
         *,
         engine: IdsEngine | None = None,
-        check_share: float = DEFAULT_CHECK_SHARE,
     ):
         if choice not in CHOICES:
             raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
@@ -210,7 +207,6 @@ class TokenizerBackend:
             name=self.name,
             checked=self,
             engine=engine,
-            check_share=check_share,
         )
         self._prefix_unless_space = False
         self.seam_rules, rules_report = self._checked_rules(spec, split_special, rust.get_vocab_size(with_added_tokens=True))
