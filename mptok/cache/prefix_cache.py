@@ -50,11 +50,9 @@ MAX_BRANCHES = 4
 # earlier turn); one that parts earlier starts a branch of its own.
 BRANCH_SLACK_CHARS = 256
 
-# What an entry costs beyond its text, ids and fingerprint chain,
-# which are counted by size: the entry, prompt and IdPieces objects, the id
-# buffer's lock, the holder tuple, the slots of the LRU dict and of the
-# content index. Measured with tracemalloc (scripts/bench_memory.py) and
-# rounded up.
+# What an entry costs beyond its text, ids and fingerprint chain (counted by
+# size): its objects, the holder, the slots of the LRU dict and content index.
+# Measured with tracemalloc (scripts/bench_memory.py) and rounded up.
 ENTRY_OVERHEAD_BYTES = 1024
 
 
@@ -65,8 +63,8 @@ class _Entry:
     ``nbytes``, what it all costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
-    chain: bytes = b""
-    nbytes: int = 0
+    chain: bytes
+    nbytes: int
 
 
 def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:

@@ -123,9 +123,7 @@ class SeamRules:
     ``lengths[i]`` is the number of text bytes token ``i`` covers in the middle
     of a segment (``UNKNOWN`` if the id does not tell); ``segment_ends[i]`` is
     true for the added tokens that end a segment, whose contents
-    ``added_contents`` holds. ``tail_continues``: a tail
-    cut at a forced boundary must be tokenized as the continuation of a
-    segment (the layout's prefix would otherwise be added to it).
+    ``added_contents`` holds.
     """
 
     lengths: np.ndarray
@@ -135,7 +133,6 @@ class SeamRules:
     prefix: str
     nfc: bool
     space_marker: bool
-    tail_continues: bool
     layout: str
 
     def forced_boundaries(self, text: str, low: int, high: int) -> list[int]:
@@ -432,7 +429,6 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         prefix=prefix,
         nfc="nfc" in normalizer,
         space_marker=space_marker,
-        tail_continues=prefix == PREFIX_ALWAYS,
         layout=layout,
     )
 
@@ -602,12 +598,13 @@ class SegmentOpeners:
             and not t.content[0].isspace()
             and not (has_normalizer and t.normalized)
         }
-        reaches = _Reaches([t.content for t in matched.values()], [t.content for t in matched.values() if not t.normalized])
+        tokens = _Joined([t.content for t in matched.values()])
+        raw_tokens = _Joined([t.content for t in matched.values() if not t.normalized])
         reach_of_content: dict[str, int] = {}
         for t in openers.values():
-            reach = reaches.containing(t.content)
+            reach = _reach_holding(tokens, t.content)
             if t.normalized:
-                reach = max(reach, reaches.raw_inside(t.content))
+                reach = max(reach, _reach_of_raw_inside(raw_tokens, t.content))
             reach_of_content[t.content] = max(reach, reach_of_content.get(t.content, 0))
         self._reach_of_id = {i: reach_of_content[t.content] for i, t in openers.items()}
         self._reach_of_content = reach_of_content
@@ -657,29 +654,17 @@ def _last_of(text: str, chars: frozenset[str], lowest: int, end: int) -> int:
     return -1
 
 
-class _Reaches:
-    """How far past an opener's start the added tokens that could overlap it end."""
+def _reach_holding(tokens: _Joined, content: str) -> int:
+    """The most characters that a token holding ``content`` at offset k has
+    from k on (at least ``len(content)``)."""
+    return max([len(content)] + [len(token) - offset for offset, token in tokens.occurrences(content)])
 
-    def __init__(self, contents: list[str], raw_contents: list[str]):
-        self._all = _Joined(contents)
-        self._raw = _Joined(raw_contents)
 
-    def containing(self, content: str) -> int:
-        """The most characters that a token holding ``content`` at offset k
-        has from k on (at least ``len(content)``)."""
-        reach = len(content)
-        for offset_in_token, token in self._all.occurrences(content):
-            reach = max(reach, len(token) - offset_in_token)
-        return reach
-
-    def raw_inside(self, content: str) -> int:
-        """The furthest past the start of ``content`` that a raw token
-        beginning inside it with the rest of ``content`` ends (0 if none)."""
-        reach = 0
-        for j in range(1, len(content)):
-            for token in self._raw.starting_with(content[j:]):
-                reach = max(reach, j + len(token))
-        return reach
+def _reach_of_raw_inside(raw_tokens: _Joined, content: str) -> int:
+    """The furthest past the start of ``content`` that a raw token beginning
+    inside it with the rest of ``content`` ends (0 if none)."""
+    starts = ((j, token) for j in range(1, len(content)) for token in raw_tokens.starting_with(content[j:]))
+    return max((j + len(token) for j, token in starts), default=0)
 
 
 class _Joined:

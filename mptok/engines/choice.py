@@ -2,13 +2,11 @@
 
 ``Engines`` is all the cache sees of the fast engines: ids, id arrays, the
 engines' names, and the check of a result. Its engines are the start-up
-decision of ``mptok.engines.fast`` (the cheapest engine, per length of text,
-that passed the check there). While they serve, the first ``FIRST_CHECKS``
-results, and then as many as ``CheckBudget`` allows, are re-tokenized by the
-reference on one background thread (``SampledVerifier``); on a difference
-the fast engines are not used for that tokenizer again in this process. The
-reference tokenizer is handed in as a callable: this floor knows nothing of
-the cache above it.
+decision of ``mptok.engines.fast``. While they serve, the first
+``FIRST_CHECKS`` results, and then as many as ``CheckBudget`` allows, are
+re-tokenized by the reference (handed in as a callable) on one background
+thread (``SampledVerifier``); on a difference the fast engines are not used
+for that tokenizer again in this process.
 """
 
 from __future__ import annotations
@@ -40,8 +38,6 @@ CHECK_QUEUE = 4
 # The process's one background checker thread (it outlives every cache and
 # TokenizationOwners, as the backends it checks do).
 VERIFIER_THREAD = "mptok-backend-verifier"
-# What ``_distrusted`` names for a specification whose seam rules gave a wrong splice.
-SEAM_RULES = "seam rules"
 
 
 class TokenizerRefused(Exception):
@@ -60,9 +56,8 @@ class Engines:
     """The fast engines of one tokenizer, chosen at start and checked while used.
 
     Thread-safe. ``reference`` gives the reference tokenizer's ids (raising
-    ``TokenizerRefused``); sampled results are checked against it in the
-    background by ``checked.verify`` (the backend, which checks its splices
-    too). ``choice`` is one of ``CHOICES`` (``mptok.engines.fast.Chooser``).
+    ``TokenizerRefused``); ``checked.verify`` checks sampled results against
+    it in the background (the backend, which checks its splices too).
     ``engine`` hands over one the caller vouches for: no start-up check
     (tests use it to build a real mismatch), the background checks as ever.
     """
@@ -105,8 +100,7 @@ class Engines:
     @property
     def names(self) -> dict[str, str]:
         """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``)
-        now ("tokenizers" once no fast engine is trusted; the short texts' engine for long ones until the
-        long texts' engine that the engine memo named is loaded)."""
+        now: "tokenizers" once no fast engine is trusted; the short one for long texts until theirs is loaded."""
         short, longer = self._engine, self._long_engine
         name = "tokenizers" if short is None else short.name
         return {"short": name, "long": longer.name if longer is not None and short is not None else name}
@@ -135,11 +129,6 @@ class Engines:
     def fast(self) -> bool:
         """Whether full tokenizations go through a fast engine (ids only)."""
         return self._engine is not None
-
-    @property
-    def seam_rules_distrusted(self) -> bool:
-        """Whether seam rules made a wrong splice for this specification in this process."""
-        return self._distrusts((SEAM_RULES,))
 
     def _distrusts(self, names: Iterable[str]) -> bool:
         """Whether any of ``names`` gave a wrong result for this specification in this process."""
@@ -199,9 +188,7 @@ class Engines:
         ``text`` if sampled: the seam rules (if ``seam_rules``) and the
         engine made them. Sampled on the same budget: the splice earns by
         the ``tokenized`` characters, the check costs all of ``text``."""
-        if self._engine is None and not seam_rules:
-            return
-        if self._sampled(tokenized, len(text)):
+        if (self._engine is not None or seam_rules) and self._sampled(tokenized, len(text)):
             submit_check(self._checked, text, ids)
 
     def _sampled(self, chars: int, check_chars: int | None = None) -> bool:
@@ -233,7 +220,6 @@ class Engines:
             return
         self._engine = self._long_engine = None
         switch_off()
-        suspects.add(SEAM_RULES)
         _distrusted.update((self.spec_digest, name) for name in suspects)
         if self._chosen.memo is not None:  # the next start checks the engines again
             memo, key = self._chosen.memo
@@ -256,14 +242,11 @@ _distrusted: set[tuple[str, str]] = set()
 
 class CheckBudget:
     """Which results to re-check so that the checks cost a bounded share of
-    the engine's CPU, without a clock on the hot path. Thread-safe.
-
-    Both the engine and the reference are linear in the text, so costs are
-    counted in characters: each result earns ``share`` (``CHECK_SHARE``
-    times the engine's CPU per character against the reference's) of its
-    length as credit, and a result is checked when the credit covers
-    re-tokenizing it whole.
-    """
+    the engine's CPU, without a clock on the hot path. Thread-safe. Both the
+    engine and the reference are linear in the text, so costs are counted in
+    characters: each result earns ``share`` (``CHECK_SHARE`` times the
+    engine's CPU per character against the reference's) of its length as
+    credit, and a result is checked when the credit covers re-tokenizing it."""
 
     def __init__(self, share: float):
         self._share = share
@@ -298,7 +281,10 @@ class SampledVerifier:
 
     def submit(self, backend: Checked, text: str, ids: Any) -> bool:
         """Queue a check; False if the queue was full (the check is dropped)."""
-        self._start()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=VERIFIER_THREAD, daemon=True)
+                self._thread.start()
         try:
             self._queue.put_nowait((backend, text, ids))
         except queue.Full:
@@ -320,14 +306,6 @@ class SampledVerifier:
         self._queue = queue.Queue(self._queue.maxsize)
         self._thread = None
         self._lock = threading.Lock()
-
-    def _start(self) -> None:
-        if self._thread is not None:
-            return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=VERIFIER_THREAD, daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:

@@ -33,9 +33,7 @@ returned. The trust rests on three things, in this order:
    was wrong.
 
 A deployment for which "the start-up check plus a tripwire" is not enough
-forces `tokenizers` (``CacheConfig.tokenizer_backend``,
-``MPTOK_CACHE_TOKENIZER_BACKEND=tokenizers``, ``mptok serve
---tokenizer-backend tokenizers``).
+forces `tokenizers` (``CacheConfig.tokenizer_backend``).
 """
 
 from __future__ import annotations
@@ -167,12 +165,10 @@ _PIECES = (
 
 
 def self_check_texts(added_contents: Iterable[str]) -> list[str]:
-    """The fixed adversarial corpus an engine must reproduce id for id.
-
-    Every piece alone, then mixes of pieces, with the tokenizer's own added
-    tokens (a fixed sample when it has many) alone, doubled, glued to words
-    and inside whitespace runs, and one long text of everything.
-    """
+    """The fixed adversarial corpus an engine must reproduce id for id: every
+    piece alone, then mixes of pieces, with the tokenizer's own added tokens
+    (a fixed sample when it has many) alone, doubled, glued to words and
+    inside whitespace runs, and one long text of everything."""
     rng = random.Random(0)
     added = sorted(set(c for c in added_contents if c))
     if len(added) > 48:
@@ -269,11 +265,8 @@ class Chosen:
     @property
     def names(self) -> set[str]:
         """The engines this stands for (a long texts' engine not loaded yet: both)."""
-        names = set()
-        for engine in (self.engine, self.long_engine):
-            if engine is not None:
-                names |= {engine.name, engine.chosen} if isinstance(engine, LoadedOnFirstUse) else {engine.name}
-        return names
+        engines = [e for e in (self.engine, self.long_engine) if e is not None]
+        return {e.name for e in engines} | {e.chosen for e in engines if isinstance(e, LoadedOnFirstUse)}
 
 
 @dataclass(frozen=True)
@@ -281,10 +274,9 @@ class Chooser:
     """The choice of a tokenizer's engines for ``choice`` ("auto": the
     cheapest in CPU time that passes the start-up check, `tokenizers`
     included; an engine's name: that engine if it passes, else none, with a
-    WARNING). ``reference`` gives `tokenizers`' ids (None for a text it
-    refuses); ``distrusts(names)``: whether any of those engines gave a wrong
-    result for this specification in this process; ``name`` names the
-    tokenizer in a WARNING."""
+    WARNING naming the tokenizer ``name``). ``reference`` gives `tokenizers`'
+    ids (None for a text it refuses); ``distrusts(names)``: whether any of
+    those engines gave a wrong result for this specification here."""
 
     reference: Callable[[str], list[int] | None]
     spec_json: str
@@ -296,10 +288,9 @@ class Chooser:
     distrusts: Callable[[Iterable[str]], bool]
 
     def choose(self) -> Chosen:
-        """Decided once per process and specification, unless one of its
-        engines was distrusted since; a process's first verdict comes from
-        the engine memo when that holds one for the same key, else it is
-        made here and kept there."""
+        """Decided once per process and specification (unless one of its
+        engines was distrusted since): from the engine memo when it keeps
+        one for the same key, else here, and kept there."""
         slot = (self.spec_digest, self.split_special, self.choice)
         with _verdicts_lock:
             chosen = _verdicts.get(slot)
@@ -355,8 +346,7 @@ class Chooser:
 
     def _decided(self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str]) -> Chosen:
         """``_decide``'s verdict, kept in ``memo`` unless an engine was found
-        wrong for this tokenizer in this process (the check and the timing
-        then did not see every engine)."""
+        wrong here (the check and the timing then did not see every engine)."""
         chosen, passed = self._decide(texts)
         if self.distrusts(ENGINES):
             return dataclasses.replace(chosen, report=f"decided at this start, not kept: an engine was found wrong here: {chosen.report}")
@@ -373,9 +363,7 @@ class Chooser:
         reference = functools.cache(self.reference)  # each engine is checked on the same texts
         two_pass = _overlapping_added_tokens(self.added)
         if two_pass:
-            # tokenizers matches non-normalized added tokens before normalized
-            # ones; both engines match them in one pass, and so does the
-            # segment splice's proof. Where the two kinds overlap they differ.
+            # The engines match both kinds in one pass (module docstring, 1).
             return Chosen(None, None, f"added tokens {two_pass} overlap across the normalized and raw passes"), ()
         timing = timing_texts(texts[-1])
         notes = []
@@ -422,11 +410,10 @@ class Chooser:
 
 
 class LoadedOnFirstUse:
-    """The engine the engine memo names for long texts, loaded on a
-    background thread by the first long text, or at start by a server
+    """The engine the engine memo names for long texts, loaded on a thread
+    of its own by the first long text, or at start by a server
     (``Engines.warm``); until then long texts go to the short texts' engine
-    (``meanwhile``), which passed the same check. ``name`` is the engine
-    that tokenizes long texts now; ``chosen`` the one named."""
+    (``meanwhile``), which passed the same check."""
 
     def __init__(self, chosen: str, spec_json: str, split_special: bool, *, meanwhile: IdsEngine):
         self.chosen = chosen

@@ -21,11 +21,10 @@ gives the trust the check would give; the background checks
 memo, so the next start decides afresh.
 
 **What cannot be used is ignored**, with a WARNING once per process and
-directory: a memo that is unreadable, not valid, written under another key,
-or in a directory another user owns or others may write; the start decides
-as without one. The directory: ``mptok.core.settings.engine_memo_dir``.
-Files are replaced whole, mode 0600; processes that start at once take a
-lock per key while they decide, for at most ``LOCK_WAIT_S``.
+directory (``mptok.core.settings.engine_memo_dir``): a memo that is
+unreadable, not valid, written under another key, or in a directory another
+user owns or others may write. Files are replaced whole, mode 0600;
+processes that start at once take a lock per key while they decide.
 """
 
 from __future__ import annotations
@@ -122,11 +121,11 @@ def memo_key(spec_digest: str, split_special: bool, choice: str, check_texts: It
     }
 
 
+@dataclass(frozen=True)
 class EngineMemo:
     """The verdicts kept in one directory: a file per key, named by its digest."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    directory: str
 
     def path(self, key: dict[str, Any]) -> str:
         return os.path.join(self.directory, f"{_PREFIX}{_digest(key)}.json")
@@ -190,8 +189,7 @@ class EngineMemo:
 
 def from_env() -> EngineMemo | None:
     """The memo ``MPTOK_ENGINE_MEMO`` names (default: the user's cache
-    directory), or None: turned off, or a directory that cannot be used
-    (said once, as a WARNING)."""
+    directory), or None: turned off, or not usable (said once)."""
     try:
         directory = engine_memo_dir()
     except ValueError as e:
