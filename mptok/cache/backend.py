@@ -81,7 +81,7 @@ def default_choice() -> str:
         return "auto"  # the cache says so when it is made with that value
 
 
-def backend_for(tokenizer: Any, choice: str = "auto") -> TokenizerBackend:
+def backend_for(tokenizer: Any, choice: str) -> TokenizerBackend:
     """The process-wide ``TokenizerBackend`` of ``tokenizer`` and ``choice``
     (one of ``CHOICES``), built on first use.
 

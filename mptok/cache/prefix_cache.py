@@ -377,7 +377,7 @@ class PrefixTokenCache:
         """The kept branches of ``key``, newest first; the caller holds the lock."""
         return [(holder, self._entries[holder]) for holder in reversed(self._branches.get((serial, key), ()))]
 
-    def _keep(self, holder: Hashable, entry: _Entry, *, room_only: bool = False) -> bool:
+    def _keep(self, holder: Hashable, entry: _Entry, *, room_only: bool) -> bool:
         """Keep ``entry`` as the newest, then evict the least recently used
         until every limit holds; an entry over the byte budget by itself is
         not kept (and what ``holder`` had is forgotten). With ``room_only``

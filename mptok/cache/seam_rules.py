@@ -96,6 +96,8 @@ _GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)|(?<=[\p{L}\p{N}])(?=[\p{P}\p{S}])"
 _GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
 _BEFORE_SPACE = r"(?= )"
 _BEFORE_SPACE_AFTER_OTHER = r"(?<=[^ ])(?= )"
+# Tails tokenized from forced boundaries per text of the start-up check.
+TAILS_CHECKED_PER_TEXT = 2
 
 
 @dataclass(frozen=True)
@@ -530,7 +532,6 @@ def check_rules(
     encode: Callable[[str], Any],
     tail_ids: Callable[[str, bool], Sequence[int]],
     texts: Sequence[str],
-    samples_per_text: int = 2,
 ) -> str | None:
     """A description of the first claim of ``rules`` that `tokenizers`
     contradicts on ``texts``, or None. ``encode`` is the reference full
@@ -567,8 +568,8 @@ def check_rules(
             splits = rules.layout == "space-marked" or index == 0 or words[index] is None or words[index] != words[index - 1]
             if not splits:
                 return f"a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} begins no pre-token"
-        step = max(1, len(forced) // samples_per_text)
-        for position in forced[::step][:samples_per_text]:
+        step = max(1, len(forced) // TAILS_CHECKED_PER_TEXT)
+        for position in forced[::step][:TAILS_CHECKED_PER_TEXT]:
             index = starts[position]
             at_segment_start = index == 0 or bool(rules.segment_ends[ids[index - 1]])
             tail = [int(i) for i in tail_ids(text[position:], at_segment_start)]
@@ -617,7 +618,7 @@ class SegmentOpeners:
         if it is not an opener."""
         return self._reach_of_id.get(token_id)
 
-    def starts_before(self, text: str, end: int, lowest: int = 0) -> Iterator[int]:
+    def starts_before(self, text: str, end: int, lowest: int) -> Iterator[int]:
         """Positions ``p >= lowest`` where ``text[p:]`` begins with an opener's
         content whose reach ends by ``end``, nearest to ``end`` first. (Of
         the openers that begin there, the longest is the one the reach is

@@ -23,8 +23,7 @@ from typing import Any, Protocol
 
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
-from mptok.engines import fast
-from mptok.engines.fast import LONG_TEXT_CHARS, IdsEngine, LoadedOnFirstUse
+from mptok.engines.fast import LONG_TEXT_CHARS, Chooser, Chosen, IdsEngine, LoadedOnFirstUse
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +79,11 @@ class Engines:
         self.spec_digest = hashlib.sha256(spec_json.encode()).hexdigest()
         self._results = itertools.count()
         if engine is not None:
-            self._chosen = fast.Chosen(engine, None, "forced")
+            self._chosen = Chosen(engine, None, "forced")
         elif choice == "tokenizers":
-            self._chosen = fast.Chosen(None, None, "")
+            self._chosen = Chosen(None, None, "")
         else:
-            self._chosen = fast.Chooser(
+            self._chosen = Chooser(
                 self._reference_or_none, spec_json, self.spec_digest, split_special, choice, list(added_tokens), name, self._distrusts
             ).choose()
         self._engine, self._long_engine = self._chosen.engine, self._chosen.long_engine
