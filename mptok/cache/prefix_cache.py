@@ -104,11 +104,10 @@ class PrefixTokenCache:
         self._anonymous = itertools.count()
         self._disabled = False
         self._warned_slow = False
+        self._last_backend: tuple[Any, TokenizerBackend] | None = None
         self._counters = Counters(
             ("hits", "misses", "resync_failures", "uncached", "allocation_failures", "tokens_reused", "tokens_tokenized")
         )
-
-    # -- public API ---------------------------------------------------------
 
     def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
         """Token ids of ``text``, tokenized here.
@@ -168,7 +167,7 @@ class PrefixTokenCache:
         if after is None and ids is None and not if_kept:
             return _kept(self._entry_or_ids(tokenizer, text, key, room_only=room_only) if text else [])
         try:
-            backend = backend_for(tokenizer, self.config.tokenizer_backend)
+            backend = self._backend(tokenizer)
         except SlowTokenizerError:
             return None if ids is None else Kept(as_id_array(ids), False)
         extending = None
@@ -237,8 +236,6 @@ class PrefixTokenCache:
         with self._lock:
             self._forget_all()
 
-    # -- internals ----------------------------------------------------------
-
     def _keeps(self, text: str) -> bool:
         config = self.config
         return (
@@ -247,6 +244,16 @@ class PrefixTokenCache:
             and len(text) > 0
         )
 
+    def _backend(self, tokenizer: Any) -> TokenizerBackend:
+        """``backend_for`` ``tokenizer`` and this cache's choice, remembered for the last tokenizer
+        (a frontend has one: the process-wide table and its lock are not asked per prompt)."""
+        last = self._last_backend
+        if last is not None and last[0] is tokenizer:
+            return last[1]
+        backend = backend_for(tokenizer, self.config.tokenizer_backend)
+        self._last_backend = (tokenizer, backend)
+        return backend
+
     def _entry_or_ids(
         self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, room_only: bool = False
     ) -> _Entry | list[int]:
@@ -254,7 +261,7 @@ class PrefixTokenCache:
         ``extending`` names, if given) and kept (with ``room_only``, only if
         that evicts nothing), or its ids if it cannot be kept."""
         try:
-            backend = backend_for(tokenizer, self.config.tokenizer_backend)
+            backend = self._backend(tokenizer)
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)

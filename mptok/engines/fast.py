@@ -111,9 +111,8 @@ class _Gigatoken:
             self._tokenizer = gigatoken.Tokenizer.from_json(spec_json)
         except Exception as e:
             raise EngineUnavailable(f"gigatoken cannot load this tokenizer: {e}") from e
-        # A gigatoken Tokenizer refuses a call while another thread's call
-        # runs ("Already borrowed"); a server's request and peer threads
-        # share one, so they take turns.
+        # A gigatoken Tokenizer refuses a call while another thread's runs
+        # ("Already borrowed"): a server's threads share one, so they take turns.
         self._one_call = threading.Lock()
 
     def encode_ids(self, text: str) -> list[int]:

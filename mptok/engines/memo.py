@@ -222,14 +222,10 @@ def _digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
-# The module whose code makes a verdict: found, not imported (it imports this one).
-_DECIDER = "fast.py"
-
-
 @functools.cache
 def _decider() -> dict[str, Any]:
     """mptok's version, and the digest of the module whose code makes a verdict."""
-    source = Path(__file__).with_name(_DECIDER).read_bytes()
+    source = Path(__file__).with_name("fast.py").read_bytes()  # found, not imported: it imports this module
     return {"version": _version("mptok"), "sources": hashlib.sha256(source).hexdigest()}
 
 
