@@ -18,16 +18,16 @@ if TYPE_CHECKING:
     from mptok.cache.loading import load_tokenizer
     from mptok.cache.config import CacheConfig
     from mptok.cache.prefix_cache import PrefixTokenCache
-    from mptok.routing.order import owner_of, owner_order
     from mptok.routing.owners import TokenizationOwners
+    from mptok.routing.router import owner_of, owner_order
 
 _PUBLIC = {
     "CacheConfig": "mptok.cache.config",
     "PrefixTokenCache": "mptok.cache.prefix_cache",
     "TokenizationOwners": "mptok.routing.owners",
     "load_tokenizer": "mptok.cache.loading",
-    "owner_of": "mptok.routing.order",
-    "owner_order": "mptok.routing.order",
+    "owner_of": "mptok.routing.router",
+    "owner_order": "mptok.routing.router",
 }
 
 __all__ = sorted(_PUBLIC)

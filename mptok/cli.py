@@ -1,13 +1,8 @@
 """The ``mptok`` command: ``mptok serve`` and ``mptok render``, two servers on one supervisor, and ``mptok sglang``.
 
-Only argument parsing lives here. The options are declared in
-``mptok.supervise.options`` (``mptok serve``'s) and ``mptok.render.options``
-(``mptok render``'s, vLLM's passed through); what runs in each slot is
-``mptok.serve.launch.TokenizeFrontends`` or
-``mptok.render.frontends.RenderFrontends``, under the supervisor that
-``mptok.supervise.run`` starts. The arguments ``mptok render`` does not know
-are vLLM's, passed on. ``mptok sglang``'s arguments are all SGLang's
-(``mptok.sglang.launch``).
+Only argument parsing lives here: the options are declared in
+``mptok.supervise.options`` and ``mptok.render.options``, and ``mptok
+sglang``'s arguments are all SGLang's (``mptok.sglang.launch``).
 """
 
 from __future__ import annotations
@@ -71,13 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_help(field: dataclasses.Field) -> str:
-    return "" if field.default is None else f" (default {field.default})"
-
-
 def _environment_help() -> str:
     cache = ", ".join(
-        ENV_PREFIX + f.name.upper() + _default_help(f) for f in dataclasses.fields(CacheConfig)
+        ENV_PREFIX + f.name.upper() + ("" if f.default is None else f" (default {f.default})")
+        for f in dataclasses.fields(CacheConfig)
     )
     return (
         f"Environment: the cache's limits, read by every frontend at start (docs/CACHE.md): {cache}; "

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mptok.engines import tripwire
+from mptok.engines import choice
 from mptok_harness.checks import HANG_GUARD_S, expected_ids, warm_up
 
 AUTHKEY = b"mptok-test-authkey"
@@ -29,7 +29,7 @@ AUTHKEY = b"mptok-test-authkey"
 
 def key_owned_by(owner: int, num_frontends: int, prefix: str, *, then: int | None = None) -> str:
     """A conversation key whose owner is ``owner`` (and whose next frontend is ``then``)."""
-    from mptok.routing.order import owner_order
+    from mptok.routing.router import owner_order
 
     for i in range(100_000):
         key = f"{prefix}-{i}"
@@ -120,7 +120,7 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
                     "threads": [
                         t.name
                         for t in threading.enumerate()
-                        if t.name.startswith("mptok") and t.name != tripwire.VERIFIER_THREAD
+                        if t.name.startswith("mptok") and t.name != choice.VERIFIER_THREAD
                     ],
                     "socket_exists": os.path.exists(os.path.join(ipc_dir, f"tokenize-{frontend_id}.sock")),
                 }

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -238,6 +238,12 @@ class Server:
         match = re.search(r"event=starting .*ipc_dir=(\S+)", self.log())
         if match:
             shutil.rmtree(match.group(1), ignore_errors=True)
+
+
+def serving(tmp_path_factory: Any, name: str, *args: str) -> Iterator[Server]:
+    """A module fixture's server: ``mptok serve args``, its log in a new temporary directory ``name``."""
+    with Server(tmp_path_factory.mktemp(name) / "serve.log", *args) as server:
+        yield server
 
 
 def _group_alive(pgid: int) -> bool:

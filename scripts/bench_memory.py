@@ -55,7 +55,7 @@ import mptok
 from mptok.cache.config import MAX_KEY_BYTES, parse_bytes
 from mptok_harness.checks import warm_up
 from mptok_harness.texts import stdlib_sources
-from mptok.engines import tripwire
+from mptok.engines import choice
 from scripts.report import script_command, write_report
 from scripts.smoke import parse_args_with_smoke
 
@@ -111,7 +111,7 @@ def bytes_per_token(tokenizer, text: str, rng: random.Random, count: int) -> dic
             cache.encode(tokenizer, second, key)
         # A queued check holds a result's ids until the background thread gets
         # to it; what is measured is what the cache keeps, so let it finish.
-        tripwire.VERIFIER.drain(timeout=600)
+        choice.VERIFIER.drain(timeout=600)
         gc.collect()
         held = traced() - before
     finally:

@@ -272,6 +272,41 @@ def mptok_hits(service: Service) -> float:
     return sum(value for name, _, value in scrape(service.port) if name == "mptok_cache_hits_total")
 
 
+def measured(
+    label: str,
+    service: Service,
+    chats: list[list[bytes]],
+    concurrency: int,
+    expected: dict[tuple[int, int], AnsweredIds],
+    record: bool,
+    count_hits: bool,
+    path: str = PATH,
+    field: bytes = b'"token_ids"',
+) -> Run:
+    """``drive``, with the cache hits it made when ``count_hits`` (mptok's counter), printed in one line as ``label``."""
+    before = mptok_hits(service) if count_hits else 0.0
+    run = drive(service, chats, concurrency, expected, record, path, field)
+    if count_hits:
+        time.sleep(1.0)  # the counters reach /metrics every 0.5 s
+        run.hits = mptok_hits(service) - before
+    print(f"{label}: p50 {percentile(run.seconds, 0.5) * 1000:.1f} ms, "
+          f"{len(run.seconds) / run.wall_s:.1f} req/s, wrong {run.wrong}, failed {run.failed}", flush=True)  # fmt: skip
+    return run
+
+
+def report_row(label: str, name: str, run: Run, chats: list[list[bytes]], count_hits: bool, client_cpu: bool) -> str:
+    """A report's table row of ``run`` over ``chats``: latencies, requests/s, CPU per request (the client's
+    too when ``client_cpu``), the hits of the turns that can hit when ``count_hits``, wrong, failed."""
+    can_hit = sum(len(chat) for chat in chats) - len(chats)
+    hits = f"{run.hits:.0f} of {can_hit} ({run.hits / can_hit:.0%})" if count_hits else ""
+    client = f" | {run.client_cpu_s / max(1, len(run.seconds)) * 1000:.1f}" if client_cpu else ""
+    return (
+        f"| {label} | {name} | {percentile(run.seconds, 0.5) * 1000:.1f} | {percentile(run.seconds, 0.99) * 1000:.1f} "
+        f"| {percentile(run.later, 0.5) * 1000:.1f} | {len(run.seconds) / run.wall_s:.1f} "
+        f"| {run.cpu_s / max(1, len(run.seconds)) * 1000:.1f}{client} | {hits} | {run.wrong} | {run.failed} |"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target-tokens", type=int, default=40_000)
@@ -335,17 +370,12 @@ def main() -> int:
             for concurrency, chats in workloads.items():
                 expected: dict[tuple[int, int], AnsweredIds] = {}
                 for name in SERVICES:
-                    service = services[name]
-                    before = mptok_hits(service) if name == "mptok-render" else 0.0
-                    run = drive(service, chats, concurrency, expected, record=name == "vllm")
-                    if name == "mptok-render":
-                        time.sleep(1.0)  # the counters reach /metrics every 0.5 s
-                        run.hits = mptok_hits(service) - before
-                    results[name][concurrency] = run
+                    results[name][concurrency] = measured(
+                        f"C={concurrency} {name}", services[name], chats, concurrency, expected, name == "vllm", name == "mptok-render"
+                    )
+                    run = results[name][concurrency]
                     if run.first_wrong and name not in differences:
-                        differences[name] = first_difference(services["vllm"], service, run.first_wrong, model)
-                    print(f"C={concurrency} {name}: p50 {percentile(run.seconds, 0.5) * 1000:.1f} ms, "
-                          f"{len(run.seconds) / run.wall_s:.1f} req/s, wrong {run.wrong}, failed {run.failed}", flush=True)
+                        differences[name] = first_difference(services["vllm"], services[name], run.first_wrong, model)
                 lengths.update({(concurrency, chat, turn): ids.tokens for (chat, turn), ids in expected.items()})
         finally:
             for server in reversed(started):
@@ -367,17 +397,8 @@ def _report(
 ) -> str:
     rows = []
     for concurrency, chats in workloads.items():
-        turns = sum(len(chat) for chat in chats)
-        can_hit = turns - len(chats)
         for name in SERVICES:
-            run = results[name][concurrency]
-            hits = "" if name != "mptok-render" else f"{run.hits:.0f} of {can_hit} ({run.hits / can_hit:.0%})"
-            rows.append(
-                f"| {concurrency} | {name} | {percentile(run.seconds, 0.5) * 1000:.1f} | {percentile(run.seconds, 0.99) * 1000:.1f} "
-                f"| {percentile(run.later, 0.5) * 1000:.1f} | {len(run.seconds) / run.wall_s:.1f} "
-                f"| {run.cpu_s / max(1, len(run.seconds)) * 1000:.1f} | {run.client_cpu_s / max(1, len(run.seconds)) * 1000:.1f} "
-                f"| {hits} | {run.wrong} | {run.failed} |"
-            )
+            rows.append(report_row(str(concurrency), name, results[name][concurrency], chats, name == "mptok-render", client_cpu=True))
     ratios = []
     for concurrency in workloads:
         rate = {name: len(results[name][concurrency].seconds) / results[name][concurrency].wall_s for name in SERVICES}

@@ -49,8 +49,8 @@ from collections.abc import Callable
 import numpy as np
 
 import mptok
-from mptok.routing.liveness import OwnerLiveness
-from mptok.routing.order import owner_of, owner_order
+from mptok.routing.liveness import OwnerWatch
+from mptok.routing.router import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners, lower_switch_interval
 from mptok.routing.policy import ALWAYS
 from mptok.core.protocol import PeerReply, PeerRequest
@@ -238,10 +238,10 @@ def round_trip_run(proxy: EncodeProxy, raw: RawClient, text: str, calls: int) ->
 
 
 def per_call_overhead(ipc_dir: str) -> dict[str, float]:
-    live = OwnerLiveness(ipc_dir)
-    live.check(0)
+    live = OwnerWatch(ipc_dir, 0)
+    live.check()
     n = 2000
-    check = timed(lambda: [live.check(0) for _ in range(n)]) / n
+    check = timed(lambda: [live.check() for _ in range(n)]) / n
     order = timed(lambda: [owner_order(f"conversation-{i}", 8) for i in range(n)]) / n
     return {"check": check, "order": order}
 

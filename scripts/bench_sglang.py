@@ -39,14 +39,12 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from mptok_harness.serve import scrape
 from mptok_harness.sglang import SglangServer, write_model_dir
 from mptok_harness.vllm_requests import text_source
-from scripts.bench_render import LONG_CONTEXT, AnsweredIds, Run, Service, agent_chat, drive, long_workload
+from scripts.bench_render import LONG_CONTEXT, AnsweredIds, Run, Service, agent_chat, long_workload, measured, report_row
 from scripts.lengths import LONG_DELTA_TOKENS, LONG_TARGETS, SMOKE_LONG_TARGETS
 from scripts.percentiles import percentile
 from scripts.report import print_report
@@ -58,10 +56,6 @@ WORKERS = 2
 TITLE = "SGLang with mptok sglang beside stock SGLang (huggingface, fastokens), two tokenizer workers"
 PACKAGES = ("mptok", "sglang", "transformers", "tokenizers", "fastokens", "gigatoken")
 FIELD = b'"tokens"'
-
-
-def mptok_hits(service: Service) -> float:
-    return sum(value for name, _, value in scrape(service.port) if name == "mptok_cache_hits_total")
 
 
 def server_for(name: str, model: Path, log: Path) -> SglangServer:
@@ -107,14 +101,9 @@ def main() -> int:
                 server.start()
                 service = Service(name, server.port, server.model, [server.process.pid])
                 for workload, chats in workloads.items():
-                    before = mptok_hits(service) if name == "mptok" else 0.0
-                    run = drive(service, chats, c, expected[workload], name == args.services[0], PATH, FIELD)
-                    if name == "mptok":
-                        time.sleep(1.0)  # the counters reach /metrics every 0.5 s
-                        run.hits = mptok_hits(service) - before
-                    results[name][workload] = run
-                    print(f"{workload} {name}: p50 {percentile(run.seconds, 0.5) * 1000:.1f} ms, "
-                          f"{len(run.seconds) / run.wall_s:.1f} req/s, wrong {run.wrong}, failed {run.failed}", flush=True)  # fmt: skip
+                    results[name][workload] = measured(
+                        f"{workload} {name}", service, chats, c, expected[workload], name == args.services[0], name == "mptok", PATH, FIELD
+                    )
             finally:
                 server.stop()
         for workload in workloads:
@@ -130,16 +119,8 @@ def main() -> int:
 def _report(results: dict[str, dict[str, Run]], workloads: dict[str, list[list[bytes]]], lengths: dict[str, list[int]], args: Any) -> str:
     rows, ratios = [], []
     for workload, chats in workloads.items():
-        turns = sum(len(chat) for chat in chats)
-        can_hit = turns - len(chats)
         for name in SERVICES:
-            run = results[name][workload]
-            hits = "" if name != "mptok" else f"{run.hits:.0f} of {can_hit} ({run.hits / can_hit:.0%})"
-            rows.append(
-                f"| {workload} | {name} | {percentile(run.seconds, 0.5) * 1000:.1f} | {percentile(run.seconds, 0.99) * 1000:.1f} "
-                f"| {percentile(run.later, 0.5) * 1000:.1f} | {len(run.seconds) / run.wall_s:.1f} "
-                f"| {run.cpu_s / max(1, len(run.seconds)) * 1000:.1f} | {hits} | {run.wrong} | {run.failed} |"
-            )
+            rows.append(report_row(workload, name, results[name][workload], chats, name == "mptok", client_cpu=False))
         rate = {name: len(results[name][workload].seconds) / results[name][workload].wall_s for name in SERVICES}
         later = {name: percentile(results[name][workload].later, 0.5) for name in SERVICES}
         ratios.append(

@@ -190,7 +190,8 @@ def report(traced: dict[str, Any], copies: dict[int, tuple[float, float]]) -> st
         "The functions called most: " + ", ".join(f"`{f}` {n}" for f, n in by_function.most_common(12)) + ".",
         "",
         "The ids in transit, on one connection (tracemalloc: bytes allocated at the peak of each step, "
-        "against the bytes of the ids; one copy is 1x, the pickler's buffer growth adds up to half):",
+        "against the bytes of the ids; one copy is 1x, the pickler's buffer growth adds up to half; "
+        "ids of 64 KiB or more are sent from their own buffer, not copied):",
         "",
         "| ids | owner's send | asker's receive |",
         "|---:|---:|---:|",

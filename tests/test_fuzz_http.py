@@ -20,16 +20,14 @@ from hypothesis import strategies as st
 
 import mptok
 from mptok_harness.raw_http import RawClient, statuses
-from mptok_harness.serve import Server, request, scrape, total, wait_for_snapshots
+from mptok_harness.serve import request, scrape, serving, total, wait_for_snapshots
 
 EXAMPLES = 1000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz") / "serve.log"
-    with Server(log, "--frontends", "2", "--read-timeout", "2", "--max-prompt-chars", "100000") as s:
-        yield s
+    yield from serving(tmp_path_factory, "fuzz", "--frontends", "2", "--read-timeout", "2", "--max-prompt-chars", "100000")
 
 
 _json_scalars = st.one_of(

@@ -19,7 +19,6 @@ from mptok.core.ids import (
     IdPieces,
     as_id_array,
     common_prefix_length,
-    first_difference,
     held_bytes,
 )
 
@@ -43,22 +42,6 @@ def test_splices_equal_list_splices_and_never_change_earlier_versions(base, data
         for pieces, plain in versions:
             assert pieces.length == len(plain)
             assert pieces.to_list() == plain
-    for pieces, plain in versions:
-        start = data.draw(st.integers(0, len(plain)))
-        stop = data.draw(st.integers(start, len(plain)))
-        assert pieces.slice(start, stop) == plain[start:stop]
-
-
-@settings(max_examples=200, deadline=None)
-@given(a=ids_lists, b=ids_lists, share=st.integers(0, 600))
-def test_common_prefix_equals_a_plain_comparison(a, b, share):
-    b = a[: min(share, len(a))] + b
-    want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    mine, theirs = IdPieces.of(a), IdPieces.of(b)
-    assert mine.common_prefix(theirs) == want
-    # Versions sharing one buffer.
-    extended = mine.spliced(len(a), b[len(a) :]) if b[: len(a)] == a else mine
-    assert mine.common_prefix(extended) == min(len(a), extended.length)
 
 
 def test_appending_shares_the_buffer_and_rewriting_copies_it():
@@ -133,17 +116,6 @@ def test_id_arrays_from_lists_buffers_and_arrays():
     with pytest.raises(ValueError):
         as_id_array(np.zeros((2, 2), dtype=np.int32))
     assert as_id_array([]).tolist() == []
-
-
-def test_first_difference_anywhere():
-    rng = random.Random(1)
-    for n in (0, 1, 255, 256, 257, 5000, 70_000):
-        a = np.array([rng.randrange(1000) for _ in range(n)], dtype=np.int32)
-        assert first_difference(a, a.copy()) == n
-        for at in {0, n // 3, n - 1} if n else set():
-            b = a.copy()
-            b[at] += 1
-            assert first_difference(a, b) == at
 
 
 @pytest.mark.parametrize("kind", ["ascii", "ucs2", "mixed"])

@@ -2,7 +2,7 @@
 
 Each owner here is a real child process that published its own record
 (``publish``), then was stopped, killed, reaped or impersonated; the test
-reads what ``OwnerLiveness.check`` concludes, as a routing frontend would.
+reads what ``OwnerWatch.check`` concludes, as a routing frontend would.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mptok.routing.liveness import (
     PID_REUSED,
     STOPPED,
     ZOMBIE,
-    OwnerLiveness,
+    OwnerWatch,
     publish,
     read_record,
     record_path,
@@ -67,25 +67,25 @@ def owner(ipc_dir):
         proc.stdout.close()
 
 
-def reason(liveness: OwnerLiveness, frontend_id: int = 0) -> str | None:
-    return liveness.check(frontend_id)[1]
+def reason(watch: OwnerWatch) -> str | None:
+    return watch.check()[1]
 
 
 def test_a_live_owner_is_worth_asking_and_its_record_names_it(ipc_dir, owner):
     proc = owner()
-    record, why = OwnerLiveness(ipc_dir).check(0)
+    record, why = OwnerWatch(ipc_dir, 0).check()
     assert why is None
     assert record.pid == proc.pid and record.address == "unused.sock"
     assert record.start_ticks == start_ticks(proc.pid)
 
 
 def test_an_unpublished_owner_is_not_published(ipc_dir):
-    assert OwnerLiveness(ipc_dir).check(3) == (None, NOT_PUBLISHED)
+    assert OwnerWatch(ipc_dir, 3).check() == (None, NOT_PUBLISHED)
 
 
 def test_a_stopped_owner_reads_stopped_and_live_again_once_continued(ipc_dir, owner):
     proc = owner()
-    liveness = OwnerLiveness(ipc_dir)
+    liveness = OwnerWatch(ipc_dir, 0)
     assert reason(liveness) is None
     os.kill(proc.pid, signal.SIGSTOP)
     try:
@@ -97,14 +97,14 @@ def test_a_stopped_owner_reads_stopped_and_live_again_once_continued(ipc_dir, ow
 
 def test_a_killed_owner_reads_zombie_until_reaped_then_dead(ipc_dir, owner):
     proc = owner()
-    liveness = OwnerLiveness(ipc_dir)
+    liveness = OwnerWatch(ipc_dir, 0)
     assert reason(liveness) is None
     proc.kill()
     wait_until(lambda: reason(liveness) == ZOMBIE, "the unreaped owner to read zombie")
     proc.wait(HANG_GUARD_S)
     assert reason(liveness) == DEAD
     # A reader that never saw it alive concludes the same from the record.
-    assert reason(OwnerLiveness(ipc_dir)) == DEAD
+    assert reason(OwnerWatch(ipc_dir, 0)) == DEAD
 
 
 def test_a_record_whose_pid_now_names_another_process_reads_pid_reused(ipc_dir, owner):
@@ -120,25 +120,25 @@ def test_a_record_whose_pid_now_names_another_process_reads_pid_reused(ipc_dir, 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(fields, f)
-    record, why = OwnerLiveness(ipc_dir).check(0)
+    record, why = OwnerWatch(ipc_dir, 0).check()
     assert record.pid == proc.pid and why == PID_REUSED
 
 
 def test_an_owner_that_timed_out_is_backed_off_until_it_is_replaced(ipc_dir, owner):
     owner()
-    liveness = OwnerLiveness(ipc_dir, backoff_s=HANG_GUARD_S)
-    record, why = liveness.check(0)
+    liveness = OwnerWatch(ipc_dir, 0, backoff_s=HANG_GUARD_S)
+    record, why = liveness.check()
     assert why is None
-    liveness.timed_out(0, record)
+    liveness.timed_out(record)
     assert reason(liveness) == BACKOFF
     assert reason(liveness) == BACKOFF  # not a one-off: for backoff_s
-    assert reason(OwnerLiveness(ipc_dir)) is None  # another process's view has no back-off
+    assert reason(OwnerWatch(ipc_dir, 0)) is None  # another process's view has no back-off
     # A new owner of the same frontend id is a different incarnation: asked at once.
     successor = owner(0)
     wait_until(lambda: reason(liveness) is None, "the successor to be worth asking")
-    assert liveness.check(0)[0].pid == successor.pid
+    assert liveness.check()[0].pid == successor.pid
     with pytest.raises(ValueError):
-        OwnerLiveness(ipc_dir, backoff_s=-1)
+        OwnerWatch(ipc_dir, 0, backoff_s=-1)
 
 
 def test_a_record_others_may_write_or_reached_through_a_link_is_refused(ipc_dir, owner, tmp_path):
@@ -149,15 +149,15 @@ def test_a_record_others_may_write_or_reached_through_a_link_is_refused(ipc_dir,
     assert read_record(path) is not None
     os.chmod(path, 0o664)
     assert read_record(path) is None
-    assert OwnerLiveness(ipc_dir, revalidate_s=0).check(0) == (None, NOT_PUBLISHED)
+    assert OwnerWatch(ipc_dir, 0, revalidate_s=0).check() == (None, NOT_PUBLISHED)
     os.chmod(path, 0o600)
-    assert reason(OwnerLiveness(ipc_dir)) is None
+    assert reason(OwnerWatch(ipc_dir, 0)) is None
     # The same record, reached through a symbolic link, is refused too.
     elsewhere = tmp_path / "elsewhere.json"
     os.rename(path, elsewhere)
     os.symlink(elsewhere, path)
     assert read_record(str(elsewhere)) is not None
-    assert OwnerLiveness(ipc_dir).check(0) == (None, NOT_PUBLISHED)
+    assert OwnerWatch(ipc_dir, 0).check() == (None, NOT_PUBLISHED)
 
 
 def test_publish_replaces_the_record_atomically_and_leaves_no_temporary_file(ipc_dir):

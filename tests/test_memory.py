@@ -19,11 +19,10 @@ import mptok.cache.prefix_cache
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.api.tokenize_request import RequestError, parse_tokenize_request
 from mptok.cache.config import DEFAULT_MAX_HELD_BYTES, MAX_KEY_BYTES
-from mptok.core.fingerprint import Fingerprint, extend_chain
-from mptok.core.protocol import PeerRequest
-from mptok.engines import tripwire
-from mptok.routing.answer import PeerService
-from mptok.routing.held import HeldFingerprints
+from mptok.core.protocol import Fingerprint, PeerRequest, extend_chain
+from mptok.engines import choice
+from mptok.routing.owners import PeerService
+from mptok.routing.router import HeldFingerprints
 from mptok_harness.checks import expected_ids as full_ids
 from mptok_harness.conversations import plain_delta
 from mptok_harness.prompts import conversation
@@ -212,7 +211,7 @@ def test_counted_bytes_match_what_python_allocates(tokenizer):
             for text in turns:
                 cache.encode(tokenizer, text, key=key)
         # A background check holds the prompt it works on until it is done.
-        assert tripwire.VERIFIER.drain(timeout=120)
+        assert choice.VERIFIER.drain(timeout=120)
         gc.collect()
         traced = tracemalloc.get_traced_memory()[0] - before
     finally:

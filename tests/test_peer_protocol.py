@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mptok import CacheConfig, PrefixTokenCache
-from mptok.core.fingerprint import BLOCK_CHARS, Fingerprint, checkpoint_blocks, extend_chain
-from mptok.core.protocol import PeerRequest
-from mptok.routing.answer import PeerService
-from mptok.routing.held import HeldFingerprints
+from mptok.core.protocol import BLOCK_CHARS, Fingerprint, PeerRequest, checkpoint_blocks, extend_chain
+from mptok.routing.owners import PeerService
+from mptok.routing.router import HeldFingerprints
 from mptok_harness.conversations import chat_turns, plain_delta
 
 START, END = "<｜User｜>", "<｜end▁of▁sentence｜>"

@@ -18,9 +18,9 @@ import pytest
 
 import mptok
 from mptok.core.protocol import PeerReply, PeerRequest
-from mptok.routing.answer import HANDED_OVER_FIRST, PEER_WORKERS
+from mptok.routing.owners import HANDED_OVER_FIRST, PEER_WORKERS
 from mptok.routing.liveness import FALLBACK_REASONS, PATIENCE, TIMEOUT
-from mptok.routing.order import owner_of, owner_order
+from mptok.routing.router import owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
 from mptok_harness.checks import expected_ids as expected
@@ -66,7 +66,7 @@ def test_owner_order_is_pinned_across_runs():
 
 def test_owner_order_is_the_same_in_another_process_with_another_hash_seed():
     keys = [f"key-{i}" for i in range(50)]
-    code = "import sys; from mptok.routing.order import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
+    code = "import sys; from mptok.routing.router import owner_order; print([owner_order(k, 5) for k in sys.argv[1:]])"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(
         [sys.executable, "-c", code, *keys], env=env, capture_output=True, text=True, check=True, timeout=60

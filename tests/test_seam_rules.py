@@ -19,7 +19,7 @@ from mptok.cache.seam_rules import derive_rules
 from mptok.core.ids import IdPieces
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import FAMILIES, load_family
-from mptok.engines import tripwire
+from mptok.engines import choice
 
 
 pytestmark = pytest.mark.usefixtures("trust_restored")
@@ -114,7 +114,7 @@ def test_a_splice_that_differs_from_tokenizers_switches_to_added_tokens_only(cap
     text = plain_delta(random.Random(3), 200)
     wrong = IdPieces.of(reference_ids(tokenizer, text)[:-1])
     backend.check_splice(text, wrong, tokenized=len(text))
-    assert tripwire.VERIFIER.drain(timeout=60)
+    assert choice.VERIFIER.drain(timeout=60)
     assert backend_stats()["backend_mismatches"] == before + 1
     assert backend.seam_rules is None and backend.serial != serial
     assert "splicing at added tokens only" in caplog.text

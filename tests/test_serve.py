@@ -24,11 +24,13 @@ import psutil
 import pytest
 
 import mptok
+from mptok.api.affinity import named
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE, ChatTemplate, ChatTemplateError
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.config import CacheConfig
 from mptok.core.file_locks import try_lock
 from mptok.front.catalogue import FRONTEND_METRICS, SUPERVISOR_METRICS
+from mptok.front.prompt_ids import PromptIds
 from mptok.routing.liveness import FALLBACK_REASONS
 from mptok.routing.owners import TokenizationOwners
 from mptok.cli import parse_serve_options
@@ -45,7 +47,7 @@ from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import _tokenizer_file, load_family_hf
 from mptok_harness.prompts import conversation
-from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, tokenize, total, wait_for_snapshots
+from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, serving, tokenize, total, wait_for_snapshots
 
 FRONTENDS = 4
 MAX_PROMPT_CHARS = 1_500_000
@@ -55,11 +57,8 @@ TURNS = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     # The default routing policy, as an operator runs it (test_routing_policy_is_the_operators sets the others).
-    args = ("--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS))
-    with Server(log, *args) as s:
-        yield s
+    yield from serving(tmp_path_factory, "serve", "--frontends", str(FRONTENDS), "--max-prompt-chars", str(MAX_PROMPT_CHARS))
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -548,15 +547,13 @@ def test_special_tokens_around_cached_ids_are_exact(family):
     hf = load_family_hf(family)
     frame = SpecialTokenFrame.derive(hf)
     assert frame is not None
-    service = TokenizeService(0, hf, mptok.PrefixTokenCache(), ChatTemplate(None, "none"), max_prompt_chars=10**6, threads=1, max_in_flight=1, queue_timeout_s=1.0, max_messages=1)
-    try:
-        for key in ("conversation", None):
-            for prompt in conversation(11, 4):
-                for special in (True, False):
-                    assert service.tokenize(prompt, special, key) == expected(hf, prompt, special), (family, special)
-        assert service.tokenize("", True, None) == expected(hf, "", True)
-    finally:
-        service.close(5.0)
+    prompt_ids = PromptIds(hf, mptok.PrefixTokenCache())
+    for key in ("conversation", None):
+        for prompt in conversation(11, 4):
+            for special in (True, False):
+                ids = prompt_ids.ids_array(prompt, special, named(key, None)).tolist()
+                assert ids == expected(hf, prompt, special), (family, special)
+    assert prompt_ids.ids_array("", True, named(None, None)).tolist() == expected(hf, "", True)
 
 
 def test_the_built_in_template_matches_deepseek_v3(tokenizer):

@@ -106,5 +106,5 @@ def test_a_bad_variable_is_read_when_the_cache_is_configured_not_at_import():
     # an import must not fail on the environment (it would be a traceback
     # from wherever the import happened).
     env = dict(os.environ, MPTOK_CACHE_TOKENIZER_BACKEND="fastest", MPTOK_CACHE_MAX_BYTES="lots")
-    code = "import mptok, mptok.routing.owners, mptok.routing.held, mptok.serve.frontend"
+    code = "import mptok, mptok.routing.owners, mptok.routing.router, mptok.serve.frontend"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, timeout=HANG_GUARD_S, check=True)

@@ -26,13 +26,13 @@ import pytest
 
 from mptok.cache.prefix_index import BLOCK_CHARS as INDEX_BLOCK_CHARS
 from mptok.cache.prefix_index import SAMPLE_CHARS, PrefixIndex
-from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, extend_chain
 from mptok.core.deadline import Deadline
 from mptok.core.file_locks import lock_by, try_lock
-from mptok.core.protocol import PeerReply, PeerRequest
+from mptok.core.protocol import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, PeerReply, PeerRequest, extend_chain
 from mptok.core.settings import engine_memo_dir, parse_bytes
 from mptok.core.warm_threads import warm_every_thread
-from mptok.routing.deadline import PATIENCE_FLOOR_S, RouteDeadline
+from mptok.routing.policy import PATIENCE_FLOOR_S
+from mptok.routing.router import RouteLimits
 from mptok.supervise.supervisor import RestartPolicy
 from mptok.transport import ENCODE_TYPEID, MessageTooLarge, OwnerError
 from mptok.transport.proxy import _reply_from
@@ -42,7 +42,7 @@ from mptok.transport.wire import MAX_MESSAGE_BYTES, TimedConnection
 
 
 def test_restart_delay_doubles_with_each_exit_up_to_its_cap():
-    policy = RestartPolicy(max_restarts=10, window_s=60.0, first_delay_s=0.25, max_delay_s=8.0)
+    policy = RestartPolicy(max_restarts=10, window_s=60.0, first_delay_s=0.25)
     delays = [policy.delay_after_exit(float(t)) for t in range(8)]
     assert delays == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
     assert policy.recent_exits == 8
@@ -138,7 +138,7 @@ def test_a_fingerprint_collision_costs_a_compare_never_a_wrong_holder():
 
 def test_a_route_without_patience_ends_at_its_timeout_for_every_call():
     before = time.monotonic()
-    deadline = RouteDeadline.starting_now(5.0, None, 100_000)
+    deadline = RouteLimits(5.0, 10.0, None).deadline(100_000)
     after = time.monotonic()
     assert before + 5.0 <= deadline.timeout.at <= after + 5.0
     assert math.isinf(deadline.patience.at)
@@ -148,7 +148,7 @@ def test_a_route_without_patience_ends_at_its_timeout_for_every_call():
 
 def test_a_delta_call_ends_at_the_askers_patience_when_that_comes_first():
     before = time.monotonic()
-    deadline = RouteDeadline.starting_now(30.0, 1e-6, 1_000_000)  # patience: 1 s floor + 1 s
+    deadline = RouteLimits(30.0, 10.0, 1e-6).deadline(1_000_000)  # patience: 1 s floor + 1 s
     after = time.monotonic()
     assert before + PATIENCE_FLOOR_S + 1.0 <= deadline.patience.at <= after + PATIENCE_FLOOR_S + 1.0
     assert deadline.for_call(delta=True) == (deadline.patience, True)
@@ -156,7 +156,7 @@ def test_a_delta_call_ends_at_the_askers_patience_when_that_comes_first():
 
 
 def test_patience_longer_than_the_timeout_leaves_the_timeout():
-    deadline = RouteDeadline.starting_now(0.5, 1e-3, 10_000)  # patience 11 s
+    deadline = RouteLimits(0.5, 10.0, 1e-3).deadline(10_000)  # patience 11 s
     assert deadline.for_call(delta=True) == (deadline.timeout, False)
 
 

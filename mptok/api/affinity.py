@@ -61,13 +61,8 @@ def identify(
     prompt: str | None,
     affinity_chars: int = 0,
 ) -> ConversationIdentity:
-    """The identity of one request's conversation.
-
-    An explicit id wins. Otherwise a chat is named by its messages up to
-    and including the first user message (none: keyless); a raw prompt by
-    its first ``affinity_chars`` characters when ``affinity_chars`` > 0 and
-    the prompt is at least that long, else it is keyless.
-    """
+    """The identity of one request's conversation: an explicit id, else a chat's
+    ``chat_identity``, else a prompt's ``prompt_identity``, else keyless."""
     if explicit_id:
         return named(explicit_id, None)
     if messages is not None:
@@ -97,16 +92,20 @@ def header_conversation_id(header: Callable[[str], str | None]) -> str | None:
 
 def chat_identity(messages: Sequence[dict[str, Any]]) -> str | None:
     """``chat:<hash>`` of the messages up to and including the first user
-    message; None if no message is a user's.
+    message; None if no message is a user's, or if they are not plain JSON
+    (objects of a client library, which an engine may hand over).
 
     Every field of those messages counts (role, content, name, ...), with
     keys sorted, so the same messages give the same identity whatever order
     a client writes their fields in.
     """
-    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-    if first_user is None:
+    try:
+        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        if first_user is None:
+            return None
+        stable = orjson.dumps(list(messages[: first_user + 1]), option=orjson.OPT_SORT_KEYS)
+    except Exception:
         return None
-    stable = orjson.dumps(list(messages[: first_user + 1]), option=orjson.OPT_SORT_KEYS)
     return "chat:" + _digest(stable)
 
 

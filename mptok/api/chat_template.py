@@ -65,10 +65,14 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered: the template refused them, or there is no template."""
 
 
+def _parsed(source: str) -> jinja2.nodes.Template:
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+
+
 def check_template_source(source: str) -> None:
     """Raise ``ChatTemplateError`` naming the line if ``source`` is not valid Jinja."""
     try:
-        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+        _parsed(source)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template line {e.lineno}: {e.message}") from None
 
@@ -156,8 +160,7 @@ class ChatTemplate:
 
     def _template_variables(self) -> set[str]:
         if self._variables is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
-            self._variables = set(jinja2.meta.find_undeclared_variables(env.parse(self.source)))
+            self._variables = set(jinja2.meta.find_undeclared_variables(_parsed(self.source)))
         return self._variables
 
 

@@ -35,9 +35,9 @@ class SpecialTokenFrame:
     suffix: tuple[int, ...]
 
     @classmethod
-    def derive(cls, tokenizer: Any, sentinels: tuple[str, ...] = _SENTINELS) -> SpecialTokenFrame | None:
+    def derive(cls, tokenizer: Any) -> SpecialTokenFrame | None:
         frames = set()
-        for text in sentinels:
+        for text in _SENTINELS:
             with_special = list(tokenizer(text, add_special_tokens=True)["input_ids"])
             without = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             frame = cls._split(with_special, without)

@@ -65,25 +65,16 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
             check_key(conversation_id)
         except ValueError as e:
             raise RequestError(400, str(e)) from None
-    if has_prompt:
-        prompt = data["prompt"]
-        if not isinstance(prompt, str):
-            raise RequestError(400, f'"prompt" must be a string, not {_json_type(prompt)}')
-        return TokenizeRequest(
-            prompt=prompt,
-            messages=None,
-            add_generation_prompt=False,
-            add_special_tokens=_optional(data, "add_special_tokens", bool, True),
-            conversation_id=conversation_id,
-            **_vllm_fields(data, chat=False),
-        )
+    prompt = data.get("prompt")
+    if has_prompt and not isinstance(prompt, str):
+        raise RequestError(400, f'"prompt" must be a string, not {_json_type(prompt)}')
     return TokenizeRequest(
-        prompt=None,
-        messages=_check_messages(data["messages"]),
-        add_generation_prompt=_optional(data, "add_generation_prompt", bool, True),
-        add_special_tokens=_optional(data, "add_special_tokens", bool, False),
+        prompt=prompt,
+        messages=None if has_prompt else _check_messages(data["messages"]),
+        add_generation_prompt=not has_prompt and _optional(data, "add_generation_prompt", bool, True),
+        add_special_tokens=_optional(data, "add_special_tokens", bool, has_prompt),
         conversation_id=conversation_id,
-        **_vllm_fields(data, chat=True),
+        **_vllm_fields(data, chat=not has_prompt),
     )
 
 

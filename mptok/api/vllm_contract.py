@@ -79,11 +79,12 @@ def resolve_max_model_len(configured: int | None, tokenizer: Any) -> int | None:
     return None
 
 
-def tokenizer_info(tokenizer: Any, template: ChatTemplate) -> dict[str, Any]:
-    """What vLLM's ``GET /tokenizer_info`` answers, JSON-ready: the tokenizer's
-    init kwargs (file paths dropped, added tokens as their text),
-    ``tokenizer_class``, ``model_max_length``, ``added_tokens_decoder``
-    (``{"id": {"content", "special"}}``) and the chat template in use."""
+def tokenizer_info_payload(tokenizer: Any, template: ChatTemplate) -> bytes:
+    """What vLLM's ``GET /tokenizer_info`` answers: the tokenizer's init kwargs
+    (file paths dropped, added tokens as their text), ``tokenizer_class``,
+    ``model_max_length``, ``added_tokens_decoder`` (``{"id": {"content",
+    "special"}}``) and the chat template in use. In stdlib json: transformers'
+    "unknown" model_max_length, int(1e30), does not fit orjson's 64-bit integers."""
     info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
     for path_field in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
         info.pop(path_field, None)
@@ -95,13 +96,7 @@ def tokenizer_info(tokenizer: Any, template: ChatTemplate) -> dict[str, Any]:
     }
     if template.source is not None:
         info["chat_template"] = template.source
-    return info
-
-
-def tokenizer_info_payload(tokenizer: Any, template: ChatTemplate) -> bytes:
-    """``tokenizer_info`` as the JSON body (stdlib json: transformers' "unknown"
-    model_max_length, int(1e30), does not fit orjson's 64-bit integers)."""
-    return json.dumps(tokenizer_info(tokenizer, template), ensure_ascii=False).encode("utf-8")
+    return json.dumps(info, ensure_ascii=False).encode("utf-8")
 
 
 def _plain(value: Any) -> Any:

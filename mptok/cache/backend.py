@@ -8,9 +8,9 @@ thin layer over a Rust ``tokenizers.Tokenizer`` whose ``encode`` is
 thread-safe, so the cache drives a private copy of that Rust tokenizer.
 
 The copy differs from the original only where the ids cannot change: no
-truncation, no padding (those are the caller's business, outside the cache)
-and no post-processor. With ``add_special_tokens=False`` a post-processor adds
-no ids; it only trims offsets, and the seam logic needs untrimmed ones.
+truncation, no padding (the caller's business) and no post-processor (with
+``add_special_tokens=False`` it adds no ids; it only trims offsets, and the
+seam rules' check needs untrimmed ones).
 
 A second copy, the *continuation* tokenizer, tokenizes text that continues a
 prompt from its middle. Some layouts add something at the start of every
@@ -22,10 +22,9 @@ the tail's first segment is tokenized with it.
 
 Full tokenizations (misses, and the tails of splices at a segment start) go
 through ``mptok.engines.choice.Engines``: a fast engine where one is
-trusted for the tokenizer, else this copy. It checks sampled results in the
-background, the splices the seam rules made among them (through
-``TokenizerBackend.verify``), and one difference switches off both the
-engine and the seam rules for that tokenizer.
+trusted for the tokenizer, else this copy. It checks sampled results and
+splices in the background (``TokenizerBackend.verify``); one difference
+switches off both the engine and the seam rules for that tokenizer.
 """
 
 from __future__ import annotations
@@ -41,12 +40,10 @@ import orjson
 from tokenizers import Encoding, Tokenizer
 
 from mptok.cache.config import CacheConfig
-from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, check_rules, derive_rules
-from mptok.cache.segments import SegmentOpeners
+from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, SegmentOpeners, check_rules, derive_rules
 from mptok.core.settings import CHOICES, ENGINES
-from mptok.engines.choice import DEFAULT_CHECK_SHARE, Engines, TokenizerRefused
+from mptok.engines.choice import COUNTERS, Engines, TokenizerRefused
 from mptok.engines.fast import IdsEngine, self_check_texts
-from mptok.engines.tripwire import COUNTERS
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ def default_choice() -> str:
         return "auto"  # the cache says so when it is made with that value
 
 
-def backend_for(tokenizer: Any, choice: str = "auto") -> TokenizerBackend:
+def backend_for(tokenizer: Any, choice: str) -> TokenizerBackend:
     """The process-wide ``TokenizerBackend`` of ``tokenizer`` and ``choice``
     (one of ``CHOICES``), built on first use.
 
@@ -156,12 +153,9 @@ def backend_stats() -> dict[str, int]:
 class TokenizerBackend:
     """Full and continuation encodings of one caller's tokenizer.
 
-    Thread-safe: it only calls ``tokenizers.Tokenizer.encode`` and the fast
-    engines' encode. Exceptions from the Rust tokenizer (for instance on lone
-    surrogates) propagate as they are.
-
-    ``choice``, ``engine`` and ``check_share`` choose the engines
-    (``mptok.engines.choice.Engines``, which is ``engines``).
+    Thread-safe: it only calls the Rust tokenizer's and the fast engines'
+    encode. Text the Rust tokenizer rejects raises ``TokenizerRefused``.
+    ``choice`` and ``engine`` choose the engines (``engines``).
     """
 
     _serials = itertools.count()
@@ -172,7 +166,6 @@ class TokenizerBackend:
         choice: str = "auto",
         *,
         engine: IdsEngine | None = None,
-        check_share: float = DEFAULT_CHECK_SHARE,
     ):
         if choice not in CHOICES:
             raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
@@ -210,7 +203,6 @@ class TokenizerBackend:
             name=self.name,
             checked=self,
             engine=engine,
-            check_share=check_share,
         )
         self._prefix_unless_space = False
         self.seam_rules, rules_report = self._checked_rules(spec, split_special, rust.get_vocab_size(with_added_tokens=True))
@@ -219,33 +211,29 @@ class TokenizerBackend:
         )
 
     def encode_ids(self, text: str) -> list[int]:
-        """Full tokenization's ids by the cheapest exact engine, a new list.
-        Raises ``TokenizerRefused``."""
+        """Full tokenization's ids by the cheapest exact engine, a new list."""
         return self.engines.encode_ids(text)
 
     def encode_id_array(self, text: str) -> Any:
-        """``encode_ids`` as an int array where the engine gives one. Raises ``TokenizerRefused``."""
+        """``encode_ids`` as an int array where the engine gives one."""
         return self.engines.encode_id_array(text)
 
     def check_splice(self, text: str, ids: Any, tokenized: int) -> None:
         """Queue a background check of a splice's ``ids`` (``IdPieces``) for
-        the whole of ``text`` if sampled: the seam rules and the engine both
-        made them (``Engines.check_splice``)."""
+        the whole of ``text`` if sampled (``Engines.check_splice``)."""
         self.engines.check_splice(text, ids, tokenized, seam_rules=self.seam_rules is not None)
 
     def verify(self, text: str, ids: Any) -> None:
         """Compare ``ids`` with the Rust tokenizer's; on a difference switch
         to the Rust tokenizer and to splices at added tokens only, with a
-        WARNING; a new ``serial`` makes every cache forget what the engine and
-        the rules made, and neither is trusted for this tokenizer again in
-        this process (``Engines.verify``)."""
+        WARNING, for good in this process (``Engines.verify``)."""
         self.engines.verify(text, ids, seam_rules=self.seam_rules is not None, switch_off=self._splice_at_added_tokens_only)
 
     def _splice_at_added_tokens_only(self) -> None:
         self.seam_rules = None
+        _rules_distrusted.add(self.engines.spec_digest)
         # The cache keys what it keeps by the serial: a new one forgets every
-        # prompt the engine or the rules made, so none of them is answered or
-        # spliced onto again.
+        # prompt the engine or the rules made.
         self.serial = next(self._serials)
 
     def _checked_rules(self, spec: dict[str, Any], split_special: bool, vocab_size: int) -> tuple[SeamRules | None, str]:
@@ -267,7 +255,7 @@ class TokenizerBackend:
             with _rule_verdicts_lock:
                 _rule_verdicts[slot] = known
         rules, report = known
-        if self.engines.seam_rules_distrusted:
+        if self.engines.spec_digest in _rules_distrusted:
             rules, report = None, "seam rules found wrong for this tokenizer earlier in this process"
         if rules is None:
             report += "; splicing at added tokens only"
@@ -289,14 +277,11 @@ class TokenizerBackend:
 
     def encode_tail(self, text: str, at_segment_start: bool) -> Any:
         """The ids of ``text``, cut from a prompt at a seam, as that prompt's
-        full tokenization has them: the whole text's from a segment start (an
-        added token, or right after one), else as the continuation of a
-        segment that began earlier. By the engine (an int array where it
-        gives one), except a continuation that the layout would prefix (a
-        ``Prepend`` normalizer; a prefix unless the text begins with a space,
-        and it does not), which goes to the continuation tokenizer. None if that
-        cannot tell the segments apart.
-        Raises ``TokenizerRefused``."""
+        full tokenization has them: the whole text's by the engine from a
+        segment start (an added token, or right after one) or where the
+        layout adds no prefix, else as the continuation of a segment that
+        began earlier, by the continuation tokenizer; None if that cannot
+        tell the segments apart."""
         if self._tokenized_whole(text, at_segment_start):
             return self.encode_id_array(text)
         return self._continuation_ids(text)
@@ -350,6 +335,9 @@ class TokenizerBackend:
 # Seam rules per (specification digest, split_special): the rules, or None, and the start log's words.
 _rule_verdicts: dict[tuple[str, bool], tuple[SeamRules | None, str]] = {}
 _rule_verdicts_lock = threading.Lock()
+# The specifications whose seam rules made a wrong splice in this process, or
+# shared a backend with an engine that did: never trusted again.
+_rules_distrusted: set[str] = set()
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> Encoding:

@@ -21,10 +21,7 @@ ENV_PREFIX = "MPTOK_CACHE_"
 # (and routed by), so an unbounded one would be memory a client controls.
 MAX_KEY_BYTES = 256
 
-# The default budget of what a frontend holds of the conversations it routed
-# to their owners: a fingerprint each (``mptok.routing.held``), about 440
-# bytes with a 36-character key, whatever the conversation's length, so 4 MiB
-# holds about 9,000 conversations per frontend.
+# About 9,000 routed conversations' fingerprints per frontend (``CacheConfig.max_held_bytes``).
 DEFAULT_MAX_HELD_BYTES = 4 * MiB
 
 
@@ -45,23 +42,21 @@ class CacheConfig:
         ``mptok.cache.prefix_cache.MAX_BRANCHES`` when conversations share a key), least
         recently used evicted first.
     max_bytes: memory the cache may hold for its conversations: prompt
-        text, ids, offsets, earlier versions, keys and bookkeeping, counted
-        as Python allocates them; least recently used conversations are
-        evicted to stay within it, and a prompt that alone exceeds it is
-        tokenized but not kept.
+        text, ids, fingerprint chains, keys and bookkeeping, counted as
+        Python allocates them; least recently used conversations are evicted
+        to stay within it, and a prompt that alone exceeds it is tokenized
+        but not kept.
     max_held_bytes: memory for the fingerprints a frontend holds of the
-        conversations it routed to their owners (``mptok.routing.held``):
-        about 440 bytes each with a 36-character key, never a copy of the
-        text or ids (``DEFAULT_MAX_HELD_BYTES``, 4 MiB); least recently
-        routed evicted.
+        conversations it routed to their owners (``mptok.routing.router``),
+        about 440 bytes each with a 36-character key; least recently routed
+        evicted.
     min_chars: prompts shorter than this are tokenized normally, neither
         looked up nor kept (0 caches everything).
     max_seam_attempts: how many candidate seams are re-tokenized and checked
         before the prompt is tokenized in full.
-    tokenizer_backend: what tokenizes prompts in full: "auto" (the cheapest
-        of fastokens, gigatoken and `tokenizers` that gives identical ids on
-        the start-up check), "tokenizers", "fastokens" or "gigatoken"
-        (``mptok.engines``); default ``MPTOK_CACHE_TOKENIZER_BACKEND``,
+    tokenizer_backend: what tokenizes prompts in full (``mptok.engines``):
+        "auto" (the cheapest that passes the start-up check), "tokenizers",
+        "fastokens" or "gigatoken"; default ``MPTOK_CACHE_TOKENIZER_BACKEND``,
         else "auto".
     """
 

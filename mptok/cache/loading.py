@@ -27,10 +27,9 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, backen
     of a ``tokenizer.json`` file, loads that tokenizer. Anything else raises
     ``ValueError``: there is no model hub to download from.
 
-    It also builds the cache's private copy of the tokenizer (``backend_for``
-    with ``backend``, default ``MPTOK_CACHE_TOKENIZER_BACKEND`` else "auto"),
-    which takes a few seconds for the embedded tokenizer with the fast
-    engines' start-up check, so that the first ``encode`` does not pay for it.
+    It also builds the cache's backend for ``backend`` (default
+    ``MPTOK_CACHE_TOKENIZER_BACKEND``, else "auto"), a few seconds with the
+    fast engines' start-up check, so that the first ``encode`` does not pay.
     """
     tokenizer = _load(name_or_path)
     try:

@@ -3,18 +3,13 @@
 In chat and agentic serving every prompt is the previous prompt of its
 conversation plus a little, often with the chat template's generation prompt
 rewritten. ``PrefixTokenCache`` keeps the ids of each conversation's last
-prompt and tokenizes only from a proven seam near the point where the new
-prompt departs from it (``mptok.cache.seam``), so a 200k-token prompt costs about
-what its last few hundred tokens cost. Whatever it returns equals
-``tokenizer(text, add_special_tokens=False)["input_ids"]``.
-
-It only ever tokenizes here. Ids are held as int32 arrays
-(``mptok.core.ids``): ``encode`` returns a list, ``encode_array`` the array
-itself, for a caller that writes JSON or sends ids on. Each prompt kept
-under a conversation key also keeps the fingerprint chain of its text
-(``mptok.core.fingerprint``), so that a prompt can be named by the
-fingerprint of its first characters (``keep``: the one call routing, a
-layer above, makes beyond encoding).
+prompt (int32 arrays, ``mptok.core.ids``) and tokenizes only from a proven
+seam near the point where the new prompt departs from it
+(``mptok.cache.seam``), so a 200k-token prompt costs about what its last few
+hundred tokens cost. It only ever tokenizes here. A prompt kept under a
+conversation key also keeps the fingerprint chain of its text
+(``mptok.core.protocol``), so that routing, a layer above, can name it by
+the fingerprint of its first characters (``keep``).
 """
 
 from __future__ import annotations
@@ -29,15 +24,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for, backend_stats
 from mptok.cache.config import CacheConfig, check_key
 from mptok.cache.prefix_index import PrefixIndex
 from mptok.cache.protocols import Kept
 from mptok.cache.seam import CachedPrompt, extend_prompt, prompt_of_ids, tokenize_prompt
-import numpy as np
-
 from mptok.core.counting import Counters
-from mptok.core.fingerprint import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
+from mptok.core.protocol import BLOCK_CHARS, DIGEST_BYTES, Fingerprint, extend_chain
 from mptok.core.ids import as_id_array, common_prefix_length, held_bytes
 from mptok.engines.choice import TokenizerRefused
 
@@ -55,11 +50,9 @@ MAX_BRANCHES = 4
 # earlier turn); one that parts earlier starts a branch of its own.
 BRANCH_SLACK_CHARS = 256
 
-# What an entry costs beyond its text, ids and fingerprint chain,
-# which are counted by size: the entry, prompt and IdPieces objects, the id
-# buffer's lock, the holder tuple, the slots of the LRU dict and of the
-# content index. Measured with tracemalloc (scripts/bench_memory.py) and
-# rounded up.
+# What an entry costs beyond its text, ids and fingerprint chain (counted by
+# size): its objects, the holder, the slots of the LRU dict and content index.
+# Measured with tracemalloc (scripts/bench_memory.py) and rounded up.
 ENTRY_OVERHEAD_BYTES = 1024
 
 
@@ -70,8 +63,8 @@ class _Entry:
     ``nbytes``, what it all costs (``entry_bytes``)."""
 
     prompt: CachedPrompt
-    chain: bytes = b""
-    nbytes: int = 0
+    chain: bytes
+    nbytes: int
 
 
 def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
@@ -81,10 +74,10 @@ def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
 
 
 # A kept prompt that a new one extends: its holder, its entry, and the
-# characters they share.
+# characters they share. A holder is (backend serial, key, branch) for a
+# prompt of a conversation, (backend serial, None, n) for a keyless prompt,
+# which is filed by content instead.
 _Extension = tuple[Hashable, "_Entry | None", int]
-
-
 
 
 class PrefixTokenCache:
@@ -95,9 +88,7 @@ class PrefixTokenCache:
     transformers fast tokenizer or to ``tokenizer.encode(text,
     add_special_tokens=False).ids`` for a ``tokenizers.Tokenizer``;
     ``encode_array`` the same ids as a read-only int32 numpy array, without
-    building a list. It always tokenizes in this process;
-    ``mptok.TokenizationOwners.encode`` is the same call that may have
-    another frontend do it.
+    building a list (for a caller that writes JSON or sends ids on).
     """
 
     def __init__(self, config: CacheConfig | None = None):
@@ -113,11 +104,10 @@ class PrefixTokenCache:
         self._anonymous = itertools.count()
         self._disabled = False
         self._warned_slow = False
+        self._last_backend: tuple[Any, TokenizerBackend] | None = None
         self._counters = Counters(
             ("hits", "misses", "resync_failures", "uncached", "allocation_failures", "tokens_reused", "tokens_tokenized")
         )
-
-    # -- public API ---------------------------------------------------------
 
     def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
         """Token ids of ``text``, tokenized here.
@@ -136,9 +126,8 @@ class PrefixTokenCache:
 
     def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array, read-only when it is
-        the cache's own (it never changes). For a caller that writes the ids
-        as JSON (orjson's ``OPT_SERIALIZE_NUMPY``) or sends them on: no list
-        and no Python int is made for them. Raises what ``encode`` raises."""
+        the cache's own (it never changes); no list and no Python int is
+        made for them. Raises what ``encode`` raises."""
         _check_input(text, key)
         entry = self._entry_or_ids(tokenizer, text, key) if text else []
         return entry.prompt.ids.array() if isinstance(entry, _Entry) else as_id_array(entry)
@@ -161,7 +150,7 @@ class PrefixTokenCache:
         ``text`` shares the most with, tokenizing here from a proven seam.
         With ``after``, ``text`` is what follows the first ``after.chars``
         characters of a kept prompt of ``key`` whose fingerprint chain has
-        ``after`` (``mptok.core.fingerprint``): None when none has (a wrong
+        ``after`` (``mptok.core.protocol``): None when none has (a wrong
         or stale fingerprint, an evicted conversation, a tokenizer the cache
         cannot serve). With ``ids``, the exact ids of ``text`` known from
         elsewhere, nothing is tokenized: they are kept as they are
@@ -178,7 +167,7 @@ class PrefixTokenCache:
         if after is None and ids is None and not if_kept:
             return _kept(self._entry_or_ids(tokenizer, text, key, room_only=room_only) if text else [])
         try:
-            backend = backend_for(tokenizer, self.config.tokenizer_backend)
+            backend = self._backend(tokenizer)
         except SlowTokenizerError:
             return None if ids is None else Kept(as_id_array(ids), False)
         extending = None
@@ -194,7 +183,7 @@ class PrefixTokenCache:
             holder, known, shared = self._branch_for(backend, key, text)
             reused = max(chain, _shared_digests(known, shared), key=len)
             entry = _new_entry(holder, prompt_of_ids(text, ids), key, reused)
-            return Kept(ids, self._keep(holder, entry, by_content=False, room_only=room_only))
+            return Kept(ids, self._keep(holder, entry, room_only=room_only))
         else:
             with self._lock:
                 if (backend.serial, key) not in self._branches:
@@ -223,15 +212,12 @@ class PrefixTokenCache:
     def stats(self) -> dict[str, int]:
         """Counters since creation, and the current size of the cache.
 
-        ``cached_bytes`` is everything the kept conversations hold (see
-        ``CacheConfig.max_bytes``), never more than ``max_bytes``.
-        ``allocation_failures`` counts ``MemoryError``s while caching: each
-        emptied the cache, and the prompt was tokenized in full.
+        ``cached_bytes`` is everything the kept conversations hold, never
+        more than ``max_bytes``. ``allocation_failures`` counts
+        ``MemoryError``s while caching (each emptied the cache).
         ``tokens_reused`` counts the ids answered from kept prompts,
-        ``tokens_tokenized`` those the backend tokenized (tails and full
-        tokenizations); their ratio is what the cache saved.
-        ``backend_*``: the process's tokenizer backends by engine and the
-        background checks of fast engines (``mptok.cache.backend.backend_stats``).
+        ``tokens_tokenized`` those the backend tokenized: their ratio is what
+        the cache saved. ``backend_*``: ``mptok.cache.backend.backend_stats``.
         """
         backends = backend_stats()
         with self._lock:
@@ -250,8 +236,6 @@ class PrefixTokenCache:
         with self._lock:
             self._forget_all()
 
-    # -- internals ----------------------------------------------------------
-
     def _keeps(self, text: str) -> bool:
         config = self.config
         return (
@@ -260,6 +244,16 @@ class PrefixTokenCache:
             and len(text) > 0
         )
 
+    def _backend(self, tokenizer: Any) -> TokenizerBackend:
+        """``backend_for`` ``tokenizer`` and this cache's choice, remembered for the last tokenizer
+        (a frontend has one: the process-wide table and its lock are not asked per prompt)."""
+        last = self._last_backend
+        if last is not None and last[0] is tokenizer:
+            return last[1]
+        backend = backend_for(tokenizer, self.config.tokenizer_backend)
+        self._last_backend = (tokenizer, backend)
+        return backend
+
     def _entry_or_ids(
         self, tokenizer: Any, text: str, key: str | None, extending: _Extension | None = None, *, room_only: bool = False
     ) -> _Entry | list[int]:
@@ -267,7 +261,7 @@ class PrefixTokenCache:
         ``extending`` names, if given) and kept (with ``room_only``, only if
         that evicts nothing), or its ids if it cannot be kept."""
         try:
-            backend = backend_for(tokenizer, self.config.tokenizer_backend)
+            backend = self._backend(tokenizer)
         except SlowTokenizerError as e:
             self._warn_slow(tokenizer, e)
             return _call_tokenizer(tokenizer, text)
@@ -289,7 +283,7 @@ class PrefixTokenCache:
         Raises ``TokenizerRefused`` for text the Rust tokenizer refuses.
         """
         if not self._keeps(text):
-            self._count("uncached")
+            self._counters.add("uncached")
             return None
         try:
             return self._encode_cached(backend, text, key, extending, room_only)
@@ -322,26 +316,26 @@ class PrefixTokenCache:
             with self._lock:
                 if self._entries.get(holder) is known:
                     self._entries.move_to_end(holder)
-                    self._count("hits")
+                    self._counters.add("hits")
                     self._counters.add("tokens_reused", known.prompt.ids.length)
                     return known
         prompt = None
         if known is not None:
             prompt = extend_prompt(backend, known.prompt, text, shared, max_attempts=config.max_seam_attempts)
             if prompt is None:
-                self._count("resync_failures")
+                self._counters.add("resync_failures")
             else:
                 # Sampled against a full tokenization, paid for by the characters tokenized.
                 backend.check_splice(text, prompt.ids, len(text) - shared)
         if prompt is None:
             prompt = tokenize_prompt(backend, text)
-            self._count("misses")
+            self._counters.add("misses")
         else:
-            self._count("hits")
+            self._counters.add("hits")
         self._counters.add("tokens_reused", prompt.reused)
         self._counters.add("tokens_tokenized", prompt.ids.length - prompt.reused)
         entry = _new_entry(holder, prompt, key, _shared_digests(known, shared))
-        self._keep(holder, entry, by_content=key is None, room_only=room_only)
+        self._keep(holder, entry, room_only=room_only)
         return entry
 
     def _kept_by_content(self, backend: TokenizerBackend, text: str) -> tuple[Hashable, _Entry | None, int]:
@@ -390,7 +384,7 @@ class PrefixTokenCache:
         """The kept branches of ``key``, newest first; the caller holds the lock."""
         return [(holder, self._entries[holder]) for holder in reversed(self._branches.get((serial, key), ()))]
 
-    def _keep(self, holder: Hashable, entry: _Entry, *, by_content: bool, room_only: bool = False) -> bool:
+    def _keep(self, holder: Hashable, entry: _Entry, *, room_only: bool) -> bool:
         """Keep ``entry`` as the newest, then evict the least recently used
         until every limit holds; an entry over the byte budget by itself is
         not kept (and what ``holder`` had is forgotten). With ``room_only``
@@ -406,7 +400,7 @@ class PrefixTokenCache:
             self._entries[holder] = entry
             self._cached_chars += len(entry.prompt.text)
             self._cached_bytes += entry.nbytes
-            if by_content:
+            if holder[1] is None:
                 self._by_content.add(holder, entry.prompt.text)
             else:
                 branches = self._branches.setdefault(holder[:2], [])
@@ -433,15 +427,16 @@ class PrefixTokenCache:
     def _drop(self, holder: Hashable) -> None:
         """Forget what ``holder`` has kept, if anything; the caller holds the lock."""
         old = self._entries.pop(holder, None)
-        if old is not None:
-            self._cached_chars -= len(old.prompt.text)
-            self._cached_bytes -= old.nbytes
+        if old is None:
+            return
+        self._cached_chars -= len(old.prompt.text)
+        self._cached_bytes -= old.nbytes
+        if holder[1] is None:
             self._by_content.discard(holder)
-            branches = self._branches.get(holder[:2])
-            if branches is not None and holder in branches:
-                branches.remove(holder)
-                if not branches:
-                    del self._branches[holder[:2]]
+        elif holder in (branches := self._branches.get(holder[:2], [])):
+            branches.remove(holder)
+            if not branches:
+                del self._branches[holder[:2]]
 
     def _encode_full(self, backend: TokenizerBackend, tokenizer: Any, text: str) -> list[int]:
         try:
@@ -458,9 +453,6 @@ class PrefixTokenCache:
         self._by_content = PrefixIndex()
         self._cached_chars = 0
         self._cached_bytes = 0
-
-    def _count(self, name: str) -> None:
-        self._counters.add(name)
 
     def _disable(self) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mptok.cache.config import CacheConfig
-from mptok.core.fingerprint import Fingerprint
+from mptok.core.protocol import Fingerprint
 
 
 @dataclass(frozen=True)

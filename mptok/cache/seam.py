@@ -1,18 +1,17 @@
-"""Extend a kept tokenization to a new prompt, and prove the splice exact.
+"""Extend a kept tokenization to a new prompt, and prove the splice exact: the one place a splice is decided.
 
 A new prompt shares a prefix with a kept one. Re-tokenizing only from a
 *seam* inside that prefix is exact when full tokenization of the new prompt
 splits there too and the text before the seam does not influence the tokens
 after it. Comparing the first re-tokenized ids with the kept ids is not
 enough (docs/CACHE.md: NFC composes across seams, the legacy SentencePiece
-layout adds a dummy prefix whose ids still match), so a seam must pass all of:
+layout adds a dummy prefix whose ids still match), so a seam must pass all of
+(``mptok.cache.seam_rules`` reads what they need from the tokenizer):
 
 1. Every tokenization of the new prompt splits there: it is a *forced
-   boundary* of the tokenizer's pre-tokenizer (``mptok.cache.seam_rules``:
-   split wherever the scan started), or the start of an added token (added
-   tokens are split out before anything else). Forced boundaries are decided
-   by the characters on each side, so one before the shared prefix's last
-   character is one in both prompts.
+   boundary* of the tokenizer's pre-tokenizer, decided by the characters on
+   each side (so one before the shared prefix's last character is one in
+   both prompts), or the start of an added token that opens a segment.
 2. It is where a kept token begins: the kept ids, walked back from the end
    of the kept text by their lengths (``SeamRules.token_starts``), say which
    token; a character split over several tokens never is.
@@ -24,23 +23,22 @@ layout adds a dummy prefix whose ids still match), so a seam must pass all of:
    seam candidate inside the shared prefix (a forced boundary or added
    token there too): both tokenize the same pre-tokens, so a difference
    means a rule or an engine is wrong, and the splice is refused.
-5. The seam plus the longest added token lies inside the shared prefix:
-   added tokens are split out first, left to right, and one that the new
-   text completes (the kept prompt ended inside its text) must not start
-   before the seam.
+5. The seam plus the longest added token (for an added token's own seam,
+   its reach) lies inside the shared prefix: added tokens are split out
+   first, left to right, and one that the new text completes (the kept
+   prompt ended inside its text) must not start before the seam.
 
 Then the new prompt's ids are the kept ids before the seam followed by the
-tail's, tokenized by the backend's engine (fast or `tokenizers`): the whole
-text's from an added token or a segment start, a continuation of the segment
-from anywhere else (``TokenizerBackend.encode_tail``). A hit costs the new
-text: the walk and the search for seams cover the characters from a little
-before the point where the prompts part to the end of the kept one, never the
-whole prompt, and the kept prompt needs no offsets, only its text and ids.
+tail's, tokenized by the backend's engine: the whole text's from an added
+token or a segment start, a continuation of the segment from anywhere else
+(``TokenizerBackend.encode_tail``). A hit costs the new text: the walk and
+the search for seams cover the characters from a little before the point
+where the prompts part to the end of the kept one, never the whole prompt.
 
-A tokenizer with no seam rules (``seam_rules`` is None: WordPiece, or rules
-its start-up check refuted) splices at added tokens only, each proven by
-tokenizing the kept prompt's text from the seam with the engine: it must give
-exactly the kept prompt's last ids, starting with the added token.
+A tokenizer with no seam rules (``seam_rules`` is None) splices at added
+tokens only, each proven by tokenizing the kept prompt's text from the seam
+with the engine: it must give exactly the kept prompt's last ids, starting
+with the added token.
 """
 
 from __future__ import annotations

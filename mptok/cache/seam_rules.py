@@ -1,9 +1,9 @@
-"""Where each kept token begins, and where every tokenization must split: read from the ids and the tokenizer's own rules.
+"""What the proof of a seam reads from the tokenizer: where each kept token begins, where every tokenization splits, and which added tokens open a segment.
 
 A splice keeps a prompt's ids up to a seam and tokenizes only the text from
-the seam on. To prove the seam it needs two facts that the ids of a fast
-engine do not carry and that `tokenizers` would take a pass over the whole
-prompt to give (its offsets and word ids):
+the seam on (``mptok.cache.seam``). To prove the seam it needs facts that
+the ids of a fast engine do not carry and that `tokenizers` would take a
+pass over the whole prompt to give (its offsets and word ids):
 
 - **Where each token begins.** Every vocabulary entry covers a fixed number
   of bytes of the text: a byte-level BPE entry one byte per character (the
@@ -17,14 +17,12 @@ prompt to give (its offsets and word ids):
   ``add_prefix_space``, Metaspace's prepend scheme, a ``Prepend``
   normalizer) covers no byte of the text; the walk takes it out where it
   applies. A token of unknown length (``<unk>``; an added token that strips
-  whitespace or is matched in normalized text) ends the walk: the tokens
-  before it are not located. A literal ``▁`` (which a space also becomes)
-  and text that NFC would change (for an NFC normalizer) make the lengths
-  ambiguous, and nothing is located across them.
+  whitespace or is matched in normalized text) ends the walk. A literal
+  ``▁`` (which a space also becomes) and text that NFC would change (for an
+  NFC normalizer) make the lengths ambiguous: nothing is located across them.
 - **Where every pre-tokenization splits** (*forced boundaries*): positions
   at which the pre-tokenizer splits whatever it started from, so the text
-  before them cannot influence the tokens after them. From the tokenizer's
-  own pre-tokenizer:
+  before them cannot influence the tokens after them:
 
   - regex ``Split`` (``Isolated``) and ``ByteLevel`` patterns of the GPT-2
     family (GPT-2, cl100k-style, DeepSeek, Qwen): between a letter, mark or
@@ -39,36 +37,47 @@ prompt to give (its offsets and word ids):
     every ``▁``, with no look at anything else);
   - no pre-tokenizer (the legacy SentencePiece layout), when no vocabulary
     piece holds ``▁`` right after another character: before a space that
-    follows a non-space (no token can span that point, so the model
-    tokenizes its two sides apart).
+    follows a non-space (no token can span that point).
 
   A layout whose segment start gets a prefix unless it begins with a space
   splits only before a space, so that the tail from there gets no prefix
   either.
+- **Which added tokens open a segment** (``SegmentOpeners``). Added tokens
+  are split out first, so where one is matched at ``s`` in a kept prompt
+  and in a new one sharing its first characters, the new prompt's ids from
+  ``s`` on are those of ``text[s:]`` tokenized whole. They are found left to
+  right, each match the longest at its position, raw (``normalized=False``)
+  tokens in a first pass and normalized ones in the gaps it leaves; so the
+  prompts can decide differently up to ``s`` only through a match that the
+  new text completes past the shared prefix: one holding the opener's text,
+  or (for a normalized opener) a raw token that starts inside it and begins
+  with the rest of it. An opener's *reach* is the furthest past ``s`` such a
+  token can end; ``max_reach``, the longest added token, bounds every
+  opener's. Tokens that look at their surroundings open nothing: ``lstrip``,
+  ``single_word``, contents that begin with whitespace (a token before them
+  with ``rstrip`` could take it), ``normalized`` tokens when there is a
+  normalizer, and special tokens when special tokens are not split out.
 
-These rules are claims about the tokenizer's patterns, so
-``check_rules`` tests them when a backend is built, against `tokenizers`
-itself, on the adversarial corpus the fast engines are checked on: every
-token the walk locates must begin where `tokenizers`' offsets say, every
-forced boundary must begin a pre-token, and the tokenization from a forced
-boundary must equal the whole text's ids from there. A tokenizer whose
-layout has no rules here (WordPiece, a lowercasing normalizer, custom
-pre-tokenizers) or whose rules fail splices at added tokens only
-(``mptok.cache.seam``).
+The first two are claims about the tokenizer's patterns, so ``check_rules``
+tests them when a backend is built, against `tokenizers` itself, on the
+adversarial corpus the fast engines are checked on. A tokenizer whose layout
+has no rules here (WordPiece, a lowercasing normalizer, custom
+pre-tokenizers) or whose rules fail splices at added tokens only.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import regex
 
-__all__ = ["SeamRules", "derive_rules", "check_rules"]
+__all__ = ["SeamRules", "SegmentOpeners", "derive_rules", "check_rules"]
 
 SPACE_MARKER = "\u2581"
 # A token whose length the ids do not tell (``<unk>``, whitespace-stripping added tokens).
@@ -87,6 +96,8 @@ _GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)|(?<=[\p{L}\p{N}])(?=[\p{P}\p{S}])"
 _GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
 _BEFORE_SPACE = r"(?= )"
 _BEFORE_SPACE_AFTER_OTHER = r"(?<=[^ ])(?= )"
+# Tails tokenized from forced boundaries per text of the start-up check.
+TAILS_CHECKED_PER_TEXT = 2
 
 
 @dataclass(frozen=True)
@@ -114,9 +125,7 @@ class SeamRules:
     ``lengths[i]`` is the number of text bytes token ``i`` covers in the middle
     of a segment (``UNKNOWN`` if the id does not tell); ``segment_ends[i]`` is
     true for the added tokens that end a segment, whose contents
-    ``added_contents`` holds. ``tail_continues``: a tail
-    cut at a forced boundary must be tokenized as the continuation of a
-    segment (the layout's prefix would otherwise be added to it).
+    ``added_contents`` holds.
     """
 
     lengths: np.ndarray
@@ -126,7 +135,6 @@ class SeamRules:
     prefix: str
     nfc: bool
     space_marker: bool
-    tail_continues: bool
     layout: str
 
     def forced_boundaries(self, text: str, low: int, high: int) -> list[int]:
@@ -423,7 +431,6 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         prefix=prefix,
         nfc="nfc" in normalizer,
         space_marker=space_marker,
-        tail_continues=prefix == PREFIX_ALWAYS,
         layout=layout,
     )
 
@@ -525,7 +532,6 @@ def check_rules(
     encode: Callable[[str], Any],
     tail_ids: Callable[[str, bool], Sequence[int]],
     texts: Sequence[str],
-    samples_per_text: int = 2,
 ) -> str | None:
     """A description of the first claim of ``rules`` that `tokenizers`
     contradicts on ``texts``, or None. ``encode`` is the reference full
@@ -562,11 +568,136 @@ def check_rules(
             splits = rules.layout == "space-marked" or index == 0 or words[index] is None or words[index] != words[index - 1]
             if not splits:
                 return f"a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} begins no pre-token"
-        step = max(1, len(forced) // samples_per_text)
-        for position in forced[::step][:samples_per_text]:
+        step = max(1, len(forced) // TAILS_CHECKED_PER_TEXT)
+        for position in forced[::step][:TAILS_CHECKED_PER_TEXT]:
             index = starts[position]
             at_segment_start = index == 0 or bool(rules.segment_ends[ids[index - 1]])
             tail = [int(i) for i in tail_ids(text[position:], at_segment_start)]
             if tail != ids[index:].tolist():
                 return f"the ids from a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} differ"
     return None
+
+
+# -- segment openers ---------------------------------------------------------------
+
+# Candidate positions looked at before giving up, matching or not.
+MAX_SCANNED = 256
+
+
+class SegmentOpeners:
+    """The added tokens that open a segment, how far past its start each
+    reaches (module docstring), and a search for them in text."""
+
+    def __init__(self, added: Mapping[int, Any], *, has_normalizer: bool, split_special: bool):
+        matched = {i: t for i, t in added.items() if t.content and not (split_special and t.special)}
+        self.max_reach = max((len(t.content) for t in matched.values()), default=0)
+        openers = {
+            i: t
+            for i, t in matched.items()
+            if not t.lstrip
+            and not t.single_word
+            and not t.content[0].isspace()
+            and not (has_normalizer and t.normalized)
+        }
+        tokens = _Joined([t.content for t in matched.values()])
+        raw_tokens = _Joined([t.content for t in matched.values() if not t.normalized])
+        reach_of_content: dict[str, int] = {}
+        for t in openers.values():
+            reach = _reach_holding(tokens, t.content)
+            if t.normalized:
+                reach = max(reach, _reach_of_raw_inside(raw_tokens, t.content))
+            reach_of_content[t.content] = max(reach, reach_of_content.get(t.content, 0))
+        self._reach_of_id = {i: reach_of_content[t.content] for i, t in openers.items()}
+        self._reach_of_content = reach_of_content
+        self._lengths = sorted({len(c) for c in reach_of_content}, reverse=True)
+        self._first_chars = frozenset(c[0] for c in reach_of_content)
+        self._least_reach = min(reach_of_content.values(), default=0)
+
+    def reach_of(self, token_id: int) -> int | None:
+        """How far past its start added token ``token_id`` reaches, or None
+        if it is not an opener."""
+        return self._reach_of_id.get(token_id)
+
+    def starts_before(self, text: str, end: int, lowest: int) -> Iterator[int]:
+        """Positions ``p >= lowest`` where ``text[p:]`` begins with an opener's
+        content whose reach ends by ``end``, nearest to ``end`` first. (Of
+        the openers that begin there, the longest is the one the reach is
+        taken for: the caller checks the token it finds there with
+        ``reach_of``.)"""
+        highest = end - self._least_reach
+        if highest < lowest or not self._reach_of_content:
+            return
+        reach_of_content, lengths, first_chars = self._reach_of_content, self._lengths, self._first_chars
+        position = highest + 1
+        for _ in range(MAX_SCANNED):
+            position = _last_of(text, first_chars, lowest, position)
+            if position < 0:
+                return
+            reach = next((reach_of_content[c] for n in lengths if (c := text[position : position + n]) in reach_of_content), None)
+            if reach is not None and position + reach <= end:
+                yield position
+
+
+def _last_of(text: str, chars: frozenset[str], lowest: int, end: int) -> int:
+    """The last position in ``[lowest, end)`` that holds one of ``chars``, or -1.
+
+    Searches windows doubling back from ``end``: a seam is usually near the
+    end of a long prompt, and one search of the whole range per character
+    would cost what the prompt's length costs, for every turn.
+    """
+    window, high = 1024, end
+    while high > lowest:
+        low = max(lowest, high - window)
+        found = max(text.rfind(char, low, high) for char in chars)
+        if found >= 0:
+            return found
+        high, window = low, 2 * window
+    return -1
+
+
+def _reach_holding(tokens: _Joined, content: str) -> int:
+    """The most characters that a token holding ``content`` at offset k has
+    from k on (at least ``len(content)``)."""
+    return max([len(content)] + [len(token) - offset for offset, token in tokens.occurrences(content)])
+
+
+def _reach_of_raw_inside(raw_tokens: _Joined, content: str) -> int:
+    """The furthest past the start of ``content`` that a raw token beginning
+    inside it with the rest of ``content`` ends (0 if none)."""
+    starts = ((j, token) for j in range(1, len(content)) for token in raw_tokens.starting_with(content[j:]))
+    return max((j + len(token) for j, token in starts), default=0)
+
+
+class _Joined:
+    """Strings joined into one by a character none of them holds, so that
+    finding every string that holds (or begins with) a needle is a few C
+    string searches, not one comparison per string."""
+
+    def __init__(self, parts: list[str]):
+        used = set("".join(parts))
+        self._separator = next(chr(c) for c in range(0x110000) if chr(c) not in used)
+        self._parts = parts
+        self._starts: list[int] = []
+        position = 0
+        for part in parts:
+            position += 1
+            self._starts.append(position)
+            position += len(part)
+        self._text = "".join(self._separator + part for part in parts)
+
+    def occurrences(self, needle: str) -> Iterator[tuple[int, str]]:
+        """(offset of ``needle`` in the string, the string) for each
+        occurrence of ``needle`` (which never crosses a separator)."""
+        found = self._text.find(needle)
+        while found >= 0:
+            index = bisect.bisect_right(self._starts, found) - 1
+            yield found - self._starts[index], self._parts[index]
+            found = self._text.find(needle, found + 1)
+
+    def starting_with(self, prefix: str) -> Iterator[str]:
+        """Each string that begins with ``prefix``."""
+        needle = self._separator + prefix
+        found = self._text.find(needle)
+        while found >= 0:
+            yield self._parts[bisect.bisect_left(self._starts, found + 1)]
+            found = self._text.find(needle, found + 1)

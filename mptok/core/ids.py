@@ -125,25 +125,10 @@ class IdPieces:
         """A new list of all the ids."""
         return self.array().tolist()
 
-    def slice(self, start: int, stop: int) -> list[int]:
-        """``ids[start:stop]`` as a new list."""
-        return self.array()[start:stop].tolist()
-
     @property
     def nbytes(self) -> int:
         """Bytes this version pins: its whole buffer, spare room included."""
         return 0 if self.buffer is None else self.buffer.array.nbytes + _ARRAY_HEADER_BYTES
-
-    def same_as(self, other: IdPieces) -> bool:
-        """Whether both hold the same ids."""
-        return self.length == other.length and self.common_prefix(other) == self.length
-
-    def common_prefix(self, other: IdPieces) -> int:
-        """How many leading ids ``self`` and ``other`` share."""
-        shortest = min(self.length, other.length)
-        if self.buffer is other.buffer:
-            return shortest  # both are prefixes of what the buffer published
-        return first_difference(self.array()[:shortest], other.array()[:shortest])
 
     def spliced(self, keep: int, tail: Sequence[int] | np.ndarray) -> IdPieces:
         """The first ``keep`` ids followed by ``tail``.
@@ -173,22 +158,6 @@ class IdPieces:
 NO_IDS = IdPieces(None, 0)
 
 _ARRAY_HEADER_BYTES = sys.getsizeof(np.empty(0, dtype=ID_DTYPE))
-
-
-def first_difference(a: np.ndarray, b: np.ndarray) -> int:
-    """The first index where equal-length int arrays ``a`` and ``b`` differ; their length if nowhere.
-
-    Compares in windows doubling from the start, so a difference k ids in
-    costs O(k), wherever it is, and no Python loop runs over the ids.
-    """
-    low, window, n = 0, 256, len(a)
-    while low < n:
-        high = min(n, low + window)
-        unequal = np.flatnonzero(a[low:high] != b[low:high])
-        if len(unequal):
-            return low + int(unequal[0])
-        low, window = high, window * 2
-    return n
 
 
 def held_bytes(key: Hashable, text: str, *ids: IdPieces) -> int:

@@ -5,49 +5,44 @@ gigatoken load the same ``tokenizer.json`` and give the same ids in 1.5 to
 3.5 ms. They give ids only (no offsets, no pre-token boundaries) and each
 refuses some layouts (fastokens: Metaspace, BertNormalizer, tekken;
 gigatoken: WordPiece, Unigram). This module loads them, checks them id for
-id at start and times them; ``mptok.engines.choice`` decides which one is
-trusted for a tokenizer, ``mptok.engines.tripwire`` keeps checking it.
+id at start, times them and chooses (``Chooser``) which one is trusted for a
+tokenizer; ``mptok.engines.choice`` runs it and keeps checking it.
 
 **Why a fast engine may be trusted (rule 1: every id list equals full
 tokenization).** Nothing proves that two implementations of a tokenizer agree
-on every text; sampling cannot either: a result re-checked after it was
-returned has already been returned. The trust rests on three things, in this
-order:
+on every text, and a result re-checked after it was returned has been
+returned. The trust rests on three things, in this order:
 
 1. Both engines load the same deterministic specification (the
    ``tokenizer.json`` the caller's tokenizer was built from, with its
-   truncation, padding and post-processor removed, as the cache's own copy).
-   They do not implement every part of it as `tokenizers` does: both match
-   added tokens in one pass where `tokenizers` matches raw ones before
-   normalized ones, so a tokenizer whose raw and normalized added tokens
-   overlap is never given to them (``mptok.engines.choice``).
-2. At start an engine must give ids identical to `tokenizers`, id for id, on a
-   fixed adversarial corpus built for that tokenizer (``self_check_texts``:
-   combining-mark runs, emoji ZWJ sequences, CJK, CRLF, digit and whitespace
-   runs, byte-order marks and controls, the tokenizer's own added-token
-   strings alone, doubled and inside words), the places where
-   implementations have diverged before. One difference and the engine is not
-   used for that tokenizer. The check is made by the first start on the
-   machine and kept in the engine memo (``mptok.engines.memo``) under
-   a key that holds everything its result is a function of (the
-   specification, the corpus, the engines' and `tokenizers`' builds);
-   later starts with the same key read it.
+   truncation, padding and post-processor removed, as the cache's own copy),
+   except where they are known to read it otherwise: both match added tokens
+   in one pass where `tokenizers` matches raw ones before normalized ones,
+   so a tokenizer whose raw and normalized added tokens overlap is never
+   given to them.
+2. At start an engine must give `tokenizers`' ids, id for id, on a fixed
+   adversarial corpus built for that tokenizer (``self_check_texts``), the
+   places where implementations have diverged before; one difference and
+   the engine is not used for that tokenizer. The first start on the
+   machine keeps the verdict in the engine memo (``mptok.engines.memo``),
+   under a key that holds everything it is a function of.
 3. While serving, results are re-checked by `tokenizers` in the background
-   within a CPU budget (``mptok.engines.tripwire``), and one difference
-   switches that tokenizer back to `tokenizers` for the rest of the process.
-   That bounds how long an engine that diverges on real traffic goes on
-   being used, not whether one result was wrong: the differing result, and
-   any returned before the check ran, had already been returned.
+   within a CPU budget (``mptok.engines.choice``), and one difference
+   switches that tokenizer back to `tokenizers` for the rest of the process:
+   that bounds how long a diverging engine is used, not whether one result
+   was wrong.
 
 A deployment for which "the start-up check plus a tripwire" is not enough
-forces `tokenizers` (``CacheConfig.tokenizer_backend``,
-``MPTOK_CACHE_TOKENIZER_BACKEND=tokenizers``, ``mptok serve
---tokenizer-backend tokenizers``).
+forces `tokenizers` (``CacheConfig.tokenizer_backend``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import logging
+import os
 import random
 import threading
 import time
@@ -56,6 +51,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from mptok.core.settings import ENGINES
+from mptok.engines import memo as engine_memo
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +66,13 @@ class EngineUnavailable(Exception):
 
 
 class IdsEngine(Protocol):
-    """Full tokenization without added special tokens: ids only."""
+    """Full tokenization without added special tokens: ids only, as a list or an int array."""
 
     name: str
 
     def encode_ids(self, text: str) -> list[int]: ...
+
+    def encode_id_array(self, text: str) -> np.ndarray: ...
 
 
 class _Fastokens:
@@ -111,14 +111,18 @@ class _Gigatoken:
             self._tokenizer = gigatoken.Tokenizer.from_json(spec_json)
         except Exception as e:
             raise EngineUnavailable(f"gigatoken cannot load this tokenizer: {e}") from e
+        # A gigatoken Tokenizer refuses a call while another thread's runs
+        # ("Already borrowed"): a server's threads share one, so they take turns.
+        self._one_call = threading.Lock()
 
     def encode_ids(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).tolist()
+        return self.encode_id_array(text).tolist()
 
     def encode_id_array(self, text: str) -> np.ndarray:
         # gigatoken answers with a uint32 array: no Python ints on the way
         # to the cache's int32 store (ids past int32 are refused there).
-        return self._tokenizer.encode(text)
+        with self._one_call:
+            return self._tokenizer.encode(text)
 
 
 _ENGINE_CLASSES = {"fastokens": _Fastokens, "gigatoken": _Gigatoken}
@@ -128,8 +132,6 @@ _import_lock = threading.Lock()
 
 def _import(name: str) -> Any:
     """Import an engine's package; a failure is logged once per process."""
-    import importlib
-
     try:
         return importlib.import_module(name)
     except Exception as e:
@@ -166,14 +168,12 @@ _PIECES = (
 )
 
 
-def self_check_texts(added_contents: Iterable[str], seed: int = 0) -> list[str]:
-    """The fixed adversarial corpus an engine must reproduce id for id.
-
-    Every piece alone, then mixes of pieces, with the tokenizer's own added
-    tokens (a fixed sample when it has many) alone, doubled, glued to words
-    and inside whitespace runs, and one long text of everything.
-    """
-    rng = random.Random(seed)
+def self_check_texts(added_contents: Iterable[str]) -> list[str]:
+    """The fixed adversarial corpus an engine must reproduce id for id: every
+    piece alone, then mixes of pieces, with the tokenizer's own added tokens
+    (a fixed sample when it has many) alone, doubled, glued to words and
+    inside whitespace runs, and one long text of everything."""
+    rng = random.Random(0)
     added = sorted(set(c for c in added_contents if c))
     if len(added) > 48:
         added = added[:16] + added[-16:] + rng.sample(added[16:-16], 16)
@@ -199,10 +199,7 @@ def first_difference(engine: IdsEngine, reference: Callable[[str], list[int] | N
         expected = reference(text)
         if expected is None:
             continue
-        # Both of the engine's paths, where it has two (ids as a list, as an array).
-        for encode in (engine.encode_ids, getattr(engine, "encode_id_array", None)):
-            if encode is None:
-                continue
+        for encode in (engine.encode_ids, engine.encode_id_array):
             try:
                 got = [int(i) for i in encode(text)]
             except Exception as e:
@@ -210,14 +207,6 @@ def first_difference(engine: IdsEngine, reference: Callable[[str], list[int] | N
             if got != expected:
                 return f"gave different ids on a {len(text)}-character text {text[:40]!r}"
     return None
-
-
-@dataclass(frozen=True)
-class Cost:
-    """The cheapest of a few full tokenizations of the same text."""
-
-    cpu_seconds: float  # time.process_time: all the engine's threads
-    wall_seconds: float
 
 
 # Standard-library modules whose sources are the timing texts (every Python
@@ -231,13 +220,10 @@ _MORE_TIMING_MODULES = (
 
 def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[str]:
     """``count`` different texts of ``chars`` characters (about 50k tokens,
-    where fastokens' threads start to cost CPU) to time engines on: real
-    prose and code (the standard library's own sources, which every Python
-    has), never seen by an engine before, since fastokens and gigatoken cache
-    the words they have tokenized. ``fallback`` (cut in pieces) where the
-    sources cannot be read."""
-    import importlib
-
+    where fastokens' threads start to cost CPU) to time engines on: the
+    standard library's own sources, never seen by an engine before (the
+    engines cache the words they tokenized); ``fallback`` where they cannot
+    be read."""
     names = _TIMING_MODULES if chars * count <= 480_000 else _TIMING_MODULES + _MORE_TIMING_MODULES
     try:
         source = "".join(open(importlib.import_module(m).__file__, encoding="utf-8").read() for m in names)
@@ -247,12 +233,260 @@ def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[st
     return [source[i * size : (i + 1) * size] for i in range(count)]
 
 
-def cost_of(encode: Callable[[str], object], texts: Sequence[str]) -> Cost:
-    """The median CPU and wall time of ``encode`` over ``texts``."""
-    cpus, walls = [], []
+def cpu_cost(encode: Callable[[str], object], texts: Sequence[str]) -> float:
+    """The median CPU time of ``encode`` over ``texts`` (``time.process_time``: all the engine's threads)."""
+    cpus = []
     for text in texts:
-        wall_began, cpu_began = time.perf_counter(), time.process_time()
+        began = time.process_time()
         encode(text)
-        cpus.append(time.process_time() - cpu_began)
-        walls.append(time.perf_counter() - wall_began)
-    return Cost(sorted(cpus)[len(cpus) // 2], sorted(walls)[len(walls) // 2])
+        cpus.append(time.process_time() - began)
+    return sorted(cpus)[len(cpus) // 2]
+
+
+# -- the choice -------------------------------------------------------------------
+
+# Texts at least this long use the engine that was cheapest on texts this
+# long (about 100k tokens), when two engines pass the start-up check.
+LONG_TEXT_CHARS = 400_000
+# An engine's CPU per character against the reference's, for an engine that
+# was not timed (fast engines measured 1/30 to 1/100).
+DEFAULT_ENGINE_TO_REFERENCE = 1 / 30
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What ``Chooser`` decided: the engine of texts shorter than
+    ``LONG_TEXT_CHARS`` (None: `tokenizers`) and of longer ones (None: the
+    same), why, the engine's CPU per character against `tokenizers`', and
+    the engine memo and key its verdict is kept under, if one was asked."""
+
+    engine: IdsEngine | None
+    long_engine: IdsEngine | LoadedOnFirstUse | None
+    report: str
+    ratio: float = DEFAULT_ENGINE_TO_REFERENCE
+    memo: tuple[engine_memo.EngineMemo, dict[str, Any]] | None = None
+
+    @property
+    def names(self) -> set[str]:
+        """The engines this stands for (a long texts' engine not loaded yet: both)."""
+        engines = [e for e in (self.engine, self.long_engine) if e is not None]
+        return {e.name for e in engines} | {e.chosen for e in engines if isinstance(e, LoadedOnFirstUse)}
+
+
+@dataclass(frozen=True)
+class Chooser:
+    """The choice of a tokenizer's engines for ``choice`` ("auto": the
+    cheapest in CPU time that passes the start-up check, `tokenizers`
+    included; an engine's name: that engine if it passes, else none, with a
+    WARNING naming the tokenizer ``name``). ``reference`` gives `tokenizers`'
+    ids (None for a text it refuses); ``distrusts(names)``: whether any of
+    those engines gave a wrong result for this specification here."""
+
+    reference: Callable[[str], list[int] | None]
+    spec_json: str
+    spec_digest: str
+    split_special: bool
+    choice: str
+    added: list[Any]
+    name: str
+    distrusts: Callable[[Iterable[str]], bool]
+
+    def choose(self) -> Chosen:
+        """Decided once per process and specification (unless one of its
+        engines was distrusted since): from the engine memo when it keeps
+        one for the same key, else here, and kept there."""
+        slot = (self.spec_digest, self.split_special, self.choice)
+        with _verdicts_lock:
+            chosen = _verdicts.get(slot)
+        if chosen is not None and not self.distrusts(chosen.names):
+            return dataclasses.replace(chosen, report=chosen.report + " (decided earlier in this process)")
+        texts = self_check_texts(t.content for t in self.added)
+        memo = engine_memo.from_env()
+        if memo is None:
+            chosen, _ = self._decide(texts)
+            chosen = dataclasses.replace(chosen, report=f"decided at this start, engine memo off: {chosen.report}")
+        else:
+            key = engine_memo.memo_key(self.spec_digest, self.split_special, self.choice, texts)
+            chosen = self._remembered(memo, key)
+            if chosen is None:
+                # Processes that start at once: one decides, the others wait
+                # for its verdict rather than each timing the engines
+                # against the others' load and choosing apart.
+                with memo.deciding(key) as held:
+                    chosen = self._remembered(memo, key) if held else None
+                    if chosen is None:
+                        chosen = self._decided(memo, key, texts)
+            chosen = dataclasses.replace(chosen, memo=(memo, key))
+        if not self.distrusts(ENGINES):
+            with _verdicts_lock:
+                _verdicts[slot] = chosen
+        return chosen
+
+    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any]) -> Chosen | None:
+        """The verdict ``memo`` keeps for ``key`` with its engines loaded, or
+        None: none kept, one naming an engine distrusted here, or one whose
+        engine does not load now."""
+        verdict = memo.read(key)
+        if verdict is None or self.distrusts(verdict.engines):
+            return None
+        engine = None
+        if verdict.short != "tokenizers":
+            try:
+                engine = load_engine(verdict.short, self.spec_json, self.split_special)
+            except EngineUnavailable as e:
+                logger.warning(
+                    "engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), verdict.short, e
+                )
+                return None
+        # The long texts' engine when a long text comes, or when a server
+        # warms the backend: a library process that never sees one does not
+        # pay for loading it (seconds for a large vocabulary).
+        longer = None
+        if engine is not None and verdict.long != verdict.short:
+            longer = LoadedOnFirstUse(verdict.long, self.spec_json, self.split_special, meanwhile=engine)
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(verdict.decided_at))
+        source = f"from the engine memo {memo.path(key)}, decided by pid {verdict.decided_by} at {when}"
+        return Chosen(engine, longer, f"{source}: {verdict.report}", verdict.ratio)
+
+    def _decided(self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str]) -> Chosen:
+        """``_decide``'s verdict, kept in ``memo`` unless an engine was found
+        wrong here (the check and the timing then did not see every engine)."""
+        chosen, passed = self._decide(texts)
+        if self.distrusts(ENGINES):
+            return dataclasses.replace(chosen, report=f"decided at this start, not kept: an engine was found wrong here: {chosen.report}")
+        short = chosen.engine.name if chosen.engine is not None else "tokenizers"
+        longer = chosen.long_engine.name if chosen.long_engine is not None else short
+        verdict = engine_memo.Verdict(short, longer, passed, chosen.ratio, chosen.report, os.getpid(), time.time())
+        kept = f"kept in the engine memo {memo.path(key)}" if memo.write(key, verdict) else "the engine memo could not be written"
+        return dataclasses.replace(chosen, report=f"decided at this start, {kept}: {chosen.report}")
+
+    def _decide(self, texts: list[str]) -> tuple[Chosen, tuple[str, ...]]:
+        """The engines checked on ``texts`` and timed, and the engines that passed the check."""
+        choice = self.choice
+        names = ENGINES if choice == "auto" else (choice,)
+        reference = functools.cache(self.reference)  # each engine is checked on the same texts
+        two_pass = _overlapping_added_tokens(self.added)
+        if two_pass:
+            # The engines match both kinds in one pass (module docstring, 1).
+            return Chosen(None, None, f"added tokens {two_pass} overlap across the normalized and raw passes"), ()
+        timing = timing_texts(texts[-1])
+        notes = []
+        candidates: list[tuple[float, IdsEngine]] = []
+        for name in names:
+            if self.distrusts((name,)):
+                notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
+                continue
+            try:
+                engine = load_engine(name, self.spec_json, self.split_special)
+            except EngineUnavailable as e:
+                notes.append(f"{name}: {e}")
+                continue
+            difference = first_difference(engine, reference, texts)
+            if difference is not None:
+                notes.append(f"{name}: {difference}")
+                continue
+            cpu = cpu_cost(engine.encode_ids, timing)
+            notes.append(f"{name}: {cpu * 1e3:.2f} ms CPU")
+            candidates.append((cpu, engine))
+        if choice != "auto" and not candidates:
+            logger.warning("tokenizer backend %s refused for %s (%s); using tokenizers", choice, self.name, notes[0])
+        passed = tuple(e.name for _, e in candidates)
+        if not candidates:
+            return Chosen(None, None, "; ".join(notes)), passed
+        # `tokenizers` is linear in the text and ~30x slower: timed on a tenth.
+        reference_cpu = 10 * cpu_cost(self.reference, [t[: len(t) // 10] for t in timing])
+        notes.append(f"tokenizers: {reference_cpu * 1e3:.2f} ms CPU")
+        cpu, engine = min(candidates, key=lambda c: c[0])
+        if choice == "auto" and cpu >= reference_cpu:
+            return Chosen(None, None, "; ".join(notes)), passed
+        ratio = cpu / reference_cpu if reference_cpu > 0 else DEFAULT_ENGINE_TO_REFERENCE
+        report = f"{len(timing[0])} characters: " + "; ".join(notes)
+        longer = None
+        if len(candidates) > 1:
+            # Which engine is cheaper changes with the length (fastokens
+            # spreads a long text over threads): long texts are timed apart.
+            long_timing = timing_texts(texts[-1], chars=LONG_TEXT_CHARS * 2, count=2)
+            if len(long_timing[0]) >= LONG_TEXT_CHARS:
+                costs = [(cpu_cost(e.encode_ids, long_timing), e) for _, e in candidates]
+                longer = min(costs, key=lambda c: c[0])[1]
+                report += f"; {len(long_timing[0])} characters: " + "; ".join(f"{e.name}: {c * 1e3:.2f} ms CPU" for c, e in costs)
+        return Chosen(engine, longer, report, ratio), passed
+
+
+class LoadedOnFirstUse:
+    """The engine the engine memo names for long texts, loaded on a thread
+    of its own by the first long text, or at start by a server
+    (``Engines.warm``); until then long texts go to the short texts' engine
+    (``meanwhile``), which passed the same check."""
+
+    def __init__(self, chosen: str, spec_json: str, split_special: bool, *, meanwhile: IdsEngine):
+        self.chosen = chosen
+        self._spec: tuple[str, bool] | None = (spec_json, split_special)
+        self._meanwhile = meanwhile
+        self.loaded: IdsEngine | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return (self.loaded or self._meanwhile).name
+
+    def current(self) -> IdsEngine:
+        """The engine for a long text now; starts loading the chosen one."""
+        spec = self._claim_load() if self.loaded is None else None
+        if spec is not None:
+            threading.Thread(target=self._load, args=spec, name="mptok-long-engine", daemon=True).start()
+        return self.loaded or self._meanwhile
+
+    def load_now(self) -> None:
+        """Load the chosen engine on this thread, unless a load has started."""
+        spec = self._claim_load()
+        if spec is not None:
+            self._load(*spec)
+
+    def _claim_load(self) -> tuple[str, bool] | None:
+        """What to load the engine from, to the first caller only: one load per engine."""
+        with self._lock:
+            spec, self._spec = self._spec, None
+        return spec
+
+    def _load(self, spec_json: str, split_special: bool) -> None:
+        try:
+            self.loaded = load_engine(self.chosen, spec_json, split_special)
+        except EngineUnavailable as e:
+            logger.warning("tokenizer backend %s did not load for long texts (%s); %s tokenizes them", self.chosen, e, self._meanwhile.name)
+        else:
+            logger.info("tokenizer backend %s loaded for texts of %s characters or more", self.chosen, f"{LONG_TEXT_CHARS:,}")
+
+
+# (spec digest, split_special, choice) -> the verdict: the start-up check and
+# timing take seconds, and their verdict depends only on the specification.
+_verdicts: dict[tuple[str, bool, str], Chosen] = {}
+_verdicts_lock = threading.Lock()
+
+
+def _overlapping_added_tokens(tokens: Any) -> tuple[str, str] | None:
+    """A normalized and a raw added token that one left-to-right pass over
+    both would match differently from tokenizers' two passes (raw first),
+    or None: the normalized one holds the raw one, or ends with its start
+    (matched first, being leftmost, it would take the raw one's start)."""
+    normalized = [t.content for t in tokens if t.normalized and t.content]
+    raw = [t.content for t in tokens if not t.normalized and t.content]
+    if not normalized or not raw:
+        return None
+    # A tokenizer may have a thousand raw tokens: trying every pair is
+    # millions of string operations at every start. Sets of what a raw token
+    # can be in a normalized one (itself, or a proper start of it) find the
+    # normalized tokens that overlap one; only their pairs are then tried,
+    # in order, for the same answer.
+    whole = set(raw)
+    starts = {b[:n] for b in raw for n in range(1, len(b))}
+    for a in normalized:
+        if not (
+            any(a[i:j] in whole for i in range(len(a)) for j in range(i + 1, len(a) + 1))
+            or any(a[-n:] in starts for n in range(1, len(a)))
+        ):
+            continue
+        for b in raw:
+            if b in a or any(a.endswith(b[:n]) for n in range(1, min(len(a), len(b)))):
+                return a, b
+    return None

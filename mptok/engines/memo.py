@@ -1,40 +1,36 @@
 """The engine memo: a start's verdict on the fast engines, kept for the next start on this machine.
 
-Choosing the engine of a tokenizer (``mptok.engines.choice``) checks and
+Choosing the engine of a tokenizer (``mptok.engines.fast.Chooser``) checks and
 times every fast engine: seconds of CPU in every process that starts, and a
 race, since fastokens and gigatoken are close, so two processes of one
 server could choose apart. The first start that decides writes its verdict
 here; a later start with the same inputs reads it, loads only the engines
-it names and skips the check and the timing, so every process on a machine
-tokenizes a tokenizer with the same engines.
+it names and skips the check and the timing.
 
 **Why skipping the start-up check keeps exactness.** The check is a pure
 function of what it is given: the specification the engines load (its
 digest, with ``split_special_tokens``), the engines' and the reference's
-code (each package's version and the identity of its compiled library:
-name, size and modification time, so a rebuilt or reinstalled engine does
-not pass for the old one), the corpus (its digest), and the code that
-decides (mptok's version and the digest of the two modules that choose).
-The key holds all of them, with Python's version and the machine's
-processor, and a memo is used only when its key is equal to the start's,
-field by field. An engine that passed the check once passes it again on
-the same inputs, so reading the verdict gives the trust the check would
-give; everything after the start is unchanged: the background checks
-(``mptok.engines.tripwire``) sample the engine's results as before,
-and one difference switches the process back to `tokenizers` and removes
-the memo, so the next start decides afresh.
+code (each package's version and the name, size and modification time of
+its compiled library, so a rebuilt engine does not pass for the old one),
+the corpus (its digest), and the code that decides (mptok's version and
+the digest of the module that chooses). The key holds all of them, with
+Python's version and the machine's processor, and a memo is used only when
+its key is equal to the start's, field by field. So reading the verdict
+gives the trust the check would give; the background checks
+(``mptok.engines.choice``) run as before, and one difference removes the
+memo, so the next start decides afresh.
 
 **What cannot be used is ignored**, with a WARNING once per process and
-directory: a memo that is unreadable, not valid, written under another key,
-or in a directory another user owns or others may write; the start decides
-as without one. The directory: ``mptok.core.settings.engine_memo_dir``.
-Files are replaced whole, mode 0600; processes that start at once take a
-lock per key while they decide, for at most ``LOCK_WAIT_S``.
+directory (``mptok.core.settings.engine_memo_dir``): a memo that is
+unreadable, not valid, written under another key, or in a directory another
+user owns or others may write. Files are replaced whole, mode 0600;
+processes that start at once take a lock per key while they decide.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -68,16 +64,11 @@ _LOCK_POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a start decided for one key.
-
-    ``short`` and ``long``: the engine of texts shorter than the long-text
-    threshold and of longer ones ("tokenizers" for no fast engine);
-    ``passed``: the engines that gave `tokenizers`' ids on the start-up
-    corpus; ``ratio``: the chosen engine's CPU per character against
-    `tokenizers`' (the background checks' budget); ``report``: the start's
-    own account (its timings, why an engine was refused); ``decided_by``
-    and ``decided_at``: the process and the time (seconds since the epoch).
-    """
+    """What a start decided for one key: the engine of texts shorter than
+    the long-text threshold and of longer ones ("tokenizers" for none), the
+    engines that passed the start-up check, the chosen engine's CPU per
+    character against `tokenizers`', the start's own account, and the
+    process and time (seconds since the epoch) that decided."""
 
     short: str
     long: str
@@ -130,11 +121,11 @@ def memo_key(spec_digest: str, split_special: bool, choice: str, check_texts: It
     }
 
 
+@dataclass(frozen=True)
 class EngineMemo:
     """The verdicts kept in one directory: a file per key, named by its digest."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    directory: str
 
     def path(self, key: dict[str, Any]) -> str:
         return os.path.join(self.directory, f"{_PREFIX}{_digest(key)}.json")
@@ -198,8 +189,7 @@ class EngineMemo:
 
 def from_env() -> EngineMemo | None:
     """The memo ``MPTOK_ENGINE_MEMO`` names (default: the user's cache
-    directory), or None: turned off, or a directory that cannot be used
-    (said once, as a WARNING)."""
+    directory), or None: turned off, or not usable (said once)."""
     try:
         directory = engine_memo_dir()
     except ValueError as e:
@@ -232,39 +222,28 @@ def _digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
-_identities: dict[str, Any] = {}
-# The modules whose code makes a verdict, beside this one: found, not imported
-# (the one that decides imports this one).
-_DECIDERS = ("choice.py", "fast.py")
-
-
+@functools.cache
 def _decider() -> dict[str, Any]:
-    """mptok's version, and the digest of the modules whose code makes a verdict."""
-    if "mptok" not in _identities:
-        sources = hashlib.sha256()
-        for name in _DECIDERS:
-            sources.update(Path(__file__).with_name(name).read_bytes())
-        _identities["mptok"] = {"version": _version("mptok"), "sources": sources.hexdigest()}
-    return _identities["mptok"]
+    """mptok's version, and the digest of the module whose code makes a verdict."""
+    source = Path(__file__).with_name("fast.py").read_bytes()  # found, not imported: it imports this module
+    return {"version": _version("mptok"), "sources": hashlib.sha256(source).hexdigest()}
 
 
+@functools.cache
 def _package(name: str) -> dict[str, Any] | None:
     """A package's version and its compiled libraries (name, size, mtime),
     found without importing it; None if it is not installed."""
-    if name not in _identities:
-        spec = importlib.util.find_spec(name)
-        if spec is None:
-            _identities[name] = None
-        else:
-            libraries = []
-            for location in spec.submodule_search_locations or ():
-                with contextlib.suppress(OSError), os.scandir(location) as entries:
-                    for entry in entries:
-                        if entry.name.endswith((".so", ".pyd", ".dylib")):
-                            st = entry.stat()
-                            libraries.append([entry.name, st.st_size, st.st_mtime_ns])
-            _identities[name] = {"version": _version(name), "libraries": sorted(libraries)}
-    return _identities[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    libraries = []
+    for location in spec.submodule_search_locations or ():
+        with contextlib.suppress(OSError), os.scandir(location) as entries:
+            for entry in entries:
+                if entry.name.endswith((".so", ".pyd", ".dylib")):
+                    st = entry.stat()
+                    libraries.append([entry.name, st.st_size, st.st_mtime_ns])
+    return {"version": _version(name), "libraries": sorted(libraries)}
 
 
 def _version(name: str) -> str | None:
@@ -274,15 +253,14 @@ def _version(name: str) -> str | None:
         return None
 
 
+@functools.cache
 def _machine() -> dict[str, Any]:
     """The processor (its model and how many): an engine's code may take
     other paths on another one, and the timing surely would."""
-    if "machine" not in _identities:
-        model = ""
-        with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "Model", "CPU part")):
-                    model = line.split(":", 1)[1].strip()
-                    break
-        _identities["machine"] = {"arch": platform.machine(), "model": model, "cpus": os.cpu_count()}
-    return _identities["machine"]
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith(("model name", "Model", "CPU part")):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"arch": platform.machine(), "model": model, "cpus": os.cpu_count()}

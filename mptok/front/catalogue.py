@@ -2,17 +2,12 @@
 
 A series is a name, a kind (counter, gauge, histogram), a help text, its
 labels, where its values are in a process's snapshot, and which exporters
-show it. Both exporters read the same snapshot shape (``"cache"``: the
-cache's ``stats()``; ``"routing"``: ``TokenizationOwners.stats()``;
-``"prompts"``: ``PromptIds.snapshot()``'s counts; ``mptok serve`` adds
-its HTTP counters, timings and process), so a name, a label or a help text
-cannot drift between them:
-
-- ``mptok serve`` renders the text itself (``mptok.supervise.metrics``), with a
-  ``frontend`` label;
-- the plugin copies the values into ``prometheus_client`` series on vLLM's
-  own ``/metrics`` (``mptok.front.prometheus``), with an ``api_server`` label
-  (SGLang's: ``tokenizer_worker``).
+show it. Both exporters read the same snapshot shape, so a name, a label or
+a help text cannot drift between them: ``mptok serve`` renders the text
+itself (``mptok.supervise.metrics``), with a ``frontend`` label; the plugins
+copy the values into ``prometheus_client`` series on the engine's own
+``/metrics`` (``mptok.front.prometheus``), with an ``api_server`` label
+(SGLang's: ``tokenizer_worker``).
 
 One convention for a set of values: a label, never one series per value
 (``identity``, ``reason``, ``choice``, ``policy``).

@@ -1,14 +1,11 @@
 """One engine process's prompt tokenization through mptok: the cache, and routing between its peers.
 
 An engine (vLLM, SGLang) runs several processes on one port that tokenize
-prompts (vLLM's API servers, SGLang's tokenizer workers), each with a
-tokenizer and no memory of the prompts it tokenized. Each of them gets one
-``PromptTokens``: its cache, and with N > 1 processes ``TokenizationOwners``,
+prompts (vLLM's API servers, SGLang's tokenizer workers). Each of them gets
+one ``PromptTokens`` (``PromptTokens.of_process``, for every caller with the
+same tokenizer): its cache, and with N > 1 processes ``TokenizationOwners``,
 routing each conversation to the process that holds it, in the ipc
 directory the processes of one engine share (``mptok.front.ipc_dir``).
-``PromptTokens.of_process`` makes that one instance on first use and hands
-it to every caller with the same tokenizer. ``EngineFront`` names the
-engine in its log and series.
 
 A process learns its seat (its frontend id of N) in one of three ways:
 
@@ -56,8 +53,7 @@ ANY_SEAT = -1
 
 @dataclass(frozen=True)
 class EngineFront:
-    """The engine a ``PromptTokens`` serves: how the user turned mptok on, the label of its processes' series,
-    what its log calls one of its processes, its log."""
+    """How the user turned mptok on, the label of its processes' series, what its log calls one, its log."""
 
     switch: str
     process_label: str
@@ -153,7 +149,7 @@ class PromptTokens:
             self._ids.route_through(self._owners)
         self._metrics = MetricsExport(max(self.rank, 0), self.snapshot, self.front.process_label)
         self._metrics.start()
-        self._log_start(routing, count)
+        self._log_start(routing)
 
     @classmethod
     def of_process(cls, tokenizer: Any, rank: int, count: int, front: EngineFront) -> PromptTokens | None:
@@ -242,7 +238,7 @@ class PromptTokens:
         except SlowTokenizerError:
             pass
 
-    def _log_start(self, routing: str, count: int) -> None:
+    def _log_start(self, routing: str) -> None:
         choice = self._cache.config.tokenizer_backend
         try:
             backend = backend_for(self._tokenizer, choice)

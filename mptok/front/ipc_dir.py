@@ -1,11 +1,9 @@
 """The private directory and authkey that the tokenizing processes of one engine server share.
 
-``mptok serve`` has a supervisor that makes its ipc directory and authkey and
-hands the key to each frontend over a pipe. In vLLM and SGLang the supervisor
-is the engine's own server process (``vllm serve``, SGLang's
-``launch_server``), which runs no mptok code before it spawns the processes
-that tokenize (vLLM's API servers, SGLang's uvicorn workers); so those
-processes agree among themselves:
+In vLLM and SGLang the supervisor is the engine's own server process, which
+runs no mptok code before it spawns the processes that tokenize (vLLM's API
+servers, SGLang's uvicorn workers); so those processes agree among
+themselves, where ``mptok serve``'s supervisor hands its frontends both:
 
 - the directory is named after the server process they share (their
   parent): its pid and its start time in clock ticks since boot
@@ -67,14 +65,13 @@ class SharedIpcDir:
     and removes it if no other process is in it; it is idempotent.
     """
 
-    def __init__(self, server_pid: int | None = None, parent: str | None = None):
+    def __init__(self, server_pid: int | None = None):
         server_pid = os.getppid() if server_pid is None else server_pid
         ticks = start_ticks(server_pid)
         if ticks is None:
             raise ProcessLookupError(f"server process {server_pid} is gone")
-        self.parent = parent or tempfile.gettempdir()
-        self.path = os.path.join(self.parent, f"{PREFIX}{server_pid}-{ticks}")
-        sweep_stale(self.parent, keep=self.path)
+        self.path = os.path.join(tempfile.gettempdir(), f"{PREFIX}{server_pid}-{ticks}")
+        sweep_stale(tempfile.gettempdir(), keep=self.path)
         self._lock_fd: int | None = _join(self.path)
         try:
             self.authkey = _shared_key(self.path)

@@ -27,6 +27,7 @@ from mptok.front.catalogue import VLLM, Metric, exported_by
 logger = logging.getLogger("mptok")
 
 SYNC_INTERVAL_S = 0.5
+_STOP_JOIN_S = 1.0
 PLUGIN_SERIES = exported_by(VLLM)
 
 
@@ -35,16 +36,10 @@ def _labels_key(labels: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 class MetricsExport:
-    """Copies ``snapshot()`` into prometheus series, labelled ``process_label=seat``, every ``interval_s``
-    on a daemon thread until ``stop()``."""
+    """Copies ``snapshot()`` into prometheus series, labelled ``process_label=seat``, every
+    ``SYNC_INTERVAL_S`` on a daemon thread until ``stop()``."""
 
-    def __init__(
-        self,
-        seat: int,
-        snapshot: Callable[[], Mapping[str, Any]],
-        process_label: str,
-        interval_s: float = SYNC_INTERVAL_S,
-    ):
+    def __init__(self, seat: int, snapshot: Callable[[], Mapping[str, Any]], process_label: str):
         from prometheus_client import Counter, Gauge
 
         self._snapshot = snapshot
@@ -64,10 +59,10 @@ class MetricsExport:
             for labels in metric.source.fixed_labels() or []:
                 key = (metric.name, _labels_key(labels))
                 self._children[key] = family.labels(**{process_label: rank, **labels})
-        self._task = PeriodicTask("mptok-metrics", self._synced, interval_s)
+        self._task = PeriodicTask("mptok-metrics", self._synced, SYNC_INTERVAL_S)
 
     def start(self) -> None:
-        """Copy the counters now, then every ``interval_s`` on a daemon thread."""
+        """Copy the counters now, then every ``SYNC_INTERVAL_S`` on a daemon thread."""
         self._task.start()
 
     def sync(self) -> None:
@@ -90,9 +85,9 @@ class MetricsExport:
                     else:
                         child.set(value)
 
-    def stop(self, join_s: float = 1.0) -> None:
-        """Stop the thread (waiting at most ``join_s``) and copy the counters a last time."""
-        self._task.stop(join_s)
+    def stop(self) -> None:
+        """Stop the thread (waiting at most ``_STOP_JOIN_S``) and copy the counters a last time."""
+        self._task.stop(_STOP_JOIN_S)
 
     def _synced(self) -> None:
         try:

@@ -20,7 +20,6 @@ through mptok under the conversation's key. That step is here once:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,11 +59,6 @@ class PromptIds:
         # call of the tokenizer object itself holds this.
         self.tokenizer_lock = threading.Lock()
         self._counts = Counters(PROMPT_COUNTS)
-
-    @property
-    def encoder(self) -> Encoder:
-        """What tokenizes without special tokens: routing above the cache, or the cache itself."""
-        return self._routing if self._routing is not None else self._cache
 
     def route_through(self, routing: Routing) -> None:
         """Tokenize through ``routing`` from now on (a process whose routing starts after its cache)."""
@@ -115,20 +109,15 @@ class PromptIds:
         return {texts: {engine: int(names.get(texts) == engine) for engine in ENGINE_NAMES} for texts in TEXT_LENGTHS}
 
     def _framed_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> np.ndarray:
-        ids = self._encoded(self.encoder.encode_array, text, identity)
-        if add_special_tokens:
-            assert self.frame is not None
-            ids = np.concatenate((self.frame.prefix_ids, ids, self.frame.suffix_ids))
-        return self._counted(ids, identity)
-
-    def _encoded(self, encode: Callable[..., np.ndarray], text: str, identity: ConversationIdentity) -> np.ndarray:
+        encoder: Encoder = self._routing if self._routing is not None else self._cache
         try:
-            return encode(self._tokenizer, text, key=identity.key)
+            ids = encoder.encode_array(self._tokenizer, text, key=identity.key)
         except Exception:
             self._counts.add(ERRORS)
             raise
-
-    def _counted(self, ids: np.ndarray, identity: ConversationIdentity) -> np.ndarray:
+        if add_special_tokens:
+            assert self.frame is not None
+            ids = np.concatenate((self.frame.prefix_ids, ids, self.frame.suffix_ids))
         self._counts.add(identity.kind.value)
         self._counts.add(PROMPT_TOKENS, len(ids))
         return ids

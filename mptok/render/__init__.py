@@ -1,13 +1,11 @@
 """``mptok render``: vLLM's own render server on every core, its conversations routed between them.
 
 vLLM's GPU-less render server (``vllm launch render``: chat template,
-tokenization, vLLM's own answers, what a prefix-aware router calls before it
-picks a model server) is one process, bound without SO_REUSEPORT, near one
-core. ``mptok render MODEL --frontends N [vLLM's arguments]`` runs N of them
-on one port under the supervisor ``mptok serve`` runs on (``mptok.supervise``:
-restarts, hang detection, clean stop), each with the plugin's renderer (``--tokenizer-mode mptok``)
-routing every conversation to the process whose cache holds it, with the
-ipc directory, frontend ids and key that supervisor hands out:
+tokenization, what a prefix-aware router calls before it picks a model
+server) is one process, bound without SO_REUSEPORT, near one core. ``mptok
+render MODEL --frontends N [vLLM's arguments]`` runs N of them on one port
+under ``mptok serve``'s supervisor, each with the plugin's renderer routing
+every conversation to the process whose cache holds it:
 
 - ``options.py``: the command line (``mptok.cli`` parses it): the supervisor's options, vLLM's passed through;
 - ``frontends.py``: what the supervisor runs in each slot, and what it cleans up after one;

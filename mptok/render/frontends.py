@@ -1,18 +1,12 @@
 """What the supervisor runs in each slot for ``mptok render``, and what it cleans up after one.
 
-The supervisor (``mptok.supervise.supervisor``) is the same one ``mptok serve``
-uses: this is its ``FrontendKind`` for vLLM render processes. Each process
-gets the ipc directory (with a ``prometheus`` directory in it,
-prometheus_client's multiprocess directory, so that one ``/metrics`` shows
-every process), as its own spawn argument the authkey, and its frontend id
-over its pipe once it is built (``FrontendKind.standby``: at once, or for
-one of the ``--spares``, when a slot needs it). When a process has exited,
-its live gauges are removed from that directory (``mark_process_dead``);
-its counters stay, so totals never go down.
-
-The supervisor itself never imports vLLM or the tokenizer stack: a missing
-vLLM is found here with a lookup, and every render process imports the
-worker, and with it vLLM, on its own.
+This is the supervisor's ``FrontendKind`` for vLLM render processes. Each
+process gets the ipc directory, with a ``prometheus`` directory in it
+(prometheus_client's multiprocess directory, so that one ``/metrics`` shows
+every process). When a process has exited, its live gauges are removed from
+that directory (``mark_process_dead``); its counters stay, so totals never
+go down. The supervisor never imports vLLM: a missing vLLM is found here
+with a lookup, and each render process imports the worker on its own.
 """
 
 from __future__ import annotations
@@ -38,22 +32,14 @@ class RenderSettings:
     ipc_dir: str
     options: RenderOptions
 
-    @property
-    def prometheus_dir(self) -> str:
-        return prometheus_dir(self.ipc_dir)
-
 
 def prometheus_dir(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, PROMETHEUS_DIR)
 
 
 def run_render_process(settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
-    """The supervisor's spawn target: ``mptok.render.worker.render_main``, imported in the child.
-
-    Spawning pickles the target by reference, so naming the worker's own
-    function would import the worker, and with it the tokenizer stack, into
-    the supervisor.
-    """
+    """The supervisor's spawn target: ``mptok.render.worker.render_main``, imported in the child
+    (a target is pickled by reference: naming the worker's would import vLLM into the supervisor)."""
     from mptok.render.worker import render_main
 
     render_main(settings, authkey, conn, listener)

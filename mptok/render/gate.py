@@ -1,20 +1,16 @@
 """What ``mptok serve`` does around each request, added around vLLM's own render app.
 
-vLLM's render app answers every request it gets, however many wait: behind
-one port, a full process keeps taking connections while its peers idle, and
-its clients wait without knowing why. ``RenderGate`` is an ASGI middleware,
-the outermost one of each render process's app, that adds what ``mptok
-serve``'s frontends do and nothing else:
+vLLM's render app answers every request it gets, however many wait.
+``RenderGate``, the outermost ASGI middleware of each render process's app,
+adds what ``mptok serve``'s frontends do and nothing else:
 
-- admission: a POST (every render, tokenize and derender endpoint) holds a
-  place of ``mptok.supervise.admission.Admission`` from its first byte to its last
-  answer byte; with ``--max-in-flight`` places held, the next gets 503 with
-  ``Retry-After`` at once, in vLLM's error shape;
-- ``GET /metrics``: vLLM's own answer (every render process's series, vLLM's
-  and mptok's, summed by prometheus_client's multiprocess mode), followed by
-  the supervisor's series (``mptok_frontend_up``, restarts, given up) from its
-  snapshot in the ipc directory. vLLM's answer is asked for uncompressed, so
-  that it can be extended.
+- admission: a POST (every render, tokenize and derender endpoint) holds an
+  ``Admission`` place from its first byte to its last answer byte; with
+  ``--max-in-flight`` places held, the next gets 503 with ``Retry-After`` at
+  once, in vLLM's error shape;
+- ``GET /metrics``: vLLM's own answer (every render process's series, summed
+  by prometheus_client's multiprocess mode), asked for uncompressed so that
+  it can be extended, followed by the supervisor's series from its snapshot.
 
 Everything else reaches vLLM untouched, and vLLM answers it.
 """

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mptok.supervise.options import ServeOptions, add_arguments, parse_seconds
+from mptok.supervise.options import ServeOptions, add_arguments, parse_seconds, whole_number
 
 # ServeOptions fields that mean the same for render processes as for mptok serve's frontends.
 SHARED_FIELDS = (
@@ -87,7 +87,7 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spares",
-        type=_spares,
+        type=whole_number(0, 64, "0 to 64"),
         metavar="K",
         default=SPARES,
         help="render processes kept built and waiting (not listening) beside the N, each costing one render "
@@ -102,13 +102,6 @@ def render_options(parsed: argparse.Namespace, vllm_args: Sequence[str]) -> Rend
     return RenderOptions(
         ServeOptions(**fields), parsed.model, checked_vllm_args(vllm_args), parsed.hang_timeout_s, parsed.spares
     )
-
-
-def _spares(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"{value}: 0 to 64 spares")
-    return value
 
 
 def checked_vllm_args(args: Sequence[str]) -> tuple[str, ...]:

@@ -1,35 +1,25 @@
 """One render process of ``mptok render``: vLLM's own ``vllm launch render``, on a port it shares.
 
-The process runs vLLM's command line as ``vllm launch render MODEL --host H
---port P --tokenizer-mode mptok [vLLM's arguments]``: vLLM parses and checks
-the arguments, loads its plugins, builds its render app (every endpoint,
-its request models, templates, answers and errors) and serves it. Two names
-of vLLM's render entry module are wrapped for the time of the call
-(``VllmRenderHooks``), nothing else:
+The process runs vLLM's command line (``vllm_command``): vLLM parses and
+checks the arguments, loads its plugins, builds its render app and serves
+it. Two names of vLLM's render entry module are wrapped for the time of the
+call (``VllmRenderHooks``), nothing else:
 
 - ``setup_server``: vLLM's own checks and start log run on a throwaway
-  port, and the socket it returns is the supervisor's listening socket
-  (``mptok.supervise.port.listening_socket``), so the N processes accept
-  from one socket, each as it is free to;
+  port, and the socket it returns is the supervisor's listening socket, so
+  the N processes accept from one socket;
 - ``serve_http``: vLLM's own server, after ``RenderGate`` is put around its
   app; once uvicorn listens, the heartbeat starts on its event loop and the
   supervisor is told ``("ready", pid)``.
 
-The process starts without a frontend id (the supervisor's standby
-protocol, ``FrontendKind.standby``). vLLM takes the shared socket (and
-accepts nothing from it yet), builds its app, its
-renderer and the plugin's cache with its tokenizer backend
-(``mptok.front.engine_tokens.stand_by``), and warms them; then, at the
-start of ``serve_http``, the process tells the supervisor
-``("standby", pid)`` and waits on its event loop for ``("serve",
-frontend_id)``. That comes at once for a slot's process, and whenever a
-slot's process exits for a spare. With its id the process takes its seat
-(``take_seat``: its frontend id of N, the ipc directory and the authkey
-from the supervisor), so the plugin's renderer routes each conversation
-to the process whose cache holds it, exactly as ``mptok serve``'s
-frontends do, and only then accepts. It stops when vLLM does: on SIGTERM
-(from the supervisor, or from the kernel when the supervisor dies:
-``mptok.supervise.lifeline``); a spare stopped while it waits exits 0.
+The process starts without a frontend id (``FrontendKind.standby``): vLLM
+builds its app, renderer and the plugin's cache and warms them
+(``mptok.front.engine_tokens.stand_by``); at the start of ``serve_http``
+the process tells the supervisor ``("standby", pid)`` and waits on its
+event loop for ``("serve", frontend_id)``. With its id it takes its seat
+(``take_seat``), so the plugin's renderer routes each conversation as
+``mptok serve``'s frontends do, and only then accepts. It stops when vLLM
+does, on SIGTERM; a spare stopped while it waits exits 0.
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ import asyncio
 import contextlib
 import copy
 import io
-import logging
 import multiprocessing
 import os
 import socket
@@ -46,7 +35,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from mptok.render.frontends import RenderSettings
+from mptok.render.frontends import RenderSettings, prometheus_dir
 from mptok.render.gate import RenderGate
 from mptok.render.options import MODE
 from mptok.supervise.admission import Admission
@@ -54,8 +43,6 @@ from mptok.supervise.heartbeat import Heartbeat
 from mptok.supervise.lifeline import stop_with_parent
 from mptok.supervise.options import Use
 from mptok.supervise.snapshots import SnapshotDir
-
-logger = logging.getLogger("mptok.render")
 
 SESSION_MIDDLEWARE = "mptok.vllm.session.SessionHeaders"
 _STARTED_POLL_S = 0.05
@@ -171,7 +158,7 @@ def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: s
     and exits 1 if vLLM does not start.
     """
     # Read by prometheus_client when it is first imported (vLLM imports it).
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = settings.prometheus_dir
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = prometheus_dir(settings.ipc_dir)
     parent = multiprocessing.parent_process()
     stop_with_parent(parent.pid if parent is not None else os.getppid())
     from mptok.front.engine_tokens import stand_by

@@ -186,16 +186,22 @@ class _Verdict:
     verified_at: float
 
 
-class _OwnerWatch:
-    """What this process knows about one owner: its record, its process, its back-off.
+class OwnerWatch:
+    """What this process knows about the owner of one frontend id: its record, its process, its back-off.
 
-    The fast path reads only immutable ``_Verdict`` snapshots and the
-    ``_live`` tuple; re-reading a record takes a lock so that concurrent
-    callers do it once.
+    ``check()`` returns ``(record, None)`` when the owner is worth calling,
+    else ``(record or None, reason)`` with a reason from ``SKIP_REASONS``.
+    Report a timed-out call with ``timed_out(record)`` (the owner is then
+    skipped for ``backoff_s``, unless it is replaced meanwhile) and any
+    other failed call with ``forget()``. The fast path reads only immutable
+    ``_Verdict`` snapshots and the ``_live`` tuple; re-reading a record
+    takes a lock so that concurrent callers do it once.
     """
 
-    def __init__(self, path: str, backoff_s: float, revalidate_s: float):
-        self._path = path
+    def __init__(self, ipc_dir: str, frontend_id: int, *, backoff_s: float = 10.0, revalidate_s: float = 1.0):
+        if backoff_s < 0 or revalidate_s < 0:
+            raise ValueError("backoff_s and revalidate_s must be >= 0")
+        self._path = record_path(ipc_dir, frontend_id)
         self._backoff_s = backoff_s
         self._revalidate_s = revalidate_s
         self._lock = threading.Lock()
@@ -243,14 +249,17 @@ class _OwnerWatch:
 
     def recently_live(self) -> OwnerRecord | None:
         """The record a full ``check`` found worth calling less than
-        ``revalidate_s`` ago, if nothing failed since; no syscall."""
+        ``revalidate_s`` ago, if nothing failed since. It costs no syscall,
+        and proves nothing about the owner now: a caller that calls on it
+        runs ``check`` while its call is in flight."""
         live = self._live
         if live is None or time.monotonic() - live[1] > self._revalidate_s:
             return None
         return live[0]
 
     def answered(self, record: OwnerRecord) -> None:
-        """``record``'s owner just answered a call: it counts as found live now."""
+        """``record``'s owner just answered a call: ``recently_live`` counts
+        from now (if no check has since found it not worth calling)."""
         live = self._live
         if live is not None and live[0] == record:
             self._live = (record, time.monotonic())
@@ -303,54 +312,3 @@ def _same_process(proc: psutil.Process, record: OwnerRecord) -> bool:
         if ticks is not None:
             return ticks == record.start_ticks
     return abs(proc.create_time() - record.create_time) <= _CREATE_TIME_TOLERANCE_S
-
-
-class OwnerLiveness:
-    """This process's view of the owners it calls, one ``_OwnerWatch`` per frontend id.
-
-    ``check(frontend_id)`` returns ``(record, None)`` when the owner is worth
-    calling, else ``(record or None, reason)`` with a reason from
-    ``SKIP_REASONS``. Report a timed-out call with ``timed_out(id, record)``
-    (the owner is then skipped for ``backoff_s``, unless it is replaced
-    meanwhile) and any other failed call with ``failed(id)``.
-    """
-
-    def __init__(self, ipc_dir: str, *, backoff_s: float = 10.0, revalidate_s: float = 1.0):
-        if backoff_s < 0 or revalidate_s < 0:
-            raise ValueError("backoff_s and revalidate_s must be >= 0")
-        self._ipc_dir = ipc_dir
-        self._backoff_s = backoff_s
-        self._revalidate_s = revalidate_s
-        self._watches: dict[int, _OwnerWatch] = {}
-        self._lock = threading.Lock()
-
-    def check(self, frontend_id: int) -> tuple[OwnerRecord | None, str | None]:
-        return self._watch(frontend_id).check()
-
-    def recently_live(self, frontend_id: int) -> OwnerRecord | None:
-        """The owner's record if a ``check`` found it worth calling less than
-        ``revalidate_s`` ago and no call to it failed since, else None. It
-        costs no syscall, and proves nothing about the owner now: a caller
-        that calls on it runs ``check`` while its call is in flight."""
-        return self._watch(frontend_id).recently_live()
-
-    def answered(self, frontend_id: int, record: OwnerRecord) -> None:
-        """A call to the owner ``record`` names was answered: ``recently_live``
-        counts from now (if no check has since found it not worth calling)."""
-        self._watch(frontend_id).answered(record)
-
-    def timed_out(self, frontend_id: int, record: OwnerRecord) -> None:
-        self._watch(frontend_id).timed_out(record)
-
-    def failed(self, frontend_id: int) -> None:
-        self._watch(frontend_id).forget()
-
-    def _watch(self, frontend_id: int) -> _OwnerWatch:
-        watch = self._watches.get(frontend_id)
-        if watch is None:
-            with self._lock:
-                watch = self._watches.setdefault(
-                    frontend_id,
-                    _OwnerWatch(record_path(self._ipc_dir, frontend_id), self._backoff_s, self._revalidate_s),
-                )
-        return watch

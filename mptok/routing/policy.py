@@ -1,4 +1,4 @@
-"""Which prompts a frontend sends to their conversation's owner: the operator's choice.
+"""What the operator chooses about routing: which prompts cross, and how long an asker waits.
 
 ``kept`` (the default) decides by what is kept: a conversation this
 frontend keeps is extended here; any other goes to its owner, and the
@@ -8,7 +8,8 @@ frontend owns (one copy of each conversation, at its owner). ``never``
 sends none: each frontend is a cache of its own, as caches per instance
 are; it still answers peers that ask. Set by ``MPTOK_ROUTING``, by
 ``mptok serve --routing`` and by ``TokenizationOwners(routing=...)``, in
-that order of precedence from last to first.
+that order of precedence from last to first. Standard library only: the
+supervisor reads these defaults for its options without loading routing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ KEPT = "kept"
 NEVER = "never"
 POLICIES = (ALWAYS, KEPT, NEVER)
 ENV_VAR = "MPTOK_ROUTING"
+
+# How long a route waits for an owner by default (``mptok serve --route-timeout``).
+ROUTE_TIMEOUT_S = 5.0
+# How long an asker waits for an owner that holds the conversation: at most
+# PATIENCE_FLOOR_S plus PATIENCE_FACTOR times what tokenizing the whole
+# prompt here would take. A stall guard, not a latency target: a burst of 64
+# concurrent prompts per frontend, 4 frontends on 2 cores, took calls past
+# 0.1 s (tests/test_routing.py), and giving up then only moves the same work
+# onto the same saturated CPUs.
+PATIENCE_FACTOR = 2.0
+PATIENCE_FLOOR_S = 1.0
 
 
 def routing_policy(explicit: str | None = None) -> str:

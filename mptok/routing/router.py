@@ -1,35 +1,41 @@
 """The asker's side of routing: for one prompt, its ids from where they are kept, or a plain "tokenize it here".
 
 ``Router.decide`` is this frontend's whole part of a routed prompt, in
-order: the conversation's order of frontends (``order``); when another
-frontend owns it, what this frontend keeps (one cache call: a
+order: the conversation's order of frontends (``owner_order``); when
+another frontend owns it, what this frontend keeps (one cache call: a
 conversation kept here is extended here, whatever its owner's state);
-else the first owner worth calling (``liveness``), the request (``held``:
-a delta when a fingerprint is held), one call through the transport within
-the route's deadline (``deadline``), the fingerprint of what the owner
-kept, and the owner's answer kept here where there is room. It returns the
-ids, or None: tokenize here. The layers below it are called, never calling
-back: the liveness check that runs while the owner works runs here,
-between sending the request and reading the reply.
+else the first owner worth calling (``mptok.routing.liveness``), the
+request (``HeldFingerprints``: a delta when a fingerprint is held), one
+call through the transport within the route's deadline (``RouteDeadline``),
+the fingerprint of what the owner kept, and the owner's answer kept here
+where there is room. It returns the ids, or None: tokenize here. The
+layers below it are called, never calling back: the liveness check that
+runs while the owner works runs here, between sending the request and
+reading the reply.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import sys
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from mptok.cache.config import DEFAULT_MAX_HELD_BYTES
 from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
-from mptok.core.protocol import PeerRequest
-from mptok.routing.deadline import RouteDeadline, RouteLimits
-from mptok.routing.held import HeldFingerprints
-from mptok.routing.liveness import ERROR, FALLBACK_REASONS, PATIENCE, TIMEOUT, OwnerLiveness, OwnerRecord
-from mptok.routing.order import owner_order
+from mptok.core.ids import key_bytes
+from mptok.core.protocol import Fingerprint, PeerRequest, checkpoint_blocks, extend_chain
+from mptok.routing.liveness import ERROR, FALLBACK_REASONS, PATIENCE, TIMEOUT, OwnerRecord, OwnerWatch
+from mptok.routing.policy import PATIENCE_FLOOR_S
 from mptok.transport import EncodeProxy, OwnerError, OwnerTimeout, OwnerUnreachable, socket_path
 
 logger = logging.getLogger(__name__)
@@ -38,6 +44,152 @@ ROUTE_COUNTERS = (
     "routed", "routed_since", "copies_kept", "kept_here", "owned_here", "taken_over_here", "route_failures",
     *(f"fallback_{reason}" for reason in FALLBACK_REASONS),
 )  # fmt: skip
+
+
+_HASH_PERSON = b"mptok-route-v1"
+
+
+def owner_order(key: str, num_frontends: int) -> list[int]:
+    """Frontend ids in the order they serve conversation ``key``; the first is its owner.
+
+    Rendezvous (highest random weight) hashing over blake2b: the same in
+    every process and every run, whatever PYTHONHASHSEED is. While a
+    frontend is down, each of its conversations moves to the next frontend in
+    that conversation's own order, so the load of a dead frontend spreads
+    over the others and nothing else moves.
+    """
+    if num_frontends < 1:
+        raise ValueError(f"num_frontends must be >= 1, got {num_frontends}")
+    base = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8, person=_HASH_PERSON)
+    scored = []
+    for frontend in range(num_frontends):
+        h = base.copy()
+        h.update(frontend.to_bytes(4, "big"))
+        scored.append((h.digest(), frontend))
+    scored.sort(reverse=True)
+    return [frontend for _, frontend in scored]
+
+
+def owner_of(key: str, num_frontends: int) -> int:
+    """The frontend that tokenizes conversation ``key`` while it is up."""
+    return owner_order(key, num_frontends)[0]
+
+
+@dataclass(frozen=True)
+class RouteDeadline:
+    """``timeout`` for every call of a route, and ``patience`` (if earlier) for a delta call.
+
+    Every blocking step of a route obeys one of them, so a slow step never
+    leaves the next its whole timeout again. Past the patience, waiting for
+    an owner asked only for what changed costs more than tokenizing the
+    whole prompt here.
+    """
+
+    timeout: Deadline
+    patience: Deadline
+
+    def for_call(self, *, delta: bool) -> tuple[Deadline, bool]:
+        """The call's deadline, and whether it is the patience's."""
+        if delta and self.patience.at < self.timeout.at:
+            return self.patience, True
+        return self.timeout, False
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """How long this frontend waits for owners: ``timeout_s`` for a route,
+    ``patience_per_char_s`` per character of the prompt (plus the floor)
+    for a delta call (None: no patience), and ``backoff_s`` for which an
+    owner that timed out is skipped."""
+
+    timeout_s: float
+    backoff_s: float
+    patience_per_char_s: float | None
+
+    def deadline(self, prompt_chars: int) -> RouteDeadline:
+        """The deadlines of a route starting now for a prompt of ``prompt_chars`` characters."""
+        per_char = self.patience_per_char_s
+        patience_s = None if per_char is None else PATIENCE_FLOOR_S + per_char * prompt_chars
+        return RouteDeadline(Deadline.after(self.timeout_s), Deadline.after(patience_s))
+
+
+# What a held fingerprint costs beyond its key, its (owner, key) tuple and its
+# digest: the Fingerprint object, the LRU dict's slot, the pair in it and the
+# byte count (tests/test_memory.py holds the total to what tracemalloc sees).
+HELD_OVERHEAD_BYTES = 256
+
+
+class HeldFingerprints:
+    """A fingerprint of the last prompt this frontend routed per (owner,
+    conversation): about 440 bytes with a 36-character key, whatever the
+    conversation's length, not its text or ids. LRU, bounded by entries and
+    by bytes (``CacheConfig.max_held_bytes``). Thread-safe.
+
+    ``request`` makes the next turn's ``PeerRequest``, a delta when the text
+    still starts with what the fingerprint covers; ``remember`` holds the
+    fingerprint of what the owner kept. An owner answers a delta it cannot
+    match with None, and the asker then sends the whole text.
+    """
+
+    def __init__(self, max_entries: int = 16384, max_bytes: int = DEFAULT_MAX_HELD_BYTES):
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._held: OrderedDict[Hashable, tuple[Fingerprint, int]] = OrderedDict()
+        self._bytes = 0
+
+    def request(self, owner: Hashable, key: str, text: str) -> tuple[PeerRequest, bytes]:
+        """What to send ``owner`` for ``text``: a delta when a fingerprint is
+        held and ``text`` starts with the characters it covers, else the whole
+        text; and the digest chain of ``text`` computed for it (``remember``
+        goes on from there)."""
+        held = self.get(owner, key)
+        if held is None or len(text) < held.chars:
+            return PeerRequest(text, key), b""
+        chain = extend_chain(text, upto_blocks=held.blocks)
+        if not held.matches(chain):
+            return PeerRequest(text, key), chain
+        return PeerRequest(text[held.chars :], key, held.since, held.chars), chain
+
+    def remember(self, owner: Hashable, key: str, text: str, chain: bytes, kept: bool) -> bytes:
+        """``owner`` answered for ``text`` (``chain`` as ``request`` gave it):
+        hold its fingerprint if the owner ``kept`` the prompt, else forget.
+        Returns the digests of ``text`` computed so far (a prefix of its chain)."""
+        if not kept:
+            self.put(owner, key, None)
+            return chain
+        chain = extend_chain(text, chain, upto_blocks=checkpoint_blocks(len(text)))
+        self.put(owner, key, Fingerprint.of(text, chain))
+        return chain
+
+    def get(self, owner: Hashable, key: str) -> Fingerprint | None:
+        with self._lock:
+            held = self._held.get((owner, key))
+            if held is None:
+                return None
+            self._held.move_to_end((owner, key))
+            return held[0]
+
+    def put(self, owner: Hashable, key: str, held: Fingerprint | None) -> None:
+        """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
+        # The owner's identity is one object that all its entries share: each counts only its own tuple and key.
+        nbytes = 0 if held is None else sys.getsizeof((owner, key)) + key_bytes(key) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
+        with self._lock:
+            old = self._held.pop((owner, key), None)
+            if old is not None:
+                self._bytes -= old[1]
+            if held is None or nbytes > self._max_bytes:
+                return
+            self._held[(owner, key)] = (held, nbytes)
+            self._bytes += nbytes
+            while len(self._held) > self._max_entries or self._bytes > self._max_bytes:
+                _, (_, evicted_bytes) = self._held.popitem(last=False)
+                self._bytes -= evicted_bytes
+
+    def stats(self) -> dict[str, int]:
+        """``held_entries`` and ``held_bytes`` (never more than ``held_max_bytes``)."""
+        with self._lock:
+            return {"held_entries": len(self._held), "held_bytes": self._bytes, "held_max_bytes": self._max_bytes}
 
 
 @dataclass(frozen=True)
@@ -86,12 +238,9 @@ class Router:
         self._limits = limits
         self._routing = routing
         self._keep_copies = keep_copies
-        self._liveness = OwnerLiveness(ipc_dir, backoff_s=limits.backoff_s)
-        self._proxies = {
-            peer: EncodeProxy(socket_path(ipc_dir, peer), authkey, limits.timeout_s)
-            for peer in range(num_frontends)
-            if peer != frontend_id
-        }
+        peers = [peer for peer in range(num_frontends) if peer != frontend_id]
+        self._watches = {peer: OwnerWatch(ipc_dir, peer, backoff_s=limits.backoff_s) for peer in peers}
+        self._proxies = {peer: EncodeProxy(socket_path(ipc_dir, peer), authkey, limits.timeout_s) for peer in peers}
         self._held = HeldFingerprints(max_bytes=cache.config.max_held_bytes)
         self._counters = Counters(ROUTE_COUNTERS)
         self._route_seconds = Histogram()
@@ -164,9 +313,9 @@ class Router:
     def _try_owner(self, frontend: int, key: str, text: str, deadline: RouteDeadline) -> _Answered | _Fallback:
         # An owner found live (or that answered) within revalidate_s is
         # called at once and checked while it works.
-        record, checked = self._liveness.recently_live(frontend), False
+        record, checked = self._watches[frontend].recently_live(), False
         if record is None:
-            record, reason = self._liveness.check(frontend)
+            record, reason = self._watches[frontend].check()
             if reason is not None:
                 return _Fallback(reason, skip=True)
             assert record is not None
@@ -200,12 +349,12 @@ class Router:
                 patience_ended = False
                 reply = proxy.ask(PeerRequest(text, key), deadline.timeout, record.incarnation)
         except OwnerTimeout:
-            self._liveness.timed_out(frontend, record)
+            self._watches[frontend].timed_out(record)
             return _Fallback(PATIENCE if patience_ended else TIMEOUT, skip=False)
         except OwnerUnreachable:
             # An owner that died (or went) since its last check is skipped,
             # as that check would have; any other failure is one.
-            self._liveness.failed(frontend)
+            self._watches[frontend].forget()
             reason = self._skip_reason(frontend)
             return _Fallback(reason, skip=True) if reason else _Fallback(ERROR, skip=False)
         except OwnerError:
@@ -214,9 +363,9 @@ class Router:
             self._held.remember(owner, key, text, chain, kept=False)
             return _Fallback(ERROR, skip=False)
         chain = self._held.remember(owner, key, text, chain, reply.kept)
-        self._liveness.answered(frontend, record)
+        self._watches[frontend].answered(record)
         return _Answered(reply.ids, chain, answered_delta)
 
     def _skip_reason(self, frontend: int) -> str | None:
         """Why the liveness check says to skip ``frontend`` now; None: call it."""
-        return self._liveness.check(frontend)[1]
+        return self._watches[frontend].check()[1]

@@ -1,22 +1,17 @@
 """One tokenization frontend process of ``mptok serve``: HTTP in, exact token ids out.
 
-The supervisor (``mptok.supervise.supervisor``) starts N of these; each accepts
-connections from the port's one listening socket, so a connection goes to
-whichever frontend is free to take it first, and each serves its
-``PrefixTokenCache`` to the others through ``TokenizationOwners``, so a conversation is tokenized by the frontend whose
+The supervisor starts N of these on the port's one listening socket; each
+serves its ``PrefixTokenCache`` to the others through
+``TokenizationOwners``, so a conversation is tokenized by the frontend whose
 cache holds it wherever its request lands. The HTTP side is FastAPI on
-uvicorn, as in vLLM and SGLang; everything that costs CPU (parsing,
-rendering the chat template, tokenizing, possibly waiting on a peer, and
-serializing the ids with orjson) runs in ``TokenizeService``'s bounded
-thread pool (``mptok.serve.service``), never on the event loop, so
-``/health`` and ``/metrics`` answer while prompts tokenize. Under overload
-``/tokenize`` answers 503 at once (``Admission``); bad clients meet the
-guards of ``mptok.serve.http_protocol``. This module is the HTTP app and the
-process's lifecycle.
+uvicorn, as in vLLM and SGLang; everything that costs CPU runs in
+``TokenizeService``'s bounded thread pool, never on the event loop, so
+``/health`` and ``/metrics`` answer while prompts tokenize. This module is
+the HTTP app and the process's lifecycle.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
-(every frontend's counters, see ``mptok.supervise.snapshots`` and ``mptok.supervise.metrics``).
+(every frontend's counters, ``mptok.supervise.metrics``).
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -62,9 +57,6 @@ _OWNERS_CLOSE_FLOOR_S = 0.5
 CLIENT_GONE = 499
 
 
-# -- HTTP ------------------------------------------------------------------------
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -88,26 +80,48 @@ def build_app(
     ``GET /tokenizer_info`` exists only when ``tokenizer_info_payload`` is given."""
     app = FastAPI(title="mptok frontend", docs_url=None, redoc_url=None, openapi_url=None)
     pid = os.getpid()
-    _add_vllm_routes(app, service, tokenizer_info_payload)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        key = header_conversation_id(request.headers.get)
+    async def answered(request: Request, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> Response:
+        """``work``'s answer to the body, read while the request holds an ``Admission`` place."""
         answer: Answer | None
         try:
             with service.admission.place():
                 body = await _read_body(request, service.max_body_bytes)
-                answer = await _answer_while_connected(service, request, body, key)
+                answer = await work(body)
         except RequestError as e:
             answer = Answer.of_error(e)
         except ClientDisconnect:
             answer = None
         if answer is None:  # nobody to answer; uvicorn drops what is sent
             if REFUSED_SCOPE_KEY not in request.scope:  # else the protocol answered and counted it
-                service.count_request("/tokenize", CLIENT_GONE)
+                service.count_request(path, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        service.count_request("/tokenize", answer.status)
+        service.count_request(path, answer.status)
         return _response(answer)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        key = header_conversation_id(request.headers.get)
+
+        async def answer(body: bytes) -> Answer | None:
+            gone = asyncio.ensure_future(_client_gone(request))  # the service skips work whose client has gone
+            try:
+                return await service.answer(body, key, gone)
+            finally:
+                gone.cancel()
+
+        return await answered(request, "/tokenize", answer)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await answered(request, "/detokenize", lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
+
+    if tokenizer_info_payload is not None:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Response:
+            service.count_request("/tokenizer_info", 200)
+            return Response(tokenizer_info_payload, media_type="application/json")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
@@ -146,15 +160,6 @@ def build_app(
     return app
 
 
-async def _answer_while_connected(service: TokenizeService, request: Request, body: bytes, key: str | None) -> Answer | None:
-    """``service.answer`` for a read body, told when its client disconnects."""
-    gone = asyncio.ensure_future(_client_gone(request))
-    try:
-        return await service.answer(body, key, gone)
-    finally:
-        gone.cancel()
-
-
 async def _client_gone(request: Request) -> None:
     """Returns once the client has disconnected; call only after the body was read."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -172,63 +177,14 @@ def _response(answer: Answer) -> Response:
     return Response(answer.payload, status_code=answer.status, headers=headers, media_type="application/json")
 
 
-def _add_vllm_routes(app: FastAPI, service: TokenizeService, tokenizer_info_payload: bytes | None) -> None:
-    """vLLM's other tokenizer endpoints: ``POST /detokenize`` and the opt-in ``GET /tokenizer_info``."""
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        try:
-            with service.admission.place():
-                body = await _read_body(request, service.max_body_bytes)
-                answer = await asyncio.wrap_future(service.submit_detokenize(body))
-        except RequestError as e:
-            answer = Answer.of_error(e)
-        except ClientDisconnect:
-            service.count_request("/detokenize", CLIENT_GONE)
-            return Response(status_code=CLIENT_GONE)
-        service.count_request("/detokenize", answer.status)
-        return _response(answer)
-
-    if tokenizer_info_payload is not None:
-
-        @app.get("/tokenizer_info")
-        async def get_tokenizer_info() -> Response:
-            service.count_request("/tokenizer_info", 200)
-            return Response(tokenizer_info_payload, media_type="application/json")
-
-
 def _render_all(snapshots: SnapshotDir, publish_own: Callable[[], None]) -> str:
     publish_own()
     return render_prometheus(snapshots.read_all())
 
 
-# -- the process ---------------------------------------------------------------
-
-
-class _StopRequests:
-    """SIGTERM/SIGINT before uvicorn takes them over (and after: uvicorn re-raises
-    what it caught once it has shut down; the default action would kill the
-    process before it closes its owner socket). ``frontend_main`` installs
-    ``handle`` for both."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-
 class Frontend:
-    """One frontend's resources, opened in ``__init__`` and released by ``close()`` in reverse.
-
-    Startup order: tokenizer, chat template, cache (its backend built before
-    anything is served), the port's listening socket (the supervisor's, not
-    accepted from yet), ``TokenizationOwners`` (peers may route here from
-    now on), the thread pool, the metrics snapshot thread. ``serve()`` then
-    accepts and reports ready. ``close()`` after serving: write the last
-    snapshot, wait for tokenizations (bounded), stop serving peers, close
-    this process's duplicate of the socket.
-    """
+    """One frontend's resources, opened in ``__init__`` (peers may route here once
+    ``TokenizationOwners`` is open) and released by ``close()`` in reverse."""
 
     def __init__(self, settings: FrontendSettings, authkey: bytes, listener: socket.socket):
         from mptok.cache.loading import load_tokenizer
@@ -287,8 +243,11 @@ class Frontend:
             self._stack.close()
             raise
 
-    async def serve(self, ready: Any, stop: _StopRequests) -> None:
-        """Accept, send ``("ready", pid)`` on ``ready``, serve until SIGTERM/SIGINT, drain."""
+    async def serve(self, ready: Any, stop_signals: list[int]) -> None:
+        """Accept, send ``("ready", pid)`` on ``ready``, serve until SIGTERM/SIGINT, drain.
+
+        ``stop_signals`` are those that came before uvicorn took the handlers over.
+        """
         import uvicorn
 
         options = self.settings.options
@@ -302,12 +261,12 @@ class Frontend:
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         self._server = _server_noting_its_stop(uvicorn)(config)
-        if stop.requested:
+        if stop_signals:
             return
         serving = asyncio.create_task(self._server.serve(sockets=[self.socket]))
         while not self._server.started and not serving.done():
             await asyncio.sleep(0.01)
-        if stop.requested:  # came before uvicorn installed its handlers, so it landed in ours
+        if stop_signals:  # came before uvicorn installed its handlers, so it landed in ours
             self._server.should_exit = True
         if self._server.started:
             ready.send(("ready", os.getpid()))
@@ -361,13 +320,8 @@ def _server_noting_its_stop(uvicorn: Any) -> type:
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` to completion on uvloop's event loop where uvloop is
-    installed, else on asyncio's own (what uvicorn's ``loop="auto"`` picks).
-
-    The frontend runs its loop itself, so uvicorn's choice never applies:
-    made here, it spares every request and every new connection the pure
-    Python selector loop's transport work.
-    """
+    """Run ``main`` to completion on uvloop's event loop where uvloop is installed, else on
+    asyncio's own: uvicorn's ``loop="auto"`` choice, which never applies to a loop run here."""
     try:
         import uvloop
     except ImportError:
@@ -387,9 +341,11 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any, listen
     # What is process-wide is set here, not by the components: logging, the
     # stop signals' handlers, and the switch interval peers' calls need.
     configure_logging("frontend", settings.frontend_id)
-    stop = _StopRequests()
+    # SIGTERM/SIGINT before uvicorn takes them over, and after: uvicorn re-raises what it caught
+    # once it has shut down, and the default action would kill the process before its owner closes.
+    stop_signals: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop.handle)
+        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     lower_switch_interval()
     parent = multiprocessing.parent_process()
     supervisor_pid = parent.pid if parent is not None else os.getppid()
@@ -402,7 +358,7 @@ def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any, listen
             ready.send(("failed", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     try:
-        run_event_loop(frontend.serve(ready, stop))
+        run_event_loop(frontend.serve(ready, stop_signals))
     finally:
         frontend.close()
         if os.getppid() != supervisor_pid:

@@ -174,15 +174,10 @@ class GuardedH11Protocol(H11Protocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
-class _DropInvalidRequestWarnings(logging.Filter):
+def _not_an_invalid_request_warning(record: logging.LogRecord) -> bool:
     """uvicorn logs a WARNING for every request h11 cannot parse, so a flood of bad
     requests would flood the log; they are counted instead (``path="-"``)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "Invalid HTTP request received."
-
-
-_UVICORN_WARNINGS_FILTER = _DropInvalidRequestWarnings()
+    return record.getMessage() != "Invalid HTTP request received."
 
 
 def guarded_protocol(
@@ -190,7 +185,7 @@ def guarded_protocol(
 ) -> type[GuardedH11Protocol]:
     """The protocol class to give ``uvicorn.Config(http=...)``; ``count(path, status)``
     is told of every answer given here (not by the app)."""
-    logging.getLogger("uvicorn.error").addFilter(_UVICORN_WARNINGS_FILTER)  # added once, however often called
+    logging.getLogger("uvicorn.error").addFilter(_not_an_invalid_request_warning)  # added once, however often called
     return type(
         "ConfiguredGuardedH11Protocol",
         (GuardedH11Protocol,),

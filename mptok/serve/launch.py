@@ -1,12 +1,10 @@
 """What the supervisor needs to start a tokenizing frontend, without loading one.
 
-The supervisor only checks the port and spawns frontends. Importing
-``mptok.serve.frontend`` there would load the HTTP stack, numpy, the cache,
-the transport and ``tokenizers`` into a process that uses none of them, and
-pickling the spawn target or its settings by reference would import it.
-So ``mptok serve``'s ``FrontendKind`` (``TokenizeFrontends``: its checks, the
-target and the settings it crosses the spawn pipe with) lives here, and the
-frontend module is imported in the child only.
+Importing ``mptok.serve.frontend`` in the supervisor would load the HTTP
+stack, numpy, the cache and ``tokenizers`` into a process that uses none of
+them, and pickling the spawn target by reference would import it. So ``mptok
+serve``'s ``FrontendKind`` (``TokenizeFrontends``) and the settings it
+crosses the spawn pipe with live here; the frontend is imported in the child.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 ``TokenizeService`` is everything a frontend does for one request apart from
 HTTP: parse it (``mptok.api.tokenize_request``), render the chat template,
-tokenize through ``mptok.front.prompt_ids`` (the frontend's routing layer,
-``TokenizationOwners``: the conversation's owner, or the local
-``PrefixTokenCache``; the special-token frame; the counts by identity), and
-serialize the ids with orjson. The HTTP app
-(``mptok.serve.frontend``) only reads bodies and writes answers.
+tokenize through ``mptok.front.prompt_ids``, and serialize the ids with
+orjson. The HTTP app (``mptok.serve.frontend``) only reads bodies and writes
+answers.
 
 The pool is what overload fills: ``Admission``
 (``mptok.supervise.admission``) bounds the requests a frontend holds at once
@@ -30,7 +28,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mptok.api.affinity import identify, named
+from mptok.api.affinity import identify
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
 from mptok.api.tokenize_request import (
     RETRY_AFTER_S,
@@ -147,10 +145,6 @@ class TokenizeService:
             served_model_names=",".join(served_model_names) or "any",
         )
 
-    def submit(self, body: bytes, header_conversation_id: str | None) -> concurrent.futures.Future:
-        """A future of the ``/tokenize`` ``Answer``; raises ``RequestError`` (503) once closed."""
-        return self._submit(self._answer, body, header_conversation_id)
-
     def submit_detokenize(self, body: bytes) -> concurrent.futures.Future:
         """A future of the ``/detokenize`` ``Answer``; raises ``RequestError`` (503) once closed."""
         return self._submit(self._detokenize_answer, body)
@@ -174,7 +168,7 @@ class TokenizeService:
         a caller holding an ``Admission`` place holds it while the work runs.
         Raises ``RequestError`` (503) once closed.
         """
-        future = self.submit(body, header_conversation_id)
+        future = self._submit(self._answer, body, header_conversation_id)
         work = asyncio.wrap_future(future)
         await asyncio.wait({work, client_gone}, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if not work.done() and future.cancel():  # still queued: never started
@@ -190,10 +184,6 @@ class TokenizeService:
             )
         await asyncio.wait({work})
         return work.result()
-
-    def tokenize(self, text: str, add_special_tokens: bool, key: str | None) -> list[int]:
-        """Exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, through the cache when it can."""
-        return self.prompt_ids.ids_array(text, add_special_tokens, named(key, None)).tolist()
 
     def count_request(self, path: str, status: int) -> None:
         self._requests.add(f"{path} {status}")
@@ -249,8 +239,18 @@ class TokenizeService:
         return text
 
     def _render(self, request: TokenizeRequest) -> str:
+        """The chat as vLLM renders it: its view of the messages and tools, the
+        accepted ``chat_template_kwargs``, ``continue_final_message`` (docs/SERVE.md, "Endpoints")."""
+        assert request.messages is not None
         try:
-            return self._render_as_vllm(request)
+            return self._template.render(
+                self._tokenizer,
+                vllm_conversation(request.messages),
+                request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=vllm_tools(request.tools) if request.tools is not None else None,
+                template_kwargs=self._template.accepted_kwargs(request.chat_template_kwargs or {}),
+            )
         except ChatTemplateError as e:
             raise RequestError(400, str(e)) from None
         except Exception as e:
@@ -264,21 +264,6 @@ class TokenizeService:
 
     def _too_long(self, what: str) -> RequestError:
         return RequestError(413, f"{what} exceeds --max-prompt-chars={self.max_prompt_chars} characters")
-
-    # -- vLLM's contract (see docs/SERVE.md, "Endpoints") ------------------------
-
-    def _render_as_vllm(self, request: TokenizeRequest) -> str:
-        """The chat as vLLM renders it: its view of the messages and tools, the
-        accepted ``chat_template_kwargs``, ``continue_final_message``."""
-        assert request.messages is not None
-        return self._template.render(
-            self._tokenizer,
-            vllm_conversation(request.messages),
-            request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            tools=vllm_tools(request.tools) if request.tools is not None else None,
-            template_kwargs=self._template.accepted_kwargs(request.chat_template_kwargs or {}),
-        )
 
     def _tokenize_payload(self, ids: np.ndarray, return_token_strs: bool) -> bytes:
         token_strs = None

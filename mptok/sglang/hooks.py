@@ -112,11 +112,7 @@ def _log_where_sglang_logs() -> None:
 
 def render_chat(original: Any, serving: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
     """Around the chat's render and encode: the chat's name, for ``MptokEncode``."""
-    try:
-        key = chat_identity(messages)
-    except Exception:  # messages that are not plain JSON: unnamed
-        key = None
-    token = _CONVERSATION.set(key)
+    token = _CONVERSATION.set(chat_identity(messages))
     try:
         return original(serving, messages, *args, **kwargs)
     finally:

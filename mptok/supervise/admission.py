@@ -2,9 +2,8 @@
 
 Behind one port a full process keeps taking connections while its peers
 idle, and its clients wait without knowing why. So each process of a server
-on the supervisor (``mptok serve``'s frontends, ``mptok render``'s render
-processes) holds at most ``--max-in-flight`` requests and refuses the next
-at once, with ``Retry-After``, so that the client tries again and the
+on the supervisor holds at most ``--max-in-flight`` requests and refuses the
+next at once, with ``Retry-After``, so that the client tries again and the
 kernel hands its connection to a process that is free.
 """
 

@@ -2,12 +2,10 @@
 
 A frontend that is SIGSTOPped, or whose event loop is stuck, still holds
 the connections it accepted, which nobody answers, and its process never
-exits, so a supervisor that only restarts exits never replaces it (the
-others accept what comes after). So the frontend's
-event loop touches a file in the ipc directory every ``INTERVAL_S``
-(``Heartbeat``, a task on that loop: it beats only while the loop runs),
-and the supervisor kills a ready frontend whose file is older than its
-hang timeout (``age_s``); the exit is then restarted as any other.
+exits. So the frontend's event loop touches a file in the ipc directory
+every ``INTERVAL_S`` (``Heartbeat``: it beats only while the loop runs), and
+the supervisor kills a ready frontend whose file is older than its hang
+timeout (``age_s``); the exit is then restarted as any other.
 
 A file's modification time, not a pipe: a frontend never blocks on a
 supervisor that is slow to read, and the supervisor reads it in a stat.
@@ -28,26 +26,25 @@ def heartbeat_path(ipc_dir: str, frontend_id: int) -> str:
     return os.path.join(ipc_dir, _NAME.format(frontend_id))
 
 
-def age_s(ipc_dir: str, frontend_id: int, now: float | None = None) -> float | None:
+def age_s(ipc_dir: str, frontend_id: int) -> float | None:
     """Seconds since frontend ``frontend_id`` last beat; None if it never did (or its file is gone)."""
     try:
         beat = os.stat(heartbeat_path(ipc_dir, frontend_id)).st_mtime
     except FileNotFoundError:
         return None
-    return (time.time() if now is None else now) - beat
+    return time.time() - beat
 
 
 class Heartbeat:
-    """Touches frontend ``frontend_id``'s heartbeat file every ``interval_s`` from the running event loop.
+    """Touches frontend ``frontend_id``'s heartbeat file every ``INTERVAL_S`` from the running event loop.
 
     ``start()`` (on that loop) beats at once and then in a task; ``stop()``
     cancels the task and removes the file, so that the next process of this
     id starts with no stale beat.
     """
 
-    def __init__(self, ipc_dir: str, frontend_id: int, interval_s: float = INTERVAL_S):
+    def __init__(self, ipc_dir: str, frontend_id: int):
         self._path = heartbeat_path(ipc_dir, frontend_id)
-        self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -63,7 +60,7 @@ class Heartbeat:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(INTERVAL_S)
             self._beat()
 
     def _beat(self) -> None:

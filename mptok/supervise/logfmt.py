@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, TextIO
+from typing import Any
 
 _FIELDS_ATTR = "mptok_fields"
 LOG_LEVEL_VARIABLE = "MPTOK_LOG_LEVEL"
@@ -64,15 +64,15 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(parts)
 
 
-def configure_logging(role: str, frontend_id: int | None = None, stream: TextIO | None = None) -> None:
-    """Send every logger of this process, as key=value lines, to ``stream`` (stderr).
+def configure_logging(role: str, frontend_id: int | None = None) -> None:
+    """Send every logger of this process, as key=value lines, to stderr.
 
     Replaces the root logger's handlers; ``MPTOK_LOG_LEVEL`` (default INFO)
     sets the level. Raises ``ValueError`` naming the variable and its value
     when that is no level, before anything is replaced.
     """
     level = log_level()
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter(role, frontend_id))
     root = logging.getLogger()
     for old in list(root.handlers):

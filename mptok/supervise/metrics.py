@@ -4,15 +4,12 @@ Each process writes its counters as a snapshot (``mptok.supervise.snapshots``);
 whichever frontend a scrape reaches renders them all here, with a
 ``frontend`` label on every series: when a frontend restarts, its counters
 restart from zero in its own series, which Prometheus reads as a counter
-reset, not as a drop of the whole server. The supervisor's snapshot gives
-whether each frontend is up, its restarts, whether it was given up.
+reset, not as a drop of the whole server.
 
-Every series is declared once, in ``mptok.front.catalogue`` (which the vLLM
-plugin's series come from too): its name, kind, help, labels and where its
-values are in a snapshot. ``audit`` lists what a snapshot lacks of that
-declaration and what it holds that nothing renders; the tests run it on a
-real server's snapshots, so a renamed counter fails there instead of
-showing zeros.
+Every series is declared once, in ``mptok.front.catalogue``. ``audit``
+lists what a snapshot lacks of that declaration and what it holds that
+nothing renders; the tests run it on a real server's snapshots, so a
+renamed counter fails there instead of showing zeros.
 """
 
 from __future__ import annotations
@@ -29,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 # A frontend's series: the catalogue's, as mptok serve exports them.
 FRONTEND_SERIES = exported_by(SERVE)
-
-
-# -- the Prometheus text format -----------------------------------------------
 
 
 def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptok.core.settings import CHOICES, parse_bytes
-from mptok.routing.deadline import PATIENCE_FACTOR, PATIENCE_FLOOR_S, ROUTE_TIMEOUT_S
-from mptok.routing.policy import POLICIES
+from mptok.routing.policy import PATIENCE_FACTOR, PATIENCE_FLOOR_S, POLICIES, ROUTE_TIMEOUT_S
 
 
 class Use(enum.Enum):
@@ -32,10 +31,7 @@ class Use(enum.Enum):
     SUPERVISOR and FRONTEND options are read by name (``options.host``);
     the others are passed as keyword arguments, named ``Option.argument``, to
     the component a frontend builds: ``TokenizationOwners`` (ROUTING),
-    ``TokenizeService`` (SERVICE), ``CacheConfig.from_env`` (CACHE). Every
-    frontend receives every option; a few that the supervisor also reads
-    (``host``, ``port``, ``graceful_timeout_s``; ``frontends`` the other
-    way round) are declared for the one that acts on them.
+    ``TokenizeService`` (SERVICE), ``CacheConfig.from_env`` (CACHE).
     """
 
     SUPERVISOR = "supervisor"
@@ -45,18 +41,22 @@ class Use(enum.Enum):
     CACHE = "cache"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def whole_number(low: int, high: int | None, allowed: str) -> Callable[[str], int]:
+    """A parser of a whole number from ``low`` to ``high`` (None: no bound); ``allowed`` says which, for the error."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value" for a word that is no number
+    return parse
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0 to 65535, got {value}")
-    return value
+_positive_int = whole_number(1, None, "at least 1")
+_non_negative_int = whole_number(0, None, "0 or more")
+_port = whole_number(0, 65535, "0 to 65535")
 
 
 def _bytes(text: str) -> int:
@@ -66,13 +66,6 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 

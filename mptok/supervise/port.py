@@ -1,8 +1,12 @@
 """The port's one listening socket, which every process of a server accepts from.
 
 The supervisor binds and listens before it starts anything, and hands each
-process a duplicate of this socket (a spawn argument); ``listening_socket``
-says why one socket and not one each.
+process a duplicate of this socket (a spawn argument). Processes that share
+one listening socket take connections as they are free to: one waiting on
+its event loop accepts the next connection while a busy one is still in a
+request. Sockets of their own in one SO_REUSEPORT group would each be
+handed connections by a hash of the client's address, busy or not, so one
+process could have a queue while another has nothing to do.
 """
 
 from __future__ import annotations
@@ -29,16 +33,7 @@ def tcp_socket(host: str, port: int) -> socket.socket:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """The one socket every frontend accepts from: ``tcp_socket``, listening.
-
-    The supervisor makes it and each frontend gets a duplicate of it (a
-    spawn argument). Frontends that share one listening socket take
-    connections as they are free to: a frontend waiting on its event loop
-    accepts the next connection while a busy one is still in a request.
-    Sockets of their own in one SO_REUSEPORT group would each be handed
-    connections by a hash of the client's address, busy or not, so one
-    frontend could have a queue while another has nothing to do.
-    """
+    """The one socket every frontend accepts from: ``tcp_socket``, listening."""
     sock = tcp_socket(host, port)
     try:
         # SOMAXCONN: the kernel's cap; each frontend's server asks for its

@@ -33,13 +33,10 @@ LOCK_NAME = SERVER_LOCK
 
 
 class RunDir:
-    """A new private directory (mode 0700) claimed by this process until ``close()``.
+    """A new private directory (mode 0700) claimed by this process until ``close()`` removes it."""
 
-    ``close()`` removes it with everything in it.
-    """
-
-    def __init__(self, parent: str | None = None):
-        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix=PREFIX)
         try:
             self._lock_fd = _claim(self.path)
         except BaseException:
@@ -65,13 +62,10 @@ def _claim(path: str) -> int:
     return fd
 
 
-def sweep_stale(parent: str | None = None) -> list[str]:
-    """Remove this user's ``mptok-serve-*`` directories in ``parent`` whose server is gone.
+def sweep_stale() -> None:
+    """Remove this user's ``mptok-serve-*`` directories in the temporary directory whose server is gone.
 
-    ``parent`` defaults to the temporary directory. Returns what was removed;
-    never raises for one directory it cannot judge or remove (it is left).
+    Never raises for one directory it cannot judge or remove (it is left).
     """
-    removed = sweep_unused(parent or tempfile.gettempdir(), PREFIX)
-    for path in removed:
+    for path in sweep_unused(tempfile.gettempdir(), PREFIX):
         log_event(logger, logging.WARNING, "swept_stale_ipc_dir", path=path, reason="its server is gone")
-    return removed

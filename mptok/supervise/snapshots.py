@@ -30,11 +30,7 @@ _SNAPSHOT_SUFFIX = ".json"
 
 
 class SnapshotDir:
-    """The snapshots in one ipc directory: written atomically, read all at once.
-
-    A frontend's snapshot is named by its frontend id, the supervisor's
-    ``SUPERVISOR_SNAPSHOT``.
-    """
+    """The snapshots in one ipc directory, named by frontend id (the supervisor's: ``SUPERVISOR_SNAPSHOT``)."""
 
     def __init__(self, ipc_dir: str):
         self._dir = ipc_dir

@@ -1,50 +1,35 @@
 """Start N frontends on one port, keep them running, stop them cleanly: ``mptok serve``'s and ``mptok render``'s.
 
-The supervisor owns everything the frontends share: the port's listening
-socket, the private ipc directory (mode 0700, removed at exit; those that
-SIGKILLed supervisors left behind are swept at start, see
-``mptok.supervise.run_dir``) and the authkey (32 random bytes, handed to each
-child as a spawn-context Process argument, which travels over a pipe: never
-argv, environment, logs or a file). It binds and listens on the port before
-starting anything (a plain bind without SO_REUSEPORT, since an SO_REUSEPORT
-bind would quietly share a port another server of this user holds), and
-hands each frontend a duplicate of that one socket
-(``mptok.supervise.port.listening_socket`` says why one and not one each).
-A connection that comes before any frontend accepts waits in its backlog.
-It starts the frontends (its ``FrontendKind``), and logs ``ready``
-once every one has reported over its pipe that it accepts connections and
-serves its peers; the socket is closed after every frontend has stopped.
+The supervisor owns what the frontends share: the port's one listening
+socket (bound before anything starts, see ``mptok.supervise.port``), the
+private ipc directory (``mptok.supervise.run_dir``) and the authkey (32
+random bytes, a spawn-context Process argument: never argv, environment,
+logs or a file). It starts the frontends (its ``FrontendKind``) and logs
+``ready`` once every one has reported over its pipe that it accepts
+connections and serves its peers.
 
 While serving, a frontend that dies is restarted under the same id, after a
 back-off that doubles with each recent crash; one that is not ready
 ``startup_timeout_s`` after it was started is killed, which counts as an
 exit. More than ``max_restarts`` exits within ``restart_window_s`` is a crash
-loop: that frontend id is given up, loudly, and the others keep serving
-(its conversations move to the next frontend in their order); it is tried
-again, as loudly, after ``given_up_retry_s``. When every frontend is given
-up at once the supervisor exits with status 3. Frontends that beat
-(``FrontendKind.hang_timeout_s``, ``mptok.supervise.heartbeat``) and stop beating
-for that long while ready are hung: killed, and restarted as any exit.
+loop: that frontend id is given up, loudly, and the others keep serving; it
+is tried again after ``given_up_retry_s``. When every frontend is given up
+at once the supervisor exits with status 3. Frontends that beat
+(``FrontendKind.hang_timeout_s``) and stop beating for that long while
+ready are hung: killed, and restarted as any exit.
 
-What runs in each slot is a ``FrontendKind``: ``mptok serve``'s tokenizing
-frontends (``mptok.serve.launch.TokenizeFrontends``), or ``mptok render``'s
-vLLM render processes (``mptok.render.frontends.RenderFrontends``). A kind whose processes start
-slowly (``FrontendKind.standby``) starts each one without a frontend id:
-the process builds everything it can, reports ``standby``, and serves as
-the id the supervisor then sends it. Beside the slots the supervisor keeps
-``FrontendKind.spares`` such processes built and waiting, started once
-every slot is ready; a slot whose process exits takes a spare, so it is
-back within the seconds a spare needs to take its id and listen, not the
-minute a start needs, and a new spare is started behind it. Spares never
-listen, hold no id and are stopped with the rest.
+A kind whose processes start slowly (``FrontendKind.standby``) starts each
+one without a frontend id, and the supervisor keeps ``FrontendKind.spares``
+of them built and waiting once every slot is ready: a slot whose process
+exits takes a spare, back within the seconds a spare needs to take its id
+and listen, not the minute a start needs.
 
-SIGTERM or SIGINT: every frontend gets SIGTERM, stops accepting, finishes
-its in-flight requests and stops within ``graceful_timeout_s`` in all;
-stragglers are SIGKILLed after a further ``_EXIT_MARGIN_S``; then the ipc
-directory is removed. Every wait in here has a deadline. If the supervisor
-itself dies, the kernel sends each frontend SIGTERM (``mptok.supervise.lifeline``):
-the frontends are started from the supervisor's main thread, which lives
-as long as it does.
+SIGTERM or SIGINT: every frontend gets SIGTERM and stops within
+``graceful_timeout_s``; stragglers are SIGKILLed after a further
+``_EXIT_MARGIN_S``; then the ipc directory is removed. Every wait in here has
+a deadline. The frontends are started from the supervisor's main thread, so
+that the kernel's parent-death signal (``mptok.supervise.lifeline``) comes
+only when the supervisor itself dies.
 """
 
 from __future__ import annotations
@@ -58,7 +43,6 @@ import secrets
 import signal
 import socket
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -90,6 +74,7 @@ _EXIT_MARGIN_S = 5.0
 # not ready within this (stopped, stuck) is killed as a late start is.
 _ACTIVATION_TIMEOUT_S = 30.0
 _JOIN_AFTER_KILL_S = 5.0
+_MAX_RESTART_DELAY_S = 8.0
 
 
 class StartupError(Exception):
@@ -101,15 +86,14 @@ class RestartPolicy:
 
     ``delay_after_exit(now)`` gives the seconds to wait before restarting,
     doubling from ``first_delay_s`` with each exit in the window (at most
-    ``max_delay_s``), or None once more than ``max_restarts`` exits fell
+    ``_MAX_RESTART_DELAY_S``), or None once more than ``max_restarts`` exits fell
     within ``window_s``: a crash loop.
     """
 
-    def __init__(self, max_restarts: int, window_s: float, first_delay_s: float, max_delay_s: float = 8.0):
+    def __init__(self, max_restarts: int, window_s: float, first_delay_s: float):
         self._max_restarts = max_restarts
         self._window_s = window_s
         self._first_delay_s = first_delay_s
-        self._max_delay_s = max_delay_s
         self._exits: deque[float] = deque()
 
     def forget_exits(self) -> None:
@@ -122,7 +106,7 @@ class RestartPolicy:
             self._exits.popleft()
         if len(self._exits) > self._max_restarts:
             return None
-        return min(self._first_delay_s * 2 ** (len(self._exits) - 1), self._max_delay_s)
+        return min(self._first_delay_s * 2 ** (len(self._exits) - 1), _MAX_RESTART_DELAY_S)
 
     @property
     def recent_exits(self) -> int:
@@ -178,7 +162,7 @@ class _Slot:
     ready_by: float = float("inf")  # monotonic; a process not ready by then is killed
     given_up: bool = False
     times_given_up: int = 0
-    exits: list[int] = field(default_factory=list)
+    exits: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -215,7 +199,12 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._previous_fd is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+        self._reader.close()
+        self._writer.close()
 
     @property
     def waitable(self) -> socket.socket:
@@ -225,14 +214,6 @@ class StopSignals:
         with contextlib.suppress(BlockingIOError):
             while self._reader.recv(512):
                 pass
-
-    def close(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        if self._previous_fd is not None:
-            signal.set_wakeup_fd(self._previous_fd)
-        self._reader.close()
-        self._writer.close()
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
@@ -268,8 +249,7 @@ class Supervisor:
         is stopped and removed first.
         """
         with contextlib.ExitStack() as cleanup:
-            self._preflight()
-            cleanup.callback(self._close_listener)  # last: the port is free once everything stopped
+            cleanup.enter_context(self._preflight())  # closed last: the port is free once everything stopped
             sweep_stale()
             run_dir = RunDir()  # mode 0700
             cleanup.callback(run_dir.close)
@@ -288,9 +268,8 @@ class Supervisor:
             self._start_all()
             return self._serve()
 
-    # -- start-up ------------------------------------------------------------
-
-    def _preflight(self) -> None:
+    def _preflight(self) -> socket.socket:
+        """Check everything that can be checked before a process starts; the port's listening socket."""
         options = self.options
         if options.frontends < 1:
             raise StartupError(f"--frontends must be at least 1, got {options.frontends}")
@@ -303,11 +282,7 @@ class Supervisor:
             raise StartupError(f"cannot bind {options.host}:{options.port}: {e.strerror or e}") from None
         # From here on, the options name the port actually bound (not 0).
         self.options = dataclasses.replace(options, port=self._listener.getsockname()[1])
-
-    def _close_listener(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        return self._listener
 
     def _start_all(self) -> None:
         for slot in self._slots:
@@ -391,8 +366,6 @@ class Supervisor:
             self._spares.append(_Spare(process, conn, process.pid, time.monotonic()))
             log_event(logger, logging.INFO, "spare_started", pid=process.pid)
 
-    # -- serving -------------------------------------------------------------
-
     def _serve(self) -> int:
         while not self._signals.received:
             if all(slot.given_up for slot in self._slots):
@@ -411,7 +384,7 @@ class Supervisor:
                     self._kill_if_hung(slot)
             for spare in self._spares:
                 if not spare.warm and now - spare.started_at >= self.options.startup_timeout_s:
-                    self._kill_spare(spare, f"not standing by after --startup-timeout {self.options.startup_timeout_s:g} s")
+                    self._kill(spare, "spare_start_timeout", f"not standing by after --startup-timeout {self.options.startup_timeout_s:g} s")
             self._keep_spares(now)
             pending = [s.restart_at for s in self._slots if s.restart_at is not None]
             if self._spares_at is not None and len(self._spares) < self._kind.spares:
@@ -438,20 +411,16 @@ class Supervisor:
         slot.ready = False  # down until its restart is ready
         self._publish()
 
-    def _kill(self, slot: _Slot, event: str, reason: str) -> None:
-        log_event(
-            logger, logging.ERROR, event, frontend=slot.frontend_id, pid=slot.pid, reason=reason,
-            action="killing it; its exit counts as a crash",
-        )
+    def _kill(self, child: _Slot | _Spare, event: str, reason: str) -> None:
+        if isinstance(child, _Slot):
+            who, action = {"frontend": child.frontend_id}, "killing it; its exit counts as a crash"
+            child.ready_by = float("inf")  # killed once; its exit is handled as any other
+        else:
+            who, action = {}, "killing it"
+            child.started_at = float("inf")  # killed once; its exit is handled by _wait
+        log_event(logger, logging.ERROR, event, **who, pid=child.pid, reason=reason, action=action)
         with contextlib.suppress(ProcessLookupError, ValueError):
-            slot.process.kill()
-        slot.ready_by = float("inf")  # killed once; its exit is handled as any other
-
-    def _kill_spare(self, spare: _Spare, reason: str) -> None:
-        log_event(logger, logging.ERROR, "spare_start_timeout", pid=spare.pid, reason=reason, action="killing it")
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            spare.process.kill()
-        spare.started_at = float("inf")  # killed once; its exit is handled by _wait
+            child.process.kill()
 
     def _retry_given_up(self, slot: _Slot) -> None:
         slot.given_up = False
@@ -527,12 +496,7 @@ class Supervisor:
     def _on_spare_exit(self, spare: _Spare) -> None:
         """A spare that exits is replaced after a back-off; spares that crash-loop pause for ``given_up_retry_s``."""
         self._spares.remove(spare)
-        spare.process.join(_JOIN_AFTER_KILL_S)
-        exitcode = spare.process.exitcode if spare.process.exitcode is not None else -signal.SIGKILL
-        spare.conn.close()
-        spare.process.close()
-        if self._ipc_dir is not None:
-            self._kind.exited(spare.pid, self._ipc_dir)
+        exitcode = self._reap(spare)
         self._publish()
         if self._signals.received:
             return
@@ -552,19 +516,22 @@ class Supervisor:
             log_event(logger, logging.ERROR, "spare_exited", **fields, restart_in_s=f"{delay:g}")
         self._spares_at = now + delay
 
+    def _reap(self, child: _Slot | _Spare) -> int | None:
+        """Release ``child``'s process (once it has exited) and its pipe; its exit code, None while it runs."""
+        exitcode = child.process.exitcode
+        if child.conn is not None:
+            child.conn.close()
+        if exitcode is not None:
+            child.process.close()
+        if child.pid is not None and self._ipc_dir is not None:
+            self._kind.exited(child.pid, self._ipc_dir)
+        return exitcode
+
     def _on_exit(self, slot: _Slot) -> None:
-        process = slot.process
-        process.join(_JOIN_AFTER_KILL_S)
-        exitcode = process.exitcode if process.exitcode is not None else -signal.SIGKILL
-        if slot.conn is not None:
-            if slot.conn.poll(0):
-                self._on_message(slot)
-            if slot.conn is not None:
-                slot.conn.close()
-        process.close()
+        if slot.conn is not None and slot.conn.poll(0):
+            self._on_message(slot)  # its last message ("failed") before its exit
+        exitcode = self._reap(slot)
         slot.process, slot.conn, slot.ready = None, None, False
-        if slot.pid is not None and self._ipc_dir is not None:
-            self._kind.exited(slot.pid, self._ipc_dir)
         slot.exits.append(exitcode)
         self._publish()
         if self._signals.received or not self._serving:
@@ -591,8 +558,6 @@ class Supervisor:
         slot.restart_at = time.monotonic() + delay
         log_event(logger, logging.ERROR, "frontend_exited", **fields, restart_in_s=f"{delay:g}", recent_exits=slot.policy.recent_exits)
 
-    # -- stopping ------------------------------------------------------------
-
     def _stop_all(self) -> None:
         """SIGTERM every frontend and spare, wait (bounded), SIGKILL stragglers, reap them all."""
         running: list[Any] = [slot for slot in self._slots if slot.process is not None] + self._spares
@@ -610,14 +575,8 @@ class Supervisor:
         for child in stragglers:
             child.process.join(max(0.0, deadline - time.monotonic()))
         for child in running:
-            exitcode = child.process.exitcode
+            exitcode = self._reap(child)
             log_event(logger, logging.INFO, "frontend_stopped", **_named(child), pid=child.pid, exit=_describe_exit(exitcode))
-            if child.conn is not None:
-                child.conn.close()
-            if exitcode is not None:
-                child.process.close()
-            if child.pid is not None and self._ipc_dir is not None:
-                self._kind.exited(child.pid, self._ipc_dir)
             child.process, child.conn = None, None
             if isinstance(child, _Slot):
                 child.ready = False
@@ -647,9 +606,7 @@ def _check_environment(options: ServeOptions) -> None:
     from mptok.cache.config import CacheConfig
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # each frontend warns of a deprecated setting in its log
-            CacheConfig.from_env(**options.arguments_for(Use.CACHE))
+        CacheConfig.from_env(**options.arguments_for(Use.CACHE))
         routing_policy(options.routing)
         engine_memo_dir()
     except ValueError as e:

@@ -1,11 +1,10 @@
-"""The owner's listener: its Unix socket file, the accept loop, and the bounds on peers.
+"""The owner's listener: its Unix socket file, the accept loop, and the cap on connections.
 
 An owner accepts its peers' connections on a Unix socket and serves each on
 a thread of the frontend. This module holds everything about that socket
 and those threads, and nothing about the manager protocol spoken on them.
-Its public surface is ``Listener`` (with ``ServerLimits``, what a peer may
-cost, and ``PeerConnection``, the owner's end of a connection that enforces
-it); ``mptok.transport.owner`` plugs the manager server into it.
+Its public surface is ``Listener``, bounded by ``ServerLimits``;
+``mptok.transport.owner`` plugs the manager server into it.
 
 ``Listener`` replaces ``Server.serve_forever`` and its accept loop, which
 reset sys.stdout, call ``sys.exit()``, spin at 100% CPU once the listener
@@ -21,117 +20,18 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
 from mptok.core.file_locks import try_lock
 from mptok.core.private_files import open_private_file
-from mptok.transport.wire import (
-    CLOSE_TIMEOUT_S,
-    MAX_MESSAGE_BYTES,
-    MAX_UNIX_PATH_BYTES,
-    MessageTooLarge,
-    TimedConnection,
-)
+from mptok.transport.wire import MAX_UNIX_PATH_BYTES, PeerConnection, ServerLimits
 
 logger = logging.getLogger(__name__)
 
 
 class OwnerAlreadyServing(RuntimeError):
     """A live process already serves this socket path."""
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Bounds on what peers may cost an owner.
-
-    max_connections: connections served at once (one thread each, most of
-        them idle persistent connections); one more is closed at once and
-        its peer tokenizes locally.
-    handshake_timeout_s: time a new connection has to authenticate and ask
-        for ``accept_connection``; a silent or slow client is dropped then.
-    message_timeout_s: time to read one request, once its first byte has
-        arrived, and to write one reply.
-    idle_timeout_s: an authenticated connection with no request for this long
-        is closed (peers reconnect transparently); None keeps it until
-        shutdown.
-    max_message_bytes: largest request accepted.
-    close_timeout_s: how long ``shutdown()`` waits for serving threads.
-    """
-
-    max_connections: int = 512
-    handshake_timeout_s: float = 5.0
-    message_timeout_s: float = 30.0
-    idle_timeout_s: float | None = 600.0
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    close_timeout_s: float = CLOSE_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.max_message_bytes < 1024:
-            raise ValueError("max_connections must be >= 1 and max_message_bytes >= 1024")
-        for name in ("handshake_timeout_s", "message_timeout_s", "close_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ServerLimits.{name} must be > 0")
-        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
-            raise ValueError("ServerLimits.idle_timeout_s must be > 0 or None")
-
-
-class PeerConnection(TimedConnection):
-    """The owner's end of a peer's connection.
-
-    During the handshake one deadline bounds everything. Once serving, the
-    wait for the first byte of the next request is bounded by the idle
-    timeout, and reading the rest of a request (its length header included)
-    and writing a reply each get their own message timeout. A failure inside
-    a request ends the connection with ``EOFError`` (the stream cannot be
-    resynchronised), which ends the manager's serve loop.
-
-    ``close()`` only shuts the socket down: the manager's serve loop closes
-    connections itself, and the descriptor must stay open until the listener
-    has forgotten the connection, or its ``shutdown()`` could hit a
-    descriptor number that something else has reused. ``release()`` closes.
-    """
-
-    def __init__(self, sock: socket.socket, limits: ServerLimits):
-        super().__init__(sock, limits.max_message_bytes)
-        self._limits = limits
-        self._serving = False
-        self.deadline = Deadline.after(limits.handshake_timeout_s)
-
-    def start_serving(self) -> None:
-        self._serving = True
-
-    def close(self) -> None:
-        self.shutdown()
-
-    def release(self) -> None:
-        super().close()
-
-    def recv(self) -> Any:
-        if not self._serving:
-            return super().recv()
-        self.deadline = Deadline.after(self._limits.idle_timeout_s)
-        try:
-            self.wait_for_message()
-        except OSError as e:  # TimeoutError included: idle for too long
-            raise EOFError(f"no request: {e!r}") from e
-        # From its first byte on, a request (its header too) has the message
-        # timeout: a half-sent header does not hold the thread until idle.
-        self.deadline = Deadline.after(self._limits.message_timeout_s)
-        try:
-            return super().recv()
-        except MessageTooLarge:
-            raise
-        except (OSError, EOFError) as e:  # a bad header, or one or a body that never ended
-            self.shutdown()
-            raise EOFError(f"no whole request: {e!r}") from e
-
-    def send(self, obj: Any) -> None:
-        if self._serving:
-            self.deadline = Deadline.after(self._limits.message_timeout_s)
-        super().send(obj)
 
 
 class Listener:

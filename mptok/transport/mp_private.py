@@ -63,9 +63,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection, process
 from multiprocessing.managers import BaseManager, Server, State
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 from mptok.core.counting import Counters
+from mptok.transport.wire import PeerConnection, TimedConnection
 
 logger = logging.getLogger(__name__)
 
@@ -111,34 +112,13 @@ PRIVATE_SURFACE: tuple[PrivateName, ...] = (
 )
 
 
-class Channel(Protocol):
-    """What the handshake and ``Server.serve_client`` call on a connection (``TimedConnection`` has it)."""
-
-    def send_bytes(self, buf: bytes) -> None: ...
-
-    def recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray: ...
-
-    def send(self, obj: Any) -> None: ...
-
-    def recv(self) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-class ServedConnection(Channel, Protocol):
-    """An owner's end of a connection: a ``Channel`` told when the handshake is over."""
-
-    def start_serving(self) -> None:
-        """The handshake is over: requests follow."""
-
-
-def authenticate_client(conn: Channel, authkey: bytes) -> None:
+def authenticate_client(conn: TimedConnection, authkey: bytes) -> None:
     """The owner's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
     connection.deliver_challenge(conn, authkey)
     connection.answer_challenge(conn, authkey)
 
 
-def authenticate_to_owner(conn: Channel, authkey: bytes) -> None:
+def authenticate_to_owner(conn: TimedConnection, authkey: bytes) -> None:
     """The peer's half of the mutual authkey handshake; raises ``AuthenticationError`` on a wrong key."""
     connection.answer_challenge(conn, authkey)
     connection.deliver_challenge(conn, authkey)
@@ -184,10 +164,10 @@ class OwnerServer(Server):
         """Connections end after the request they are serving."""
         self.stop_event.set()
 
-    def handle_request(self, conn: ServedConnection) -> None:
+    def handle_request(self, conn: PeerConnection) -> None:
         self.serve_peer(conn)
 
-    def serve_peer(self, conn: ServedConnection) -> None:
+    def serve_peer(self, conn: PeerConnection) -> None:
         """Authenticate ``conn`` (within whatever bound it has), then serve it until it ends."""
         try:
             authenticate_client(conn, self.authkey)
@@ -205,7 +185,7 @@ class OwnerServer(Server):
             return
         self.accept_connection(conn)
 
-    def accept_connection(self, c: ServedConnection, name: str | None = None) -> None:
+    def accept_connection(self, c: PeerConnection, name: str | None = None) -> None:
         """Serve ``c``'s calls until EOF, an I/O timeout or ``stop()``.
 
         Unlike ``Server.accept_connection``, the thread is not renamed after

@@ -24,16 +24,14 @@ from typing import Any
 
 from mptok.core.counting import Counters, Histogram
 from mptok.core.protocol import PeerReply, PeerRequest
-from mptok.transport.listener import Listener, OwnerAlreadyServing, ServerLimits
+from mptok.transport.listener import Listener
 from mptok.transport.mp_private import InProcessManager, OwnerServer
-from mptok.transport.wire import ENCODE_TYPEID
-
-__all__ = ["OwnerAlreadyServing", "PeerAnswer", "ServerLimits", "TokenizeManager", "serve_encode"]
+from mptok.transport.wire import ENCODE_TYPEID, ServerLimits
 
 logger = logging.getLogger(__name__)
 
 
-# What an owner runs for a peer's request (``mptok.routing.answer.PeerService.answer``):
+# What an owner runs for a peer's request (``mptok.routing.owners.PeerService.answer``):
 # the reply, or None when a delta's fingerprint matches no prompt kept here.
 PeerAnswer = Callable[[PeerRequest], PeerReply | None]
 

@@ -93,9 +93,7 @@ class EncodeProxy:
     owner does.
     """
 
-    def __init__(
-        self, address: str, authkey: bytes, timeout_s: float = CALL_TIMEOUT_S, *, max_reply_bytes: int = MAX_MESSAGE_BYTES
-    ):
+    def __init__(self, address: str, authkey: bytes, timeout_s: float = CALL_TIMEOUT_S):
         if not isinstance(authkey, bytes) or not authkey:
             raise ValueError("authkey must be non-empty bytes")
         if not timeout_s > 0:
@@ -103,7 +101,6 @@ class EncodeProxy:
         self.address = address
         self._key = authkey
         self._timeout_s = timeout_s
-        self._max_reply_bytes = max_reply_bytes
         self._local = threading.local()
         self._links_lock = threading.Lock()
         # Weak: a thread's link goes (and its socket closes) with the thread.
@@ -237,7 +234,7 @@ class EncodeProxy:
         try:
             sock.settimeout(deadline.left_or_raise())
             sock.connect(self.address)
-            conn = TimedConnection(sock, self._max_reply_bytes)
+            conn = TimedConnection(sock, MAX_MESSAGE_BYTES)
             conn.deadline = deadline
             authenticate_to_owner(conn, self._key)
             conn.send((None, ACCEPT_CONNECTION, ("mptok-peer",), {}))

@@ -3,13 +3,15 @@
 An owner (``mptok.transport.owner``) and its peers
 (``mptok.transport.proxy``) speak the ``multiprocessing.managers`` protocol
 over a Unix socket in the ipc directory. This module holds what both ends
-share: the socket's path, the errors a call can end in, the defaults both
-ends bound themselves with, and ``TimedConnection``, which speaks the
-framing of ``multiprocessing.connection.Connection`` (enough of its
-surface for the stdlib's authkey handshake and ``Server.serve_client``)
-with a deadline on every message, a cap on its size, and an unpickler that
-refuses globals, so a request cannot run code in the owner (nor a reply in
-the peer).
+share: the socket's path, the errors a call can end in, the bounds both
+ends keep (``ServerLimits``: what a peer may cost an owner), and
+``TimedConnection``, which speaks the framing of
+``multiprocessing.connection.Connection`` (enough of its surface for the
+stdlib's authkey handshake and ``Server.serve_client``) with a deadline on
+every message, a cap on its size, and an unpickler that refuses globals, so
+a request cannot run code in the owner (nor a reply in the peer);
+``PeerConnection`` is the owner's end, with its handshake, idle and
+message timeouts.
 
 What crosses is ``mptok.core.protocol``'s two records, which encode and
 decode themselves; this module moves their bytes and nothing else. Every
@@ -24,6 +26,7 @@ import pickle
 import socket
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from mptok.core.deadline import Deadline
@@ -126,6 +129,26 @@ class _MessageReader:
         return self.read(len(rest) if end < 0 else end + 1)
 
 
+class _MessagePieces:
+    """A message as the pickler writes it: the pieces, none copied.
+
+    Pickling to a file, the pickler hands a buffer of 64 KiB or more (a
+    reply's ids, the ``PickleBuffer`` of ``PeerReply.to_wire``) to ``write``
+    as it is, instead of copying it into its own growing buffer; the bytes
+    are those ``pickle.dumps`` makes, so any ``Connection`` reads them.
+    """
+
+    def __init__(self) -> None:
+        self.pieces: list[memoryview] = []
+        self.nbytes = 0
+
+    def write(self, piece: Any) -> int:
+        view = memoryview(piece).cast("B")
+        self.pieces.append(view)
+        self.nbytes += len(view)
+        return len(view)
+
+
 class TimedConnection:
     """A manager connection on a Unix socket whose every message ends by ``deadline``.
 
@@ -158,6 +181,9 @@ class TimedConnection:
     message to message (grown to twice the largest message, up to
     ``_MAX_INBOX_BYTES``) that takes the length header and the body
     together; whatever is missing then comes in one ``MSG_WAITALL`` read.
+    A large buffer in a message sent (a reply's ids) goes out from where it
+    is (``_MessagePieces``), and one received is copied once, into its
+    object (``_MessageReader``).
     """
 
     def __init__(self, sock: socket.socket, max_message_bytes: int):
@@ -179,7 +205,9 @@ class TimedConnection:
         self._armed: dict[int, tuple[Deadline, float]] = {socket.SO_RCVTIMEO: (never, 0.0), socket.SO_SNDTIMEO: (never, 0.0)}
 
     def send(self, obj: Any) -> None:
-        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        message = _MessagePieces()
+        pickle.Pickler(message, pickle.HIGHEST_PROTOCOL).dump(obj)
+        self._send_pieces(message.pieces, message.nbytes)
 
     def recv(self) -> Any:
         # Unpickled where the bytes arrived (the inbox, or a large message's
@@ -190,18 +218,7 @@ class TimedConnection:
             return _NoGlobalsUnpickler(_MessageReader(view)).load()
 
     def send_bytes(self, buf: bytes) -> None:
-        n = len(buf)
-        header = _SHORT_HEADER.pack(n) if n <= 0x7FFFFFFF else _LONG_HEADER.pack(-1, n)
-        try:
-            self._arm(socket.SO_SNDTIMEO)
-            sent = self._sock.sendmsg([header, buf])
-            if sent < len(header) + n:  # the buffers were full: the rest as they drain
-                with memoryview(header + bytes(buf)) as whole:
-                    while sent < len(whole):
-                        self._arm(socket.SO_SNDTIMEO)
-                        sent += self._sock.send(whole[sent:])
-        except BlockingIOError as e:  # what SO_SNDTIMEO raises
-            raise TimeoutError("send timed out") from e
+        self._send_pieces([memoryview(buf).cast("B")], len(buf))
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
         """The next message; ``MessageTooLarge`` (and the connection shut down) past ``maxlength``
@@ -235,6 +252,22 @@ class TimedConnection:
 
     def close(self) -> None:
         self._sock.close()
+
+    def _send_pieces(self, pieces: list[memoryview], n: int) -> None:
+        """One message of ``n`` bytes, its header and then ``pieces``, in one
+        ``sendmsg`` unless the buffers are full: then the rest as they drain."""
+        header = _SHORT_HEADER.pack(n) if n <= 0x7FFFFFFF else _LONG_HEADER.pack(-1, n)
+        unsent = [memoryview(header), *pieces]
+        try:
+            while unsent:
+                self._arm(socket.SO_SNDTIMEO)
+                sent = self._sock.sendmsg(unsent)
+                while unsent and sent >= len(unsent[0]):
+                    sent -= len(unsent.pop(0))
+                if unsent:
+                    unsent[0] = unsent[0][sent:]
+        except BlockingIOError as e:  # what SO_SNDTIMEO raises
+            raise TimeoutError("send timed out") from e
 
     def _read_large(self, size: int) -> bytearray:
         # Larger than the inbox: what the inbox holds, then the rest in place,
@@ -314,3 +347,94 @@ class TimedConnection:
             timeval = _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6)))
         self._sock.setsockopt(socket.SOL_SOCKET, option, timeval)
         self._armed[option] = (self.deadline, now)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what peers may cost an owner.
+
+    max_connections: connections served at once (one thread each, most of
+        them idle persistent connections); one more is closed at once and
+        its peer tokenizes locally.
+    handshake_timeout_s: time a new connection has to authenticate and ask
+        for ``accept_connection``; a silent or slow client is dropped then.
+    message_timeout_s: time to read one request, once its first byte has
+        arrived, and to write one reply.
+    idle_timeout_s: an authenticated connection with no request for this long
+        is closed (peers reconnect transparently); None keeps it until
+        shutdown.
+    max_message_bytes: largest request accepted.
+    close_timeout_s: how long ``shutdown()`` waits for serving threads.
+    """
+
+    max_connections: int = 512
+    handshake_timeout_s: float = 5.0
+    message_timeout_s: float = 30.0
+    idle_timeout_s: float | None = 600.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    close_timeout_s: float = CLOSE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_message_bytes < 1024:
+            raise ValueError("max_connections must be >= 1 and max_message_bytes >= 1024")
+        for name in ("handshake_timeout_s", "message_timeout_s", "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerLimits.{name} must be > 0")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError("ServerLimits.idle_timeout_s must be > 0 or None")
+
+
+class PeerConnection(TimedConnection):
+    """The owner's end of a peer's connection.
+
+    During the handshake one deadline bounds everything. Once serving, the
+    wait for the first byte of the next request is bounded by the idle
+    timeout, and reading the rest of a request (its length header included)
+    and writing a reply each get their own message timeout. A failure inside
+    a request ends the connection with ``EOFError`` (the stream cannot be
+    resynchronised), which ends the manager's serve loop.
+
+    ``close()`` only shuts the socket down: the manager's serve loop closes
+    connections itself, and the descriptor must stay open until the listener
+    has forgotten the connection, or its ``shutdown()`` could hit a
+    descriptor number that something else has reused. ``release()`` closes.
+    """
+
+    def __init__(self, sock: socket.socket, limits: ServerLimits):
+        super().__init__(sock, limits.max_message_bytes)
+        self._limits = limits
+        self._serving = False
+        self.deadline = Deadline.after(limits.handshake_timeout_s)
+
+    def start_serving(self) -> None:
+        self._serving = True
+
+    def close(self) -> None:
+        self.shutdown()
+
+    def release(self) -> None:
+        super().close()
+
+    def recv(self) -> Any:
+        if not self._serving:
+            return super().recv()
+        self.deadline = Deadline.after(self._limits.idle_timeout_s)
+        try:
+            self.wait_for_message()
+        except OSError as e:  # TimeoutError included: idle for too long
+            raise EOFError(f"no request: {e!r}") from e
+        # From its first byte on, a request (its header too) has the message
+        # timeout: a half-sent header does not hold the thread until idle.
+        self.deadline = Deadline.after(self._limits.message_timeout_s)
+        try:
+            return super().recv()
+        except MessageTooLarge:
+            raise
+        except (OSError, EOFError) as e:  # a bad header, or one or a body that never ended
+            self.shutdown()
+            raise EOFError(f"no whole request: {e!r}") from e
+
+    def send(self, obj: Any) -> None:
+        if self._serving:
+            self.deadline = Deadline.after(self._limits.message_timeout_s)
+        super().send(obj)

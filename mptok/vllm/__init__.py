@@ -9,12 +9,9 @@ one tokenizer mode, ``mptok``. Without it, vLLM is untouched. With it:
 
 - ``tokenizer.py``: the mode's tokenizer is vLLM's own HF tokenizer;
 - ``renderer.py``: the mode's renderer is vLLM's HF renderer, whose prompt
-  tokenization goes through mptok's cache;
-- ``mptok.front.engine_tokens``: one per API server process: the cache,
-  and with several API servers the routing of each conversation to the API
-  server that holds it, in the directory they share
-  (``mptok.front.ipc_dir``), mptok's counters on vLLM's ``/metrics``
-  (``mptok.front.prometheus``).
+  tokenization goes through ``mptok.front.engine_tokens``: the cache, and
+  with several API servers the routing of each conversation to the API
+  server that holds it.
 
 ``register()`` only records the two names in vLLM's registries: nothing of
 mptok is imported or started until a process builds a renderer of mode mptok.

@@ -113,10 +113,7 @@ def _named(prompt: Any, messages: list[Any]) -> Any:
     """``prompt`` with its conversation's name, when it is a text prompt and the chat has one."""
     if not _text_only(prompt):
         return prompt
-    try:
-        key = chat_identity(messages)
-    except Exception:  # messages that are not plain JSON (objects of a client library): unnamed
-        key = None
+    key = chat_identity(messages)
     if key is not None:
         prompt[CONVERSATION_FIELD] = key
     return prompt

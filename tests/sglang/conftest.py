@@ -22,8 +22,3 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mptok_harness.sglang import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("sglang-model"))
-
-
-@pytest.fixture(scope="session")
-def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("sglang-logs")

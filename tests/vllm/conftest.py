@@ -26,11 +26,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-logs")
-
-
-@pytest.fixture(scope="session")
 def render_plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
     """Every render case's ids from ``vllm launch render`` without the switch (``render_cases.py``)."""
     from render_cases import plain_render_ids

@@ -27,7 +27,7 @@ import pytest
 
 from mptok.api.affinity import chat_identity
 from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, VLLM, exported_by
-from mptok.routing.order import owner_of
+from mptok.routing.router import owner_of
 from mptok_harness.serve import Server, request, scrape, settled
 from mptok_harness.vllm import VllmServer
 from mptok_harness.vllm_requests import AWKWARD, TOOLS, agent_turns, text_source
