@@ -75,7 +75,7 @@ _SAMPLE = re.compile(r'^(\w+)(?:\{([^}]*)\})? (\S+)$')
 def scrape(port: int, *, host: str = "127.0.0.1") -> list[tuple[str, dict[str, str], float]]:
     """GET /metrics, parsed into (name, labels, value) samples."""
     status, payload, _ = request(port, "GET", "/metrics", host=host)
-    assert status == 200
+    assert status == 200, f"/metrics answered {status}: {payload[:300]!r}"
     samples = []
     for line in payload.decode().splitlines():
         match = _SAMPLE.match(line)
