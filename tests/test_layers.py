@@ -84,3 +84,29 @@ def test_the_architecture_doc_names_every_module():
             continue
         relative = path.relative_to(PACKAGE).as_posix()
         assert relative in doc, f"docs/ARCHITECTURE.md's module table does not name {relative}"
+
+
+def test_no_module_imports_itself_through_others():
+    # Within a layer imports may go either way, so the order above cannot
+    # rule out a circle (a module that needs a second one that needs it,
+    # tied by an import inside a function); a spawn target named by its
+    # module path ("module:function") is not an import.
+    modules = dict(_modules())
+    graph = {module: set() for module in modules}
+    for module, path in modules.items():
+        for imported in _imports(module, path):
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in modules:
+                parts.pop()
+            target = ".".join(parts)
+            if target and target != module:
+                graph[module].add(target)
+    for start in graph:
+        seen, stack = set(), [(start, (start,))]
+        while stack:
+            module, path = stack.pop()
+            for imported in graph[module]:
+                assert imported != start, f"import circle: {' -> '.join(path + (start,))}"
+                if imported not in seen:
+                    seen.add(imported)
+                    stack.append((imported, path + (imported,)))

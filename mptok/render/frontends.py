@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from mptok.render.options import RenderOptions
 from mptok.supervise.options import ServeOptions
@@ -37,14 +34,6 @@ def prometheus_dir(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, PROMETHEUS_DIR)
 
 
-def run_render_process(settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
-    """The supervisor's spawn target: ``mptok.render.worker.render_main``, imported in the child
-    (a target is pickled by reference: naming the worker's would import vLLM into the supervisor)."""
-    from mptok.render.worker import render_main
-
-    render_main(settings, authkey, conn, listener)
-
-
 class RenderFrontends:
     """``FrontendKind`` of ``mptok render``: vLLM render processes that beat (``--hang-timeout``),
     start without an id, and are kept warm as ``--spares``."""
@@ -60,9 +49,10 @@ class RenderFrontends:
         if importlib.util.find_spec("vllm") is None:
             raise StartupError("mptok render runs vLLM's render server, and vLLM is not installed: pip install 'mptok[vllm]'")
 
-    def target(self, frontend_id: int | None, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
+    def target(self, frontend_id: int | None, ipc_dir: str, options: ServeOptions) -> tuple[str, RenderSettings]:
         os.makedirs(prometheus_dir(ipc_dir), mode=0o700, exist_ok=True)
-        return run_render_process, RenderSettings(ipc_dir, self._options.with_port(options.port))
+        # Imported in the child only: naming the worker's function would import vLLM here.
+        return "mptok.render.worker:render_main", RenderSettings(ipc_dir, self._options.with_port(options.port))
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         from prometheus_client import multiprocess

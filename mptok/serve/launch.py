@@ -2,18 +2,15 @@
 
 Importing ``mptok.serve.frontend`` in the supervisor would load the HTTP
 stack, numpy, the cache and ``tokenizers`` into a process that uses none of
-them, and pickling the spawn target by reference would import it. So ``mptok
-serve``'s ``FrontendKind`` (``TokenizeFrontends``) and the settings it
-crosses the spawn pipe with live here; the frontend is imported in the child.
+them. So ``mptok serve``'s ``FrontendKind`` (``TokenizeFrontends``) and the
+settings it crosses the spawn pipe with live here, and the frontend is named
+by its entry point, imported in the child only.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from mptok.api.chat_template import ChatTemplateError, check_template_source
 from mptok.supervise.options import ServeOptions
@@ -33,13 +30,6 @@ class FrontendSettings:
     ipc_dir: str
     chat_template: str | None  # the template's source, read by the supervisor
     options: ServeOptions
-
-
-def run_frontend(settings: FrontendSettings, authkey: bytes, ready: Any, listener: socket.socket) -> None:
-    """The supervisor's spawn target: ``mptok.serve.frontend.frontend_main``, imported in the child."""
-    from mptok.serve.frontend import frontend_main
-
-    frontend_main(settings, authkey, ready, listener)
 
 
 class TokenizeFrontends:
@@ -63,8 +53,8 @@ class TokenizeFrontends:
             except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
                 raise StartupError(f"--chat-template {options.chat_template_file}: {e}") from None
 
-    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]:
-        return run_frontend, FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
+    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[str, FrontendSettings]:
+        return "mptok.serve.frontend:frontend_main", FrontendSettings(frontend_id, ipc_dir, self._template_source, options)
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         pass

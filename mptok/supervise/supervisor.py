@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -45,7 +46,6 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from mptok.core.settings import engine_memo_dir
@@ -118,9 +118,11 @@ class FrontendKind(Protocol):
 
     ``check`` runs before anything starts and raises ``StartupError`` with
     one line for the operator. ``target(frontend_id, ipc_dir, options)``
-    is the spawn target and its first argument (picklable); the process is
-    called as ``target(settings, authkey, ready, listener)`` (``listener``:
-    the port's listening socket, to accept from once it serves) and sends
+    names the process's entry point (``"module:function"``, imported in the
+    child only: the supervisor never loads what a frontend runs) and gives
+    its first argument (picklable); the process calls it as
+    ``function(settings, authkey, ready, listener)`` (``listener``: the
+    port's listening socket, to accept from once it serves) and sends
     ``("ready", pid)`` or ``("failed", reason)`` on ``ready``.
     ``exited(pid)`` runs after a process of this kind has exited and been
     reaped. ``hang_timeout_s``:
@@ -140,7 +142,7 @@ class FrontendKind(Protocol):
 
     def check(self, options: ServeOptions) -> None: ...
 
-    def target(self, frontend_id: int, ipc_dir: str, options: ServeOptions) -> tuple[Callable[..., None], Any]: ...
+    def target(self, frontend_id: int | None, ipc_dir: str, options: ServeOptions) -> tuple[str, Any]: ...
 
     def exited(self, pid: int, ipc_dir: str) -> None: ...
 
@@ -316,10 +318,12 @@ class Supervisor:
     def _start_process(self, frontend_id: int | None, name: str) -> tuple[Any, Any]:
         """A started process of the kind (``frontend_id`` None: a standby one) and the supervisor's end of its pipe."""
         assert self._ipc_dir is not None
-        target, settings = self._kind.target(frontend_id, self._ipc_dir, self.options)
+        entry_point, settings = self._kind.target(frontend_id, self._ipc_dir, self.options)
         parent_conn, child_conn = self._ctx.Pipe(duplex=self._kind.standby)
         # The listener crosses as a duplicate descriptor (multiprocessing's socket reduction).
-        process = self._ctx.Process(target=target, args=(settings, self._authkey, child_conn, self._listener), name=name)
+        process = self._ctx.Process(
+            target=run_entry_point, args=(entry_point, settings, self._authkey, child_conn, self._listener), name=name
+        )
         process.start()
         child_conn.close()
         return process, parent_conn
@@ -596,6 +600,12 @@ class Supervisor:
                     "spares": sum(spare.warm for spare in self._spares),
                 },
             )
+
+
+def run_entry_point(entry_point: str, *args: Any) -> None:
+    """Every supervised process's spawn target: import ``"module:function"`` here, in the child, and call it."""
+    module, function = entry_point.split(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def _check_environment(options: ServeOptions) -> None:
