@@ -127,6 +127,22 @@ def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels:
 
 # Every Server of this process not yet killed: what wait_for_snapshots waits on by default.
 _RUNNING: weakref.WeakSet[Server] = weakref.WeakSet()
+# Seconds from launch to ready of each Server this process started, newest last.
+_STARTS: list[float] = []
+# A start-up bound this many times the slowest of the last few starts, and never under the floor.
+_STARTUP_MARGIN = 3
+_STARTS_CONSIDERED = 5
+_STARTUP_FLOOR_S = 10.0
+
+
+def startup_timeout_s(tmp_dir: Path) -> float:
+    """A ``--startup-timeout`` for a test that needs one shorter than the
+    default: a margin over the slowest start of a server this process has
+    seen lately, so that it follows the machine's load instead of a fixed guess
+    (one ``--frontends 1`` server is started to measure if none was)."""
+    if not _STARTS:
+        Server(tmp_dir / "startup-probe.log", "--frontends", "1").kill()
+    return max(_STARTUP_FLOOR_S, _STARTUP_MARGIN * max(_STARTS[-_STARTS_CONSIDERED:]))
 
 
 class Server:
@@ -156,7 +172,9 @@ class Server:
         )
         _RUNNING.add(self)
         if wait_ready:
+            launched = time.monotonic()
             self.wait_for_log(r"event=ready ")
+            _STARTS.append(time.monotonic() - launched)
 
     def __enter__(self) -> Server:
         return self

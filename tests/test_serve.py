@@ -47,7 +47,7 @@ from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import _tokenizer_file, load_family_hf
 from mptok_harness.prompts import conversation
-from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, serving, tokenize, total, wait_for_snapshots
+from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, serving, startup_timeout_s, tokenize, total, wait_for_snapshots
 
 FRONTENDS = 4
 MAX_PROMPT_CHARS = 1_500_000
@@ -581,7 +581,8 @@ def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_pat
     # (it never will be): the startup deadline kills it, which is its
     # second exit, one more than --max-restarts: given up. After the
     # cool-down it is tried again, and serves.
-    args = ("--frontends", "2", "--max-restarts", "1", "--startup-timeout", "20", "--given-up-retry", "1")
+    startup_timeout = startup_timeout_s(tmp_path)  # the stopped one waits all of it; the retry must start within it
+    args = ("--frontends", "2", "--max-restarts", "1", "--startup-timeout", f"{startup_timeout:.0f}", "--given-up-retry", "1")
     with Server(tmp_path / "serve.log", *args) as server:
         offset = len(server.log())
         os.kill(server.frontend_pids()[1], signal.SIGKILL)
