@@ -38,7 +38,10 @@ wall time; the tables give medians. The cache also re-checks results on a
 background thread, so each phase also gives "whole run": the process's CPU
 from its first measured turn until the process is idle after its last,
 divided by the measured turns (the turn, the other conversation's prompt and
-the background work they caused). Every id list, the other conversations'
+the background work they caused), and the share of the cache's CPU that its
+background checks took (the checking thread's CPU, ``stats()``'
+``backend_check_cpu_seconds``), after the first checks of a new tokenizer's
+results, which are reported apart. Every id list, the other conversations'
 included, is compared with `tokenizers`' full tokenization; one wrong id
 fails the run (exit status 1). A hit is a turn the cache's ``hits`` counter
 counted; every turn after a conversation's first could hit. The report
@@ -85,6 +88,7 @@ SEGMENT_CACHE_BYTES = 512 << 20  # fastokens' segment cache: the budget mptok's 
 IDLE_CPU_S = 0.002  # a process that spent less CPU in 0.1 s has finished its background work
 FASTOKENS, SEGMENTED, GIGATOKEN = "fastokens", "fastokens, segment cache", "gigatoken"
 ENGINES = (FASTOKENS, GIGATOKEN)  # the engines whose full tokenization is "the fastest"
+CHECK_SHARE_TARGET = 0.05  # the background checks' share of the cache's CPU, once past the first checks
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class Subject:
     tokenizer: Any  # mptok.load_tokenizer's
     reference: tokenizers.Tokenizer
     engines: dict[str, Callable[[str], Any]]  # full tokenization, without special tokens
+    first_checks: Share | None = None  # the first results' checks, at start (settle_first_results)
 
     @property
     def label(self) -> str:
@@ -162,20 +167,22 @@ def load_subject(family: str) -> Subject:
     tokenizer = mptok.load_tokenizer(None if family == EMBEDDED else _tokenizer_file(family))
     spec_json = engine_specification(tokenizer.backend_tokenizer.to_str())
     subject = Subject(family, tokenizer, tokenizers.Tokenizer.from_str(spec_json), load_engines(spec_json))
-    settle_first_results(subject)
+    subject.first_checks = settle_first_results(subject)
     return subject
 
 
-def settle_first_results(subject: Subject) -> None:
+def settle_first_results(subject: Subject) -> Share:
     """A dozen prompts of another text through a cache, then the background
     checks they started: a cache checks a fast engine's first results more
     often than later ones, and what is measured is a server that has been
-    up a while."""
+    up a while. Their checks' share of the CPU."""
     cache = mptok.PrefixTokenCache()
     text = stdlib_sources()[-400_000:]
+    share = Share.start(cache)
     for i in range(12):
         cache.encode_array(subject.tokenizer, text[i * 30_000 : (i + 1) * 30_000], key=f"start-{i}")
-    cpu_when_idle()
+    share.stop(cpu_when_idle())
+    return share
 
 
 # -- the conversations ----------------------------------------------------------
@@ -302,13 +309,36 @@ def timed(call: Callable[[str], Any], text: str) -> tuple[float, float, Any]:
 
 
 @dataclass
+class Share:
+    """The cache's background checks' CPU (``backend_check_cpu_seconds``) against the process's, over a stretch."""
+
+    cache: Any
+    checks: float
+    cpu: float
+
+    @classmethod
+    def start(cls, cache: Any) -> Share:
+        return cls(cache, -cache.stats()["backend_check_cpu_seconds"], -time.process_time())
+
+    def stop(self, cpu_now: float) -> None:
+        self.checks += self.cache.stats()["backend_check_cpu_seconds"]
+        self.cpu += cpu_now
+        self.cache = None
+
+    def percent(self) -> str:
+        return f"{self.checks / self.cpu:.1%}" if self.cpu > 0 else "-"
+
+
+@dataclass
 class Phase:
     """One system's run through a conversation: the measured turns (for the
-    cache, those that hit), the whole run's CPU per turn, hits and wrong ids."""
+    cache, those that hit), the whole run's CPU per turn and, for the cache,
+    its checks' share of it, hits and wrong ids."""
 
     cpu: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
     whole_cpu: float = float("nan")
+    checks: Share | None = None
     hits: int = 0
     could_hit: int = 0
     wrong: int = 0
@@ -348,15 +378,18 @@ def run_phase(
     *,
     pause_s: float = 0.0,
     hits: Callable[[], int] | None = None,
+    cache: Any = None,
 ) -> Phase:
     """``turn`` on each prompt of the conversation, ``other`` (its index, its
     prompt) on each other conversation's prompt between them. With ``hits``
-    (the cache's counter), only the turns that hit are timed."""
+    (the cache's counter), only the turns that hit are timed; with ``cache``,
+    its checks' share of the whole run is measured."""
     cpu_when_idle()  # the last phase's background work is not this one's
     phase, began = Phase(), 0.0
     for i, prompt in enumerate(chat.prompts):
         if i == warm_up:
             began = time.process_time()
+            phase.checks = Share.start(cache) if cache is not None else None
         if i:
             phase.wrong += checker.wrong(other(i - 1, chat.others[i - 1]), chat.others[i - 1])
         if pause_s:
@@ -371,7 +404,10 @@ def run_phase(
         if i >= warm_up and (hits is None or hit):
             phase.cpu.append(cpu)
             phase.wall.append(wall)
-    phase.whole_cpu = (cpu_when_idle() - began) / (len(chat.prompts) - warm_up)
+    idle = cpu_when_idle()
+    phase.whole_cpu = (idle - began) / (len(chat.prompts) - warm_up)
+    if phase.checks is not None:
+        phase.checks.stop(idle)
     return phase
 
 
@@ -391,7 +427,7 @@ def cache_phase(subject: Subject, chat: Conversation, checker: Checker, warm_up:
         return encode(subject.tokenizer, prompt, key=f"other-{index % 2}")
 
     counter = None if misses else (lambda: cache.stats()["hits"])
-    return run_phase(turn, other, chat, checker, warm_up, pause_s=pause_s, hits=counter)
+    return run_phase(turn, other, chat, checker, warm_up, pause_s=pause_s, hits=counter, cache=cache)
 
 
 @dataclass
@@ -420,6 +456,12 @@ class Row:
     def wrong(self) -> int:
         cache = (self.compact, self.listed, self.missed, self.paused_compact, self.paused_listed)
         return sum(phase.wrong for phase in cache)
+
+    def check_share(self) -> float:
+        """The background checks' CPU over the cache's whole-run CPU, in the four whole-run phases."""
+        shares = [p.checks for p in (self.compact, self.listed, self.paused_compact, self.paused_listed) if p.checks]
+        cpu = sum(share.cpu for share in shares)
+        return sum(share.checks for share in shares) / cpu if cpu > 0 else float("nan")
 
 
 def tokenizers_phase(subject: Subject, chat: Conversation, checker: Checker, warm_up: int) -> Phase:
@@ -530,8 +572,8 @@ def main_line(row: Row) -> str:
 
 WHOLE_HEADER = (
     "| tokenizer | workload | tokens | fastokens | fastokens + segment cache | gigatoken | mptok, compact | ÷ fastest "
-    "| mptok, `encode()` | ÷ fastest | mptok, compact, paused | mptok, `encode()`, paused |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| mptok, `encode()` | ÷ fastest | mptok, compact, paused | mptok, `encode()`, paused | checks ÷ mptok's CPU ≤ 5% |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -542,8 +584,14 @@ def whole_line(row: Row) -> str:
         + f"| {engine_cell(row, FASTOKENS, 'whole_ms')} | {engine_cell(row, SEGMENTED, 'whole_ms')} | {engine_cell(row, GIGATOKEN, 'whole_ms')} "
         f"| {ms(row.compact.whole_ms())} | {ratio(row.compact.whole_ms(), fastest)} "
         f"| {ms(row.listed.whole_ms())} | {ratio(row.listed.whole_ms(), fastest)} "
-        f"| {ms(row.paused_compact.whole_ms())} | {ms(row.paused_listed.whole_ms())} |"
+        f"| {ms(row.paused_compact.whole_ms())} | {ms(row.paused_listed.whole_ms())} | {share_cell(row.check_share())} |"
     )
+
+
+def share_cell(share: float) -> str:
+    if share != share:
+        return "-"
+    return f"{share:.1%} {'✓' if share <= CHECK_SHARE_TARGET else '✗'}"
 
 
 PAUSED_HEADER = (
@@ -594,7 +642,7 @@ def targets_line(row: Row) -> str:
 HIT_RATE_HEADER = "| tokenizer | engines that load it | workload | hits / could hit | wrong ids |\n|---|---|---|---:|---:|"
 
 
-def report(rows: Sequence[Row], rates: Sequence[HitRate], plan: Plan) -> tuple[str, str]:
+def report(rows: Sequence[Row], rates: Sequence[HitRate], plan: Plan, subjects: Sequence[Subject]) -> tuple[str, str]:
     """(the preamble, the tables)."""
     cached = [p for row in rows for p in (row.compact, row.listed, row.paused_compact, row.paused_listed)]
     cached += [rate.phase for rate in rates]
@@ -626,10 +674,16 @@ which are within one run."""
         "",
         "The process's CPU from the first measured turn until it is idle after the last, divided by the",
         "measured turns: each turn, the other conversation's prompt before it, and the background work",
-        "they caused (ms). \"paused\": the same with the pause before each turn.",
+        "they caused (ms). \"paused\": the same with the pause before each turn. \"checks\": the CPU of the",
+        "cache's background checks (its checking thread's) over the cache's CPU in those four runs.",
         "",
         WHOLE_HEADER,
         *(whole_line(row) for row in rows),
+        "",
+        "A new tokenizer's first results are all checked, in full, whatever the budget: at start, a dozen",
+        "prompts of 30,000 characters through a new cache (before the runs above), the checks took "
+        + "; ".join(f"{s.first_checks.checks * 1e3:.0f} ms of CPU, {s.first_checks.percent()} of the CPU, for {s.label}" for s in subjects if s.first_checks)
+        + ".",
         "",
         f"## Turns with a pause of {plan.pause_s} s before each",
         "",
@@ -667,8 +721,10 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     source = TextSource(seed=0)
     rows: list[Row] = []
+    subjects: list[Subject] = []
     for family in TIMED:
         subject = load_subject(family)
+        subjects.append(subject)
         for tokens in plan.sizes:
             for kind in ("chat", "plain"):
                 rows.append(bench_row(subject, source, kind, tokens, plan))
@@ -681,7 +737,7 @@ def main() -> int:
         for kind in ("chat", "plain"):
             rates.append(family_hit_rate(subject, source, kind, plan))
             print(f"{rates[-1].label} {kind}: {hits_cell(rates[-1].phase)} hits, {rates[-1].phase.wrong} wrong", flush=True)
-    preamble, body = report(rows, rates, plan)
+    preamble, body = report(rows, rates, plan, subjects)
     print(body)
     if not args.no_report:
         path = write_report(

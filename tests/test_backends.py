@@ -9,6 +9,7 @@ import logging
 import random
 import sys
 import threading
+import time
 
 import pytest
 from tokenizers import Tokenizer
@@ -20,6 +21,7 @@ from mptok.core.settings import ENGINES
 from mptok.engines import choice, fast
 from mptok.engines.fast import load_engine, self_check_texts
 from mptok.engines.choice import SampledVerifier
+from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.conversations import adversarial_delta, chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 from mptok_harness.serve import Server, scrape, tokenize, total, wait_for_snapshots
@@ -180,10 +182,26 @@ def test_sampled_checks_are_counted_and_agree():
         assert cache.encode(tokenizer, prompt, key="chat") == reference_ids(tokenizer, prompt)
     assert choice.VERIFIER.drain(timeout=120)
     after = cache.stats()
-    checked = after["backend_checks"] + after["backend_checks_dropped"] - before["backend_checks"] - before["backend_checks_dropped"]
-    assert checked > 0
+    checked = after["backend_checks"] - before["backend_checks"]
+    assert checked + after["backend_checks_dropped"] - before["backend_checks_dropped"] > 0
     assert after["backend_mismatches"] == before["backend_mismatches"]
     assert backend.engines.fast
+    # Every check ran `tokenizers` on the checking thread: its CPU is counted.
+    assert checked == 0 or after["backend_check_cpu_seconds"] > before["backend_check_cpu_seconds"]
+
+
+def test_the_checks_cpu_is_counted_as_they_run():
+    """A check of a 200k-character text: `tokenizers` re-tokenizes it on the
+    checking thread, whose CPU time the counter grows by."""
+    tokenizer = load_family("deepseek")
+    backend = backend_for(tokenizer, "auto")
+    text = "def f(x):\n    return x  # prose, code and \u6211\u4eec\n" * 4_000
+    ids = reference_ids(tokenizer, text)
+    before = backend_stats()["backend_check_cpu_seconds"]
+    verifier = SampledVerifier()
+    assert verifier.submit(backend, text, ids)
+    assert verifier.drain(timeout=60)
+    assert backend_stats()["backend_check_cpu_seconds"] > before
 
 
 class _Blocking:
@@ -258,8 +276,16 @@ def test_serve_tokenizer_backend_reaches_every_frontend_and_its_metrics(tmp_path
         for prompt in chat_turns(random.Random(9), start, end, turns=6):
             body = {"prompt": prompt, "conversation_id": "fast", "add_special_tokens": False}
             assert tokenize(server.port, body)["tokens"] == reference_ids(tokenizer, prompt)
-        wait_for_snapshots()
-        samples = scrape(server.port)
+        # The prompts' checks run in the background: their CPU is on
+        # /metrics once they have run and a snapshot was written since.
+        deadline = time.monotonic() + HANG_GUARD_S
+        while True:
+            wait_for_snapshots()
+            samples = scrape(server.port)
+            if total(samples, "mptok_tokenizer_backend_check_cpu_seconds_total") > 0 or time.monotonic() > deadline:
+                break
+    assert total(samples, "mptok_tokenizer_backend_checks_total") > 0
+    assert total(samples, "mptok_tokenizer_backend_check_cpu_seconds_total") > 0
     fast = sum(total(samples, f"mptok_tokenizer_backend_{engine}") for engine in ENGINES)
     assert fast == 2  # one tokenizer per frontend, each on a fast engine
     assert total(samples, "mptok_tokenizer_backend_tokenizers") == 0

@@ -16,10 +16,12 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
-from mptok.engines.memo import LOCK_WAIT_S
+from mptok.engines.memo import LOCK_WAIT_S, MAX_AGE_S, RETRY_S
+from mptok.engines.timing import MARGIN, ROUNDS, choose
 from mptok_harness.checks import HANG_GUARD_S, expected_ids
 from mptok_harness.serve import REPO, Server, scrape, tokenize, wait_for_snapshots
 
@@ -53,16 +55,32 @@ print(json.dumps({"engines": backend.engines.names, "chosen": backend.engines.ch
 
 def _library_start(memo: object, *args: str, tokenizer: str = "-") -> tuple[dict, str]:
     """Run ``_LIBRARY_START`` with ``MPTOK_ENGINE_MEMO=memo``: (what it chose, its log)."""
-    result = subprocess.run(
-        [sys.executable, "-c", _LIBRARY_START, tokenizer, *args],
-        cwd=REPO,
-        env=dict(os.environ, MPTOK_ENGINE_MEMO=str(memo)),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1]), result.stderr
+    [(chosen, log, _)] = _library_starts(1, memo, *args, tokenizer=tokenizer)
+    return chosen, log
+
+
+def _library_starts(count: int, memo: object, *args: str, tokenizer: str = "-") -> list[tuple[dict, str, int]]:
+    """``count`` runs of ``_LIBRARY_START`` started at once: (what each chose, its log, its pid)."""
+    starts = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LIBRARY_START, tokenizer, *args],
+            cwd=REPO,
+            env=dict(os.environ, MPTOK_ENGINE_MEMO=str(memo)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    ran = []
+    for start in starts:
+        try:
+            out, log = start.communicate(timeout=HANG_GUARD_S)
+        finally:
+            start.kill()
+        assert start.returncode == 0, log[-3000:]
+        ran.append((json.loads(out.splitlines()[-1]), log, start.pid))
+    return ran
 
 
 def _backend_lines(log: str) -> list[str]:
@@ -124,6 +142,72 @@ def test_the_long_texts_engine_a_memo_names_is_loaded_on_the_first_long_text_and
     verdict = json.loads(_memo_files(memo)[0].read_bytes())["verdict"]
     assert chosen["chosen"] == {"short": verdict["short"], "long": verdict["long"]}
     assert chosen["engines"] == chosen["chosen"], log[-3000:]
+
+
+def _plant(memo, **fields) -> tuple:
+    """Change the kept verdict's ``fields``: (its path, the verdict as changed)."""
+    [path] = _memo_files(memo)
+    kept = json.loads(path.read_bytes())
+    kept["verdict"].update(fields)
+    path.write_text(json.dumps(kept))
+    return path, kept["verdict"]
+
+
+def test_a_memo_older_than_its_age_is_decided_again_by_one_of_two_starts_at_once(memo):
+    """Two starts find a stale verdict at once: one decides it again (timing
+    the engines that passed, with the load it was decided under), the other
+    waits and reads that verdict."""
+    path, planted = _plant(memo, decided_at=time.time() - MAX_AGE_S - 3600, report="planted")
+    assert len(planted["passed"]) == 2, planted  # else there is nothing to decide again
+    starts = _library_starts(2, memo)
+    if any(f"held for more than {LOCK_WAIT_S:g} s" in log for _, log, _ in starts):
+        pytest.skip("a start waited longer than the lock allows")
+    lines = [_backend_lines(log) for _, log, _ in starts]
+    assert all(len(found) == 1 for found in lines), lines
+    again = [pid for (_, _, pid), [line] in zip(starts, lines) if "decided again (it was decided 7.0 days ago" in line]
+    assert len(again) == 1, lines
+    read = [line for [line] in lines if f"from the engine memo {path}, decided by pid {again[0]} " in line]
+    assert len(read) == 1, lines
+    verdict = json.loads(path.read_bytes())["verdict"]
+    assert verdict["decided_by"] == again[0] and verdict["report"] != "planted"
+    assert verdict["passed"] == planted["passed"]  # timed again, not checked again
+    assert verdict["load"] >= 0 and verdict["spread"] >= 0
+    assert f"load average {verdict['load']:.2f} per CPU" in verdict["report"]
+    assert {chosen["chosen"]["short"] for chosen, _, _ in starts} == {verdict["short"]}
+
+
+def test_a_memo_decided_under_load_is_decided_again_once_quieter_and_not_sooner(memo):
+    """A verdict decided at a load no machine here has now: read as it is
+    while it is younger than RETRY_S, decided again after."""
+    path, _ = _plant(memo, load=1000.0, decided_at=time.time() - 60, report="planted")
+    written = path.stat().st_mtime_ns
+    _, log = _library_start(memo)
+    [line] = _backend_lines(log)
+    assert f"from the engine memo {path}" in line and "planted" in line, line
+    assert path.stat().st_mtime_ns == written
+
+    _plant(memo, decided_at=time.time() - RETRY_S - 60)
+    _, log = _library_start(memo)
+    [line] = _backend_lines(log)
+    assert "decided again (it was decided at a load average of 1000.00 per CPU" in line, line
+    verdict = json.loads(path.read_bytes())["verdict"]
+    assert verdict["report"] != "planted" and verdict["load"] < 1000
+
+
+@pytest.mark.parametrize("incumbent", ["fastokens", "gigatoken"])
+def test_the_incumbent_stays_unless_beaten_by_the_margin(incumbent):
+    """The choice from given per-round CPU times: a challenger within the
+    margin, or cheaper in fewer than half the rounds, does not replace the
+    incumbent; one cheaper by more than the margin in most rounds does."""
+    challenger = "gigatoken" if incumbent == "fastokens" else "fastokens"
+    base = [0.003 + 0.0001 * i for i in range(ROUNDS)]
+    close = [t * (1 - MARGIN / 2) for t in base]
+    assert choose({incumbent: base, challenger: close}, incumbent).chosen == incumbent
+    spikes = [t * 0.3 if i < ROUNDS // 2 else t * 1.1 for i, t in enumerate(base)]  # a busy moment in a few rounds
+    assert choose({incumbent: base, challenger: spikes}, incumbent).chosen == incumbent
+    cheaper = [t * (1 - 2 * MARGIN) for t in base]
+    comparison = choose({incumbent: base, challenger: cheaper}, incumbent)
+    assert comparison.chosen == challenger and comparison.ratios[challenger] < 1 - MARGIN and comparison.spread < 0.01
 
 
 def test_a_corrupt_memo_is_ignored_and_decided_again(memo):

@@ -134,12 +134,12 @@ def _built_backend(tokenizer: Any, choice: str) -> TokenizerBackend | SlowTokeni
         return SlowTokenizerError(f"cannot copy {type(tokenizer).__name__}'s Rust tokenizer: {e!r}")
 
 
-def backend_stats() -> dict[str, int]:
+def backend_stats() -> dict[str, float]:
     """How many of the process's backends use each engine now
     (``backend_tokenizers``, ``backend_fastokens``, ``backend_gigatoken``), how
     many splice at added tokens only (``backend_added_tokens_only``: no seam
     rules, ``mptok.cache.seam_rules``), and the background checks of fast results since start (``backend_checks``,
-    ``backend_checks_dropped``, ``backend_mismatches``)."""
+    ``backend_checks_dropped``, ``backend_mismatches``, and their CPU, ``backend_check_cpu_seconds``)."""
     with _backends_lock:
         live = [b for _, b in _backends.values() if isinstance(b, TokenizerBackend)]
     counts = {f"backend_{name}": 0 for name in ("tokenizers",) + ENGINES}

@@ -209,7 +209,7 @@ class PrefixTokenCache:
         text = kept_text if shared == len(kept_text) == shared_chars + len(tail) else kept_text[:shared_chars] + tail
         return (self._branch_holder(backend, key, holder, known, shared, text), known, shared), text
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters since creation, and the current size of the cache.
 
         ``cached_bytes`` is everything the kept conversations hold, never

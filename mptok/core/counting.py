@@ -20,14 +20,14 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class Counters:
-    """Named event counts that many threads may bump at once; ``snapshot()`` has every name in
-    ``names`` (0 until counted) and every other name counted so far."""
+    """Named event counts (or sums, such as CPU seconds) that many threads may bump at once;
+    ``snapshot()`` has every name in ``names`` (0 until counted) and every other name counted so far."""
 
     def __init__(self, names: tuple[str, ...] = ()):
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(names, 0)
+        self._counts: dict[str, float] = dict.fromkeys(names, 0)
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, name: str, n: float = 1) -> None:
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + n
 
@@ -37,7 +37,7 @@ class Counters:
             for name in names:
                 self._counts[name] = self._counts.get(name, 0) + 1
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counts)
 

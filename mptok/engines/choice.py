@@ -5,8 +5,9 @@ engines' names, and the check of a result. Its engines are the start-up
 decision of ``mptok.engines.fast``. While they serve, the first
 ``FIRST_CHECKS`` results, and then as many as ``CheckBudget`` allows, are
 re-tokenized by the reference (handed in as a callable) on one background
-thread (``SampledVerifier``); on a difference the fast engines are not used
-for that tokenizer again in this process.
+thread (``SampledVerifier``), whose CPU time is counted
+(``backend_check_cpu_seconds``); on a difference the fast engines are not
+used for that tokenizer again in this process.
 """
 
 from __future__ import annotations
@@ -268,6 +269,9 @@ class CheckBudget:
 class SampledVerifier:
     """One background thread re-checking sampled results against `tokenizers`.
 
+    Each check's CPU time is counted (``backend_check_cpu_seconds``): the
+    thread's own (`tokenizers` re-tokenizes one text on the calling thread),
+    so the checks' share of a process's CPU can be read off.
     Bounded: at most ``CHECK_QUEUE`` checks wait; one that finds the queue
     full is dropped. The thread starts with the first check and is a daemon:
     a process that exits does not wait for a check of a returned result.
@@ -309,11 +313,13 @@ class SampledVerifier:
     def _run(self) -> None:
         while True:
             backend, text, ids = self._queue.get()
+            began = time.thread_time()
             try:
                 backend.verify(text, ids)
             except Exception:
                 logger.exception("tokenizer backend check failed to run")
             finally:
+                COUNTERS.add("backend_check_cpu_seconds", time.thread_time() - began)
                 # Not kept while waiting for the next check: a prompt may be large.
                 del backend, text, ids
                 self._queue.task_done()
@@ -322,8 +328,8 @@ class SampledVerifier:
 VERIFIER = SampledVerifier()
 os.register_at_fork(after_in_child=VERIFIER.after_fork)
 
-# Process-wide counts of the background checks.
-COUNTERS = Counters(("backend_checks", "backend_checks_dropped", "backend_mismatches"))
+# Process-wide counts of the background checks, and the CPU seconds they took.
+COUNTERS = Counters(("backend_checks", "backend_checks_dropped", "backend_mismatches", "backend_check_cpu_seconds"))
 
 
 def submit_check(check: Checked, text: str, ids: Any) -> None:

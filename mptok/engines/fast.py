@@ -5,8 +5,9 @@ gigatoken load the same ``tokenizer.json`` and give the same ids in 1.5 to
 3.5 ms. They give ids only (no offsets, no pre-token boundaries) and each
 refuses some layouts (fastokens: Metaspace, BertNormalizer, tekken;
 gigatoken: WordPiece, Unigram). This module loads them, checks them id for
-id at start, times them and chooses (``Chooser``) which one is trusted for a
-tokenizer; ``mptok.engines.choice`` runs it and keeps checking it.
+id at start, times them (``mptok.engines.timing``) and chooses (``Chooser``)
+which one is trusted for a tokenizer; ``mptok.engines.choice`` runs it and
+keeps checking it.
 
 **Why a fast engine may be trusted (rule 1: every id list equals full
 tokenization).** Nothing proves that two implementations of a tokenizer agree
@@ -54,6 +55,7 @@ import numpy as np
 
 from mptok.core.settings import ENGINES
 from mptok.engines import memo as engine_memo
+from mptok.engines.timing import LONG_ROUNDS, ROUNDS, compare
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +223,7 @@ _MORE_TIMING_MODULES = (
 def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[str]:
     """``count`` different texts of ``chars`` characters (about 50k tokens,
     where fastokens' threads start to cost CPU) to time engines on: the
-    standard library's own sources, never seen by an engine before (the
-    engines cache the words they tokenized); ``fallback`` where they cannot
-    be read."""
+    standard library's own sources; ``fallback`` where they cannot be read."""
     names = _TIMING_MODULES if chars * count <= 480_000 else _TIMING_MODULES + _MORE_TIMING_MODULES
     try:
         source = "".join(open(importlib.import_module(m).__file__, encoding="utf-8").read() for m in names)
@@ -234,7 +234,7 @@ def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[st
 
 
 def cpu_cost(encode: Callable[[str], object], texts: Sequence[str]) -> float:
-    """The median CPU time of ``encode`` over ``texts`` (``time.process_time``: all the engine's threads)."""
+    """The median CPU time of ``encode`` over ``texts`` (``time.process_time``: all its threads)."""
     cpus = []
     for text in texts:
         began = time.process_time()
@@ -257,13 +257,17 @@ DEFAULT_ENGINE_TO_REFERENCE = 1 / 30
 class Chosen:
     """What ``Chooser`` decided: the engine of texts shorter than
     ``LONG_TEXT_CHARS`` (None: `tokenizers`) and of longer ones (None: the
-    same), why, the engine's CPU per character against `tokenizers`', and
-    the engine memo and key its verdict is kept under, if one was asked."""
+    same), why, the engine's CPU per character against `tokenizers`', the
+    load average per CPU and the spread of the rounds of its timing, if it
+    timed, and the engine memo and key its verdict is kept under, if one was
+    asked."""
 
     engine: IdsEngine | None
     long_engine: IdsEngine | LoadedOnFirstUse | None
     report: str
     ratio: float = DEFAULT_ENGINE_TO_REFERENCE
+    load: float = 0.0
+    spread: float = 0.0
     memo: tuple[engine_memo.EngineMemo, dict[str, Any]] | None = None
 
     @property
@@ -294,7 +298,7 @@ class Chooser:
     def choose(self) -> Chosen:
         """Decided once per process and specification (unless one of its
         engines was distrusted since): from the engine memo when it keeps
-        one for the same key, else here, and kept there."""
+        one for the same key that is not stale, else here, and kept there."""
         slot = (self.spec_digest, self.split_special, self.choice)
         with _verdicts_lock:
             chosen = _verdicts.get(slot)
@@ -307,28 +311,44 @@ class Chooser:
             chosen = dataclasses.replace(chosen, report=f"decided at this start, engine memo off: {chosen.report}")
         else:
             key = engine_memo.memo_key(self.spec_digest, self.split_special, self.choice, texts)
-            chosen = self._remembered(memo, key)
-            if chosen is None:
-                # Processes that start at once: one decides, the others wait
-                # for its verdict rather than each timing the engines
-                # against the others' load and choosing apart.
-                with memo.deciding(key) as held:
-                    chosen = self._remembered(memo, key) if held else None
-                    if chosen is None:
-                        chosen = self._decided(memo, key, texts)
-            chosen = dataclasses.replace(chosen, memo=(memo, key))
+            chosen = dataclasses.replace(self._from_memo(memo, key, texts), memo=(memo, key))
         if not self.distrusts(ENGINES):
             with _verdicts_lock:
                 _verdicts[slot] = chosen
         return chosen
 
-    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any]) -> Chosen | None:
-        """The verdict ``memo`` keeps for ``key`` with its engines loaded, or
-        None: none kept, one naming an engine distrusted here, or one whose
-        engine does not load now."""
+    def _from_memo(self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str]) -> Chosen:
+        """The verdict ``memo`` keeps for ``key``, or one decided here (none
+        kept, or a stale one) and kept there."""
+        verdict = self._kept(memo, key)
+        if verdict is not None and verdict.stale(time.time(), engine_memo.machine_load()) is None:
+            chosen = self._remembered(memo, key, verdict)
+            if chosen is not None:
+                return chosen
+            verdict = None
+        # Processes that start at once: one decides, the others wait for its
+        # verdict rather than each timing the engines against the others'
+        # load and choosing apart.
+        with memo.deciding(key) as held:
+            if held:
+                verdict = self._kept(memo, key)
+            stale = verdict.stale(time.time(), engine_memo.machine_load()) if verdict is not None else None
+            if verdict is not None and (stale is None or not held):
+                # Not stale (another start decided it while this one waited),
+                # or stale but another start holds the lock: still exact.
+                chosen = self._remembered(memo, key, verdict)
+                if chosen is not None:
+                    return chosen
+                verdict = stale = None
+            return self._decided(memo, key, texts, verdict if stale else None, stale)
+
+    def _kept(self, memo: engine_memo.EngineMemo, key: dict[str, Any]) -> engine_memo.Verdict | None:
+        """The verdict ``memo`` keeps for ``key``, unless it names an engine distrusted here."""
         verdict = memo.read(key)
-        if verdict is None or self.distrusts(verdict.engines):
-            return None
+        return None if verdict is None or self.distrusts(verdict.engines) else verdict
+
+    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any], verdict: engine_memo.Verdict) -> Chosen | None:
+        """``verdict`` with its engines loaded, or None if its engine does not load now."""
         engine = None
         if verdict.short != "tokenizers":
             try:
@@ -346,22 +366,32 @@ class Chooser:
             longer = LoadedOnFirstUse(verdict.long, self.spec_json, self.split_special, meanwhile=engine)
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(verdict.decided_at))
         source = f"from the engine memo {memo.path(key)}, decided by pid {verdict.decided_by} at {when}"
-        return Chosen(engine, longer, f"{source}: {verdict.report}", verdict.ratio)
+        return Chosen(engine, longer, f"{source}: {verdict.report}", verdict.ratio, verdict.load, verdict.spread)
 
-    def _decided(self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str]) -> Chosen:
-        """``_decide``'s verdict, kept in ``memo`` unless an engine was found
-        wrong here (the check and the timing then did not see every engine)."""
-        chosen, passed = self._decide(texts)
+    def _decided(
+        self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str], stale: engine_memo.Verdict | None, why: str | None
+    ) -> Chosen:
+        """``_decide``'s verdict (again, for a ``stale`` one, ``why``), kept in
+        ``memo`` unless an engine was found wrong here (the check and the
+        timing then did not see every engine)."""
+        chosen, passed = self._decide(texts, stale)
         if self.distrusts(ENGINES):
             return dataclasses.replace(chosen, report=f"decided at this start, not kept: an engine was found wrong here: {chosen.report}")
         short = chosen.engine.name if chosen.engine is not None else "tokenizers"
         longer = chosen.long_engine.name if chosen.long_engine is not None else short
-        verdict = engine_memo.Verdict(short, longer, passed, chosen.ratio, chosen.report, os.getpid(), time.time())
+        verdict = engine_memo.Verdict(
+            short, longer, passed, chosen.ratio, chosen.report, os.getpid(), time.time(), chosen.load, chosen.spread
+        )
         kept = f"kept in the engine memo {memo.path(key)}" if memo.write(key, verdict) else "the engine memo could not be written"
-        return dataclasses.replace(chosen, report=f"decided at this start, {kept}: {chosen.report}")
+        again = "" if stale is None else f" again ({why}; it chose {stale.short}, {stale.long} for long texts)"
+        return dataclasses.replace(chosen, report=f"decided{again} at this start, {kept}: {chosen.report}")
 
-    def _decide(self, texts: list[str]) -> tuple[Chosen, tuple[str, ...]]:
-        """The engines checked on ``texts`` and timed, and the engines that passed the check."""
+    def _decide(self, texts: list[str], stale: engine_memo.Verdict | None = None) -> tuple[Chosen, tuple[str, ...]]:
+        """The engines checked on ``texts`` and timed, and the engines that
+        passed the check. Deciding a ``stale`` verdict again times the
+        engines that passed under the same key and does not check them again
+        (the check is a pure function of the key), and its engines are the
+        incumbents (``mptok.engines.timing``)."""
         choice = self.choice
         names = ENGINES if choice == "auto" else (choice,)
         reference = functools.cache(self.reference)  # each engine is checked on the same texts
@@ -369,9 +399,10 @@ class Chooser:
         if two_pass:
             # The engines match both kinds in one pass (module docstring, 1).
             return Chosen(None, None, f"added tokens {two_pass} overlap across the normalized and raw passes"), ()
-        timing = timing_texts(texts[-1])
+        if stale is not None:
+            names = tuple(name for name in names if name in stale.passed)
         notes = []
-        candidates: list[tuple[float, IdsEngine]] = []
+        candidates: list[IdsEngine] = []
         for name in names:
             if self.distrusts((name,)):
                 notes.append(f"{name}: gave different ids for this tokenizer earlier in this process")
@@ -381,36 +412,44 @@ class Chooser:
             except EngineUnavailable as e:
                 notes.append(f"{name}: {e}")
                 continue
-            difference = first_difference(engine, reference, texts)
-            if difference is not None:
-                notes.append(f"{name}: {difference}")
-                continue
-            cpu = cpu_cost(engine.encode_ids, timing)
-            notes.append(f"{name}: {cpu * 1e3:.2f} ms CPU")
-            candidates.append((cpu, engine))
+            if stale is None:
+                difference = first_difference(engine, reference, texts)
+                if difference is not None:
+                    notes.append(f"{name}: {difference}")
+                    continue
+            candidates.append(engine)
         if choice != "auto" and not candidates:
             logger.warning("tokenizer backend %s refused for %s (%s); using tokenizers", choice, self.name, notes[0])
-        passed = tuple(e.name for _, e in candidates)
+        passed = tuple(e.name for e in candidates)
         if not candidates:
             return Chosen(None, None, "; ".join(notes)), passed
-        # `tokenizers` is linear in the text and ~30x slower: timed on a tenth.
-        reference_cpu = 10 * cpu_cost(self.reference, [t[: len(t) // 10] for t in timing])
-        notes.append(f"tokenizers: {reference_cpu * 1e3:.2f} ms CPU")
-        cpu, engine = min(candidates, key=lambda c: c[0])
+        by_name = {e.name: e for e in candidates}
+        load = engine_memo.machine_load()
+        timing = timing_texts(texts[-1])
+        short = compare(candidates, timing, ROUNDS, stale.short if stale and stale.short in by_name else passed[0])
+        # `tokenizers` is linear in the text and ~30x slower: timed on a
+        # tenth, times ten, once it has seen it as the engines had theirs.
+        tenths = [t[: len(t) // 10] for t in timing]
+        cpu_cost(self.reference, tenths)
+        reference_cpu = 10 * cpu_cost(self.reference, tenths)
+        notes += [short.describe(), f"tokenizers: {reference_cpu * 1e3:.2f} ms CPU"]
+        cpu, engine = short.costs[short.chosen], by_name[short.chosen]
         if choice == "auto" and cpu >= reference_cpu:
             return Chosen(None, None, "; ".join(notes)), passed
         ratio = cpu / reference_cpu if reference_cpu > 0 else DEFAULT_ENGINE_TO_REFERENCE
-        report = f"{len(timing[0])} characters: " + "; ".join(notes)
-        longer = None
+        longer, spread = None, short.spread
         if len(candidates) > 1:
             # Which engine is cheaper changes with the length (fastokens
             # spreads a long text over threads): long texts are timed apart.
             long_timing = timing_texts(texts[-1], chars=LONG_TEXT_CHARS * 2, count=2)
             if len(long_timing[0]) >= LONG_TEXT_CHARS:
-                costs = [(cpu_cost(e.encode_ids, long_timing), e) for _, e in candidates]
-                longer = min(costs, key=lambda c: c[0])[1]
-                report += f"; {len(long_timing[0])} characters: " + "; ".join(f"{e.name}: {c * 1e3:.2f} ms CPU" for c, e in costs)
-        return Chosen(engine, longer, report, ratio), passed
+                incumbent = stale.long if stale and stale.long in by_name else short.chosen
+                long = compare(candidates, long_timing, LONG_ROUNDS, incumbent)
+                longer, spread = by_name[long.chosen], max(spread, long.spread)
+                notes.append(long.describe())
+        load = max(load, engine_memo.machine_load())
+        notes.append(f"load average {load:.2f} per CPU, rounds {spread:.0%} apart")
+        return Chosen(engine, longer, "; ".join(notes), ratio, load, spread), passed
 
 
 class LoadedOnFirstUse:

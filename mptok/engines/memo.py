@@ -20,6 +20,19 @@ gives the trust the check would give; the background checks
 (``mptok.engines.choice``) run as before, and one difference removes the
 memo, so the next start decides afresh.
 
+**Decided again when stale.** A verdict records the load it was decided
+under (the load average per CPU) and how far its timing rounds spread
+(``mptok.engines.timing``). One decided on a busy machine, or whose rounds
+spread widely, is unsettled: a start that finds the machine quieter
+decides it again, but no sooner than ``RETRY_S`` after it was decided, so
+that on a machine that stays busy at most one start in that time pays for a
+decision. Any verdict older than ``MAX_AGE_S`` is decided again too: what
+else the machine runs changes, and with it the engines' costs. Deciding
+again times the engines that passed the check and does not check them
+again: the check is a pure function of the key, which has not changed.
+Starts that find a stale verdict at once take the key's lock like starts
+that find none: one decides, the others read its verdict.
+
 **What cannot be used is ignored**, with a WARNING once per process and
 directory (``mptok.core.settings.engine_memo_dir``): a memo that is
 unreadable, not valid, written under another key, or in a directory another
@@ -54,12 +67,22 @@ from mptok.core.settings import ENGINE_MEMO_VARIABLE, ENGINES, engine_memo_dir
 logger = logging.getLogger(__name__)
 
 # Raised when what a memo holds, or how its key is made, changes meaning.
-FORMAT = 1
+FORMAT = 2
 _PREFIX = "engines-"
 # A start that finds another deciding the same key waits this long for its
 # verdict (a decision takes seconds; far longer means that process is stuck).
 LOCK_WAIT_S = 60.0
 _LOCK_POLL_S = 0.05
+# A verdict older than this is decided again (module docstring).
+MAX_AGE_S = 7 * 24 * 3600.0
+# A verdict decided at a load average of this much per CPU or more (as many
+# runnable threads as cores: the engines' threads waited for one), or whose
+# timing rounds spread more than UNSETTLED_SPREAD, is unsettled...
+BUSY_LOAD = 1.0
+UNSETTLED_SPREAD = 0.10
+# ...and decided again by a start at which the load is below BUSY_LOAD, or
+# below half the verdict's, this long after it was decided at the soonest.
+RETRY_S = 15 * 60.0
 
 
 @dataclass(frozen=True)
@@ -67,8 +90,10 @@ class Verdict:
     """What a start decided for one key: the engine of texts shorter than
     the long-text threshold and of longer ones ("tokenizers" for none), the
     engines that passed the start-up check, the chosen engine's CPU per
-    character against `tokenizers`', the start's own account, and the
-    process and time (seconds since the epoch) that decided."""
+    character against `tokenizers`', the start's own account, the process
+    and time (seconds since the epoch) that decided, the load average per
+    CPU it was decided under (the higher of before and after the timing)
+    and the spread of its timing rounds."""
 
     short: str
     long: str
@@ -77,6 +102,28 @@ class Verdict:
     report: str
     decided_by: int
     decided_at: float
+    load: float
+    spread: float
+
+    @property
+    def unsettled(self) -> bool:
+        """Decided on a busy machine, or from rounds that disagreed."""
+        return self.load >= BUSY_LOAD or self.spread > UNSETTLED_SPREAD
+
+    def stale(self, now: float, load: float) -> str | None:
+        """Why a start at time ``now`` with load average per CPU ``load``
+        decides this verdict again, or None (module docstring)."""
+        if len(self.passed) < 2:
+            return None  # no engines to choose between
+        age = now - self.decided_at
+        if not 0 <= age <= MAX_AGE_S:
+            return f"it was decided {age / 86400:.1f} days ago"
+        if self.unsettled and age >= RETRY_S and (load < BUSY_LOAD or load < self.load / 2):
+            return (
+                f"it was decided at a load average of {self.load:.2f} per CPU with rounds {self.spread:.0%} apart, "
+                f"and the load is {load:.2f} now"
+            )
+        return None
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -90,7 +137,7 @@ class Verdict:
         try:
             verdict = cls(
                 data["short"], data["long"], tuple(data["passed"]), float(data["ratio"]), str(data["report"]),
-                int(data["decided_by"]), float(data["decided_at"]),
+                int(data["decided_by"]), float(data["decided_at"]), float(data["load"]), float(data["spread"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a verdict: {e!r}") from None
@@ -98,6 +145,8 @@ class Verdict:
             raise ValueError("names an engine mptok does not have")
         if not set(verdict.engines) <= set(verdict.passed) or not verdict.ratio > 0:
             raise ValueError("chooses an engine that did not pass, or has no cost ratio")
+        if not (verdict.load >= 0 and verdict.spread >= 0):
+            raise ValueError("has no load or spread")
         return verdict
 
 
@@ -209,6 +258,14 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+def machine_load() -> float:
+    """The 1-minute load average per CPU (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
 def _warn_once(topic: str, message: str) -> None:
     """A WARNING, the first time in this process that ``topic`` (a directory) has a problem."""
     with _warned_lock:
@@ -224,9 +281,10 @@ def _digest(key: dict[str, Any]) -> str:
 
 @functools.cache
 def _decider() -> dict[str, Any]:
-    """mptok's version, and the digest of the module whose code makes a verdict."""
-    source = Path(__file__).with_name("fast.py").read_bytes()  # found, not imported: it imports this module
-    return {"version": _version("mptok"), "sources": hashlib.sha256(source).hexdigest()}
+    """mptok's version, and the digest of the modules whose code makes a verdict."""
+    # Found, not imported: fast.py imports this module.
+    sources = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("fast.py", "timing.py"))
+    return {"version": _version("mptok"), "sources": hashlib.sha256(sources).hexdigest()}
 
 
 @functools.cache

@@ -220,6 +220,7 @@ FRONTEND_METRICS: tuple[Metric, ...] = (
     _gauge("mptok_tokenizer_added_tokens_only", "cache", "backend_added_tokens_only", "Tokenizers this process splices at added tokens only: no seam rules for their layout, or rules the start-up check or a background check refuted."),
     _counter("mptok_tokenizer_backend_checks_total", "cache", "backend_checks", "Fast-engine results and splices re-checked against `tokenizers` in the background."),
     _counter("mptok_tokenizer_backend_checks_dropped_total", "cache", "backend_checks_dropped", "Sampled re-checks dropped because the check queue was full."),
+    _counter("mptok_tokenizer_backend_check_cpu_seconds_total", "cache", "backend_check_cpu_seconds", "CPU seconds of the background re-checks (the checking thread's own time)."),
     _counter("mptok_tokenizer_backend_mismatches_total", "cache", "backend_mismatches", "Fast-engine results or splices that differed from `tokenizers`; each switched that tokenizer back to `tokenizers` and to splices at added tokens only."),
     _gauge("mptok_cache_disabled", "cache", "disabled", "1 once the cache disabled itself after an internal error."),
     _counter("mptok_routed_total", "routing", "routed", "Prompts arriving here that their conversation's owner (another process) tokenized."),
