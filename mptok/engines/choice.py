@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
-from mptok.engines.fast import LONG_TEXT_CHARS, Chooser, Chosen, IdsEngine, LoadedOnFirstUse
+from mptok.engines.fast import LONG_TEXT_CHARS, Chooser, Chosen, LoadedOnFirstUse
+from mptok.engines.timing import IdsEngine
 
 logger = logging.getLogger(__name__)
 

@@ -49,13 +49,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from mptok.core.settings import ENGINES
 from mptok.engines import memo as engine_memo
-from mptok.engines.timing import LONG_ROUNDS, ROUNDS, compare
+from mptok.engines.timing import LONG_ROUNDS, ROUNDS, IdsEngine, compare
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +65,6 @@ class EngineUnavailable(Exception):
 
     def __init__(self, message: str):
         super().__init__(message.strip().splitlines()[0] if message.strip() else message)
-
-
-class IdsEngine(Protocol):
-    """Full tokenization without added special tokens: ids only, as a list or an int array."""
-
-    name: str
-
-    def encode_ids(self, text: str) -> list[int]: ...
-
-    def encode_id_array(self, text: str) -> np.ndarray: ...
 
 
 class _Fastokens:

@@ -37,10 +37,19 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from mptok.engines.fast import IdsEngine
+import numpy as np
+
+
+class IdsEngine(Protocol):
+    """Full tokenization without added special tokens: ids only, as a list or an int array."""
+
+    name: str
+
+    def encode_ids(self, text: str) -> list[int]: ...
+
+    def encode_id_array(self, text: str) -> np.ndarray: ...
 
 # Rounds per length of text; a round is one text tokenized by every engine.
 ROUNDS = 7
