@@ -34,6 +34,7 @@ from a point in windows that grow until one holds a boundary.
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 import unicodedata
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CharClasses", "ForcedPairs", "pattern_sets", "measure_pairs"]
+__all__ = ["Boundaries", "CharClasses", "ForcedPairs", "UnspannedPairs", "pattern_sets", "measure_pairs"]
 
 # Base classes: the whitespace characters that patterns name one by one, then general categories.
 _CR, _LF, _SPACE, _TAB, _OTHER_SPACE, _UPPER, _LOWER, _MODIFIER, _OTHER_LETTER = range(9)
@@ -115,31 +116,27 @@ class CharClasses:
         return samples
 
 
-class ForcedPairs:
-    """Forced boundaries as a matrix of class pairs: ``pairs[x, y]`` says
-    that a boundary lies between a character of class x and one of class y."""
+class Boundaries:
+    """A forced-boundary rule decided by the two characters around a point."""
 
-    def __init__(self, classes: CharClasses, pairs: np.ndarray):
-        self.classes = classes
-        self.pairs = pairs
+    def forced_at(self, points: np.ndarray) -> np.ndarray:
+        """For code points ``points``, whether a boundary is forced between each two."""
+        raise NotImplementedError
 
-    def without(self, text: str, position: int) -> ForcedPairs:
-        """These pairs less the one at ``position`` of ``text`` (a refuted claim)."""
-        x, y = self.classes.of(text[position - 1 : position + 1]).tolist()
-        pairs = self.pairs.copy()
-        pairs[x, y] = False
-        return ForcedPairs(self.classes, pairs)
+    def without(self, text: str, position: int) -> Boundaries:
+        """This rule less the claim at ``position`` of ``text`` (refuted)."""
+        raise NotImplementedError
 
-    def describe(self, text: str, position: int) -> str:
-        return f"{text[position - 1]!r}|{text[position]!r}"
+    @property
+    def claim_count(self) -> int:
+        raise NotImplementedError
 
     def between(self, text: str, low: int, high: int) -> np.ndarray:
         """Forced boundaries ``x`` with ``low <= x < high`` and ``x >= 1``, ascending."""
         low = max(low, 1)
         if high <= low:
             return np.zeros(0, dtype=np.int64)
-        classes = self.classes.of(text[low - 1 : high])
-        return np.flatnonzero(self.pairs[classes[:-1], classes[1:]]) + low
+        return np.flatnonzero(self.forced_at(code_points(text[low - 1 : high]))) + low
 
     def nearest(self, text: str, high: int, floor: int, count: int) -> list[int]:
         """Up to ``count`` forced boundaries in ``[floor, high)``, nearest to
@@ -152,6 +149,73 @@ class ForcedPairs:
             found += self.between(text, start, end)[::-1][: count - len(found)].tolist()
             end, window = start, 4 * window
         return found
+
+
+class ForcedPairs(Boundaries):
+    """Forced boundaries as a matrix of class pairs: ``pairs[x, y]`` says
+    that a boundary lies between a character of class x and one of class y."""
+
+    def __init__(self, classes: CharClasses, pairs: np.ndarray):
+        self.classes = classes
+        self.pairs = pairs
+
+    def forced_at(self, points: np.ndarray) -> np.ndarray:
+        classes = self.classes.table[points]
+        return self.pairs[classes[:-1], classes[1:]]
+
+    def without(self, text: str, position: int) -> ForcedPairs:
+        x, y = self.classes.of(text[position - 1 : position + 1]).tolist()
+        pairs = self.pairs.copy()
+        pairs[x, y] = False
+        return ForcedPairs(self.classes, pairs)
+
+    @property
+    def claim_count(self) -> int:
+        return int(self.pairs.sum())
+
+
+class UnspannedPairs(Boundaries):
+    """Where a segment is tokenized whole (no pre-tokenizer split), the
+    points that no vocabulary piece spans: between two characters that no
+    piece holds side by side (a space counted as the ▁ it becomes). BPE
+    merges only into pieces and Unigram picks among pieces, so no token
+    crosses such a point and each side is tokenized as if alone; unless both
+    characters are unknown to the vocabulary and the model fuses unknowns."""
+
+    def __init__(self, pieces: Iterable[str], space_marker: bool, fuse_unknown: bool):
+        pieces = list(pieces)
+        self.space_marker = space_marker
+        pairs = {(ord(p[i]) << 21) | ord(p[i + 1]) for p in pieces for i in range(len(p) - 1)}
+        self.spanned = np.array(sorted(pairs), dtype=np.int64)
+        self.alphabet = np.array(sorted({ord(p) for p in pieces if len(p) == 1}), dtype=np.int64)
+        self.fuse_unknown = fuse_unknown
+
+    def forced_at(self, points: np.ndarray) -> np.ndarray:
+        points = points.astype(np.int64)
+        if self.space_marker:
+            points[points == 0x20] = 0x2581
+        forced = ~_holds(self.spanned, (points[:-1] << 21) | points[1:])
+        if self.fuse_unknown:
+            known = _holds(self.alphabet, points)
+            forced &= known[:-1] | known[1:]
+        return forced
+
+    def without(self, text: str, position: int) -> UnspannedPairs:
+        points = code_points(text[position - 1 : position + 1]).astype(np.int64)
+        if self.space_marker:
+            points[points == 0x20] = 0x2581
+        rule = copy.copy(self)
+        rule.spanned = np.union1d(self.spanned, [(points[0] << 21) | points[1]])
+        return rule
+
+    @property
+    def claim_count(self) -> int:
+        return -1  # every pair of characters the vocabulary does not span
+
+
+def _holds(sorted_values: np.ndarray, values: np.ndarray) -> np.ndarray:
+    at = np.searchsorted(sorted_values, values)
+    return (at < len(sorted_values)) & (sorted_values[np.minimum(at, len(sorted_values) - 1)] == values)
 
 
 def pattern_sets(pattern: str) -> list[list[tuple[int, int]]]:

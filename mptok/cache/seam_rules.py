@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from mptok.cache.boundaries import CharClasses, ForcedPairs, measure_pairs, pattern_sets
+from mptok.cache.boundaries import Boundaries, CharClasses, ForcedPairs, UnspannedPairs, measure_pairs, pattern_sets
 
 __all__ = ["SeamRules", "SegmentOpeners", "derive_rules", "prove_rules"]
 
@@ -132,7 +132,7 @@ class SeamRules:
     lengths: np.ndarray
     segment_ends: np.ndarray
     added_contents: dict[int, str]
-    forced: ForcedPairs
+    forced: Boundaries
     claims: str  # CLAIMS_PRE_TOKENS or CLAIMS_TOKENS
     prefix: str
     nfc: bool
@@ -400,21 +400,19 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
     patterns = [s["pattern"]["Regex"] for s in pre if s["type"] == "Split"]
     patterns += [_BYTE_LEVEL_PATTERN for s in pre if s["type"] == "ByteLevel" and s.get("use_regex", True)]
     splits = [s for s in pre if (s["type"] != "ByteLevel" or s.get("use_regex", True)) and (s["type"] != "Metaspace" or s.get("split", True))]
-    sets = [range_set for pattern in patterns for range_set in pattern_sets(pattern)]
-    sets.append([(ord(SPACE_MARKER), ord(SPACE_MARKER))])
-    spanned = "" if splits else _chars_before_marker(model)
-    sets.append([(ord(c), ord(c)) for c in spanned])
-    classes = CharClasses(sets)
-    candidates = np.ones((classes.count, classes.count), dtype=bool)
-    space = int(classes.of(" ")[0])
-    if prefix in (PREFIX_UNLESS_SPACE, PREFIX_FIRST_UNLESS_SPACE) or not splits:
-        # A tail from a space gets no segment prefix; and where nothing splits a
-        # segment, the vocabulary's claim is about a space.
-        candidates[:, np.arange(classes.count) != space] = False
-    if not splits:
-        if not space_marker or SPACE_MARKER not in _pieces(model):
-            return "no pre-tokenizer split and no ▁ piece"
-        candidates[classes.of(" " + SPACE_MARKER + spanned), :] = False
+    if splits:
+        sets = [range_set for pattern in patterns for range_set in pattern_sets(pattern)]
+        classes = CharClasses(sets + [[(ord(SPACE_MARKER), ord(SPACE_MARKER))]])
+        candidates = np.ones((classes.count, classes.count), dtype=bool)
+        if prefix in (PREFIX_UNLESS_SPACE, PREFIX_FIRST_UNLESS_SPACE):
+            # A tail from a space gets no segment prefix (the engine tokenizes it whole).
+            candidates[:, np.arange(classes.count) != int(classes.of(" ")[0])] = False
+        forced: Boundaries = ForcedPairs(classes, candidates)
+    elif normalizer <= {"replace", "prepend"}:
+        pieces = [p for p in _pieces(model) if not (model.get("byte_fallback") and _BYTE_FALLBACK.fullmatch(p))]
+        forced = UnspannedPairs(pieces, space_marker, fuse_unknown=model.get("type") == "Unigram" or bool(model.get("fuse_unk")))
+    else:
+        return "no pre-tokenizer split, and a normalizer that rewrites the pieces' characters"
     segment_ends = np.zeros(len(lengths), dtype=bool)
     added_contents = {}
     for token in spec.get("added_tokens") or ():
@@ -425,7 +423,7 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         lengths=lengths,
         segment_ends=segment_ends,
         added_contents=added_contents,
-        forced=ForcedPairs(classes, candidates),
+        forced=forced,
         claims=CLAIMS_PRE_TOKENS if splits else CLAIMS_TOKENS,
         prefix=prefix,
         nfc="nfc" in normalizer,
@@ -520,19 +518,6 @@ def _pieces(model: dict[str, Any]) -> dict[str, int]:
     return dict(vocab)
 
 
-def _chars_before_marker(model: dict[str, Any]) -> str:
-    """The characters that some vocabulary piece holds right before a ▁
-    (other than ▁): a token can span a space after them."""
-    found = set()
-    for piece in _pieces(model):
-        i = piece.find(SPACE_MARKER, 1)
-        while i != -1:
-            found.add(piece[i - 1])
-            i = piece.find(SPACE_MARKER, i + 1)
-    found.discard(SPACE_MARKER)
-    return "".join(sorted(found))
-
-
 def prove_rules(
     rules: SeamRules,
     encode: Callable[[str], Any],
@@ -547,8 +532,9 @@ def prove_rules(
     at_segment_start)`` what a splice tokenizes a tail cut at a forced
     boundary with (a boundary right after an added token starts a segment)."""
     claims_pre_tokens = rules.claims == CLAIMS_PRE_TOKENS
-    pairs = measure_pairs(rules.forced.classes, rules.forced.pairs, encode, claims_pre_tokens)
-    rules = dataclasses.replace(rules, forced=ForcedPairs(rules.forced.classes, pairs))
+    if isinstance(rules.forced, ForcedPairs):
+        pairs = measure_pairs(rules.forced.classes, rules.forced.pairs, encode, claims_pre_tokens)
+        rules = dataclasses.replace(rules, forced=ForcedPairs(rules.forced.classes, pairs))
     refuted: list[str] = []
     for text in texts:
         try:
@@ -580,7 +566,7 @@ def prove_rules(
                 not claims_pre_tokens or index == 0 or words[index] is None or words[index] != words[index - 1]
             )
             if not splits:
-                refuted.append(rules.forced.describe(text, position))
+                refuted.append(f"{text[position - 1 : position + 1]!r}")
                 rules = dataclasses.replace(rules, forced=rules.forced.without(text, position))
             else:
                 checked.append(position)
@@ -590,10 +576,10 @@ def prove_rules(
             at_segment_start = index == 0 or bool(rules.segment_ends[ids[index - 1]])
             tail = [int(i) for i in tail_ids(text[position:], at_segment_start)]
             if tail != ids[index:].tolist():
-                refuted.append(rules.forced.describe(text, position))
+                refuted.append(f"{text[position - 1 : position + 1]!r}")
                 rules = dataclasses.replace(rules, forced=rules.forced.without(text, position))
-    claimed = int(rules.forced.pairs.sum())
-    report = f"seam rules: {rules.layout}, {claimed} class pairs forced"
+    claimed = rules.forced.claim_count
+    report = f"seam rules: {rules.layout}, " + (f"{claimed} class pairs forced" if claimed >= 0 else "points no piece spans forced")
     if refuted:
         report += f" ({len(refuted)} refuted at start, first at {refuted[0]})"
     return rules, report
