@@ -176,7 +176,8 @@ def _extend(
             continue
         index, at_segment_start = proof
         tail = backend.encode_tail(text[seam:], at_segment_start)
-        if tail is not None:
+        # Check 4 here: the new text's first token from the seam is the kept one.
+        if tail is not None and len(tail) and int(tail[0]) == int(kept[index]):
             return CachedPrompt(text, cached.ids.spliced(index, np.asarray(tail)), index)
     return None
 
