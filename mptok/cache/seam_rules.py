@@ -20,28 +20,14 @@ pass over the whole prompt to give (its offsets and word ids):
   whitespace or is matched in normalized text) ends the walk. A literal
   ``▁`` (which a space also becomes) and text that NFC would change (for an
   NFC normalizer) make the lengths ambiguous: nothing is located across them.
-- **Where every pre-tokenization splits** (*forced boundaries*): positions
+- **Where every pre-tokenization splits** (*forced boundaries*): points
   at which the pre-tokenizer splits whatever it started from, so the text
-  before them cannot influence the tokens after them:
-
-  - regex ``Split`` (``Isolated``) and ``ByteLevel`` patterns of the GPT-2
-    family (GPT-2, cl100k-style, DeepSeek, Qwen): between a letter, mark or
-    digit and whitespace, and between a letter or digit and punctuation or
-    a symbol (GPT-2 runs marks with punctuation). No alternative of these
-    patterns matches such a pair (they run letters together, digits apart,
-    punctuation and symbols together, each at most after one leading
-    character), and each letter, mark or digit is matched (never left in a
-    gap), so the match that holds the first ends right there, wherever the
-    scan started;
-  - ``Metaspace`` with ``split``: before every space (it splits before
-    every ``▁``, with no look at anything else);
-  - no pre-tokenizer (the legacy SentencePiece layout), when no vocabulary
-    piece holds ``▁`` right after another character: before a space that
-    follows a non-space (no token can span that point).
-
-  A layout whose segment start gets a prefix unless it begins with a space
-  splits only before a space, so that the tail from there gets no prefix
-  either.
+  before them cannot influence the tokens after them: pairs of character
+  classes measured on the tokenizer, or, where nothing splits a segment,
+  points no vocabulary piece spans (``mptok.cache.boundaries``). A layout
+  whose segment start gets a prefix unless it begins with a space keeps
+  only the pairs before a space, so that the tail from there gets no
+  prefix either.
 - **Which added tokens open a segment** (``SegmentOpeners``). Added tokens
   are split out first, so where one is matched at ``s`` in a kept prompt
   and in a new one sharing its first characters, the new prompt's ids from
@@ -58,11 +44,14 @@ pass over the whole prompt to give (its offsets and word ids):
   with ``rstrip`` could take it), ``normalized`` tokens when there is a
   normalizer, and special tokens when special tokens are not split out.
 
-The first two are claims about the tokenizer's patterns, so ``check_rules``
-tests them when a backend is built, against `tokenizers` itself, on the
-adversarial corpus the fast engines are checked on. A tokenizer whose layout
-has no rules here (WordPiece, a lowercasing normalizer, custom
-pre-tokenizers) or whose rules fail splices at added tokens only.
+The first two are claims about the tokenizer, so ``prove_rules`` tests them
+when a backend is built, against `tokenizers` itself, on the adversarial
+corpus the fast engines are checked on: a wrong length table leaves the
+tokenizer splicing at added tokens only, a refuted boundary claim is
+dropped alone. Where lengths are not counted (a normalizer that rewrites
+characters, WordPiece's ``##``, a pre-tokenizer that drops whitespace),
+``lengths`` is all ``UNKNOWN`` and seams are proven by the kept tail
+(``mptok.cache.seam``).
 """
 
 from __future__ import annotations
