@@ -307,3 +307,15 @@ def test_a_search_for_a_seam_widens_to_the_start_of_a_long_run():
     grown = text[:-10] + "yz tail"
     assert cache.encode(tokenizer, grown, key="r") == reference_ids(tokenizer, grown)
     assert cache.stats()["hits"] == 1
+
+
+def test_where_nothing_splits_a_segment_the_vocabulary_says_which_points_are_forced():
+    """The legacy SentencePiece layout: no piece holds ▁ after a letter, so
+    the point before a space after a word is forced; the Metaspace family
+    without split was trained on whole segments (pieces such as `e▁`), so
+    that point is not forced there, and both tokenize exactly around it."""
+    legacy = backend_for(load_family("legacy_sp"), "tokenizers").seam_rules
+    nosplit = backend_for(load_family("metaspace_always_nosplit"), "tokenizers").seam_rules
+    text = "the model reads"
+    assert list(legacy.forced_boundaries(text, 0, len(text))) == [3, 9]
+    assert 3 not in nosplit.forced_boundaries(text, 0, len(text))

@@ -64,8 +64,9 @@ SAMPLES_PER_CLASS = 24
 FIRST_WINDOW = 32
 # Length of the random text, and how often a pair must be seen, always
 # split, to be claimed.
-PROBE_CHARS = 60_000
+PROBE_CHARS = 80_000
 MIN_SEEN = 3
+WHITESPACE_WEIGHT = 6
 
 
 @functools.cache
@@ -310,10 +311,14 @@ def measure_pairs(
     rng = random.Random(seed)
     samples = classes.samples(rng)
     usable = [c for c in range(classes.count) if samples[c]]
+    # Whitespace runs are drawn more often: patterns look ahead over them
+    # (``\s+(?!\S)``, ``\s*[\r\n]+``), so what follows a run of them decides its pairs.
+    spaces = set(classes.of("\r\n \t\u00a0\u3000").tolist())
+    weights = [WHITESPACE_WEIGHT if c in spaces else 1 for c in usable]
     parts: list[str] = []
     length = 0
     while length < PROBE_CHARS:
-        c = rng.choice(usable)
+        c = rng.choices(usable, weights)[0]
         run = "".join(rng.choice(samples[c]) for _ in range(rng.choice((1, 1, 1, 2, 3, 5))))
         parts.append(run)
         length += len(run)
