@@ -11,16 +11,17 @@ classes*: "between a character of class X and one of class Y, a pre-token
 
 The classes are the Unicode general categories that regex pre-tokenizers
 are written in (letters by case, marks, digits, other numbers, punctuation,
-symbols, the whitespace characters each on their own, other), split into
-ASCII and the rest and then by every set a pattern names: each bracket
-expression of a ``Split`` regex and each literal character (both cases
-under ``(?i``) is carved out as its own class, so that the pattern cannot
-tell two characters of one class apart (``'s`` makes ``'`` a class of its
-own; DeepSeek's CJK ranges and its list of ASCII punctuation make theirs).
-A layout whose pre-tokenizer leaves a segment whole (the legacy SentencePiece
-layout, ``Metaspace`` without ``split``) has claims from its vocabulary
-instead: before a space, after a character that no piece holds right before
-``▁`` (no token can span that point, and BPE and Unigram then split there).
+symbols, the whitespace characters each on their own, other, and unassigned
+code points, which are never claimed), split into ASCII and the rest and
+then by every set a pattern names: each bracket expression of a ``Split``
+regex and each literal character (both cases under ``(?i``) is carved out
+as its own class, so that the pattern cannot tell two characters of one
+class apart (``'s`` makes ``'`` a class of its own; DeepSeek's CJK ranges
+and its list of ASCII punctuation make theirs). A layout whose
+pre-tokenizer leaves a segment whole (the legacy SentencePiece layout,
+``Metaspace`` without ``split``) has claims from its vocabulary instead
+(``UnspannedPairs``): the points between two characters that no piece holds
+side by side.
 
 ``measure_pairs`` tokenizes a long random text over the classes (runs of
 each, in random order) with `tokenizers` and keeps the pairs that always
@@ -47,13 +48,15 @@ __all__ = ["Boundaries", "CharClasses", "ForcedPairs", "UnspannedPairs", "patter
 
 # Base classes: the whitespace characters that patterns name one by one, then general categories.
 _CR, _LF, _SPACE, _TAB, _OTHER_SPACE, _UPPER, _LOWER, _MODIFIER, _OTHER_LETTER = range(9)
-_MARK, _DIGIT, _OTHER_NUMBER, _PUNCTUATION, _SYMBOL, _OTHER = range(9, 15)
+_MARK, _DIGIT, _OTHER_NUMBER, _PUNCTUATION, _SYMBOL, _OTHER, _UNASSIGNED = range(9, 16)
 _BY_CATEGORY = {
     "Lu": _UPPER, "Lt": _UPPER, "Ll": _LOWER, "Lm": _MODIFIER, "Lo": _OTHER_LETTER,
     "Mn": _MARK, "Mc": _MARK, "Me": _MARK, "Nd": _DIGIT, "Nl": _OTHER_NUMBER, "No": _OTHER_NUMBER,
     "Pc": _PUNCTUATION, "Pd": _PUNCTUATION, "Ps": _PUNCTUATION, "Pe": _PUNCTUATION,
     "Pi": _PUNCTUATION, "Pf": _PUNCTUATION, "Po": _PUNCTUATION,
     "Sm": _SYMBOL, "Sc": _SYMBOL, "Sk": _SYMBOL, "So": _SYMBOL,
+    # A tokenizer's regex engine may know characters of a later Unicode version: never claimed.
+    "Cn": _UNASSIGNED,
 }  # fmt: skip
 # Past this code point, outside plane 14, everything is unassigned or private use.
 _ASSIGNED_END = 0x32400
@@ -72,7 +75,8 @@ WHITESPACE_WEIGHT = 6
 @functools.cache
 def _base_table() -> np.ndarray:
     """Each code point's base class (built once per process)."""
-    table = np.full(0x110000, _OTHER, dtype=np.uint8)
+    table = np.full(0x110000, _UNASSIGNED, dtype=np.uint8)
+    table[0xF0000:] = _OTHER  # private use
     points = list(range(_ASSIGNED_END)) + list(_PLANE_14)
     table[points] = [_BY_CATEGORY.get(unicodedata.category(chr(c)), _OTHER) for c in points]
     # Unicode's White_Space (str.isspace adds four separators of category Cc).
@@ -100,6 +104,7 @@ class CharClasses:
         _, table = np.unique(key, return_inverse=True)
         self.count = int(table.max()) + 1
         self.table = table.astype(np.uint16)
+        self.unassigned = np.unique(self.table[_base_table() == _UNASSIGNED])
 
     def of(self, text: str) -> np.ndarray:
         return self.table[code_points(text)]

@@ -393,6 +393,7 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         sets = [range_set for pattern in patterns for range_set in pattern_sets(pattern)]
         classes = CharClasses(sets + [[(ord(SPACE_MARKER), ord(SPACE_MARKER))]])
         candidates = np.ones((classes.count, classes.count), dtype=bool)
+        candidates[classes.unassigned, :] = candidates[:, classes.unassigned] = False
         if prefix in (PREFIX_UNLESS_SPACE, PREFIX_FIRST_UNLESS_SPACE):
             # A tail from a space gets no segment prefix (the engine tokenizes it whole).
             candidates[:, np.arange(classes.count) != int(classes.of(" ")[0])] = False
