@@ -62,17 +62,17 @@ def engine_loads_its_families(request, backend):
 # Where adversarial text leaves fewer provable seams, and why (docs/CACHE.md,
 # "The proof of a seam"): the share of turns that must still splice.
 ADVERSARIAL_HIT_FLOORS = {
-    # No seam rules: added tokens only (every segment one pre-token, its
-    # vocabulary spanning spaces; WordPiece's normalizer rewrites lengths).
-    "metaspace_always_nosplit": 0.0,
-    "wordpiece": 0.0,
-    # Unigram vocabularies of 4000 pieces with no byte fallback: the
-    # adversarial pieces' characters are <unk>, which stands for text of any
-    # length, so no kept token before one is located.
-    "metaspace_first": 0.0,
-    "metaspace_always": 0.0,
-    # NFC: tokens are located only from the last character NFC would change.
-    "qwen": 0.85,
+    # Unigram vocabularies of 4000 pieces with no byte fallback, and
+    # WordPiece's: the adversarial pieces' characters are <unk> ([UNK] for a
+    # whole word), of a length the ids do not tell, so a seam before one is
+    # proven by tokenizing the kept text from it, which must cost less than
+    # tokenizing the prompt whole: a prompt that parts early has none.
+    "metaspace_first": 0.8,
+    "metaspace_always": 0.8,
+    "wordpiece": 0.8,
+    # A vocabulary trained on whole segments spans every pair of characters
+    # of plain text: only points around rarer characters are forced.
+    "metaspace_always_nosplit": 0.15,
 }
 
 
@@ -224,9 +224,8 @@ def test_prompts_without_key_extend_longest_cached_prefix(family):
 def test_a_second_prompt_splices_at_any_seam(family):
     """A prompt, then one that parts from it at a random point among hard
     pieces and goes on: the second is exact, and splices (its seam is
-    proven) in nearly every case, wherever the prompts part. One family has
-    no provable seam outside added tokens (every segment one pre-token, its
-    vocabulary spanning spaces): exact there, and rarely a hit."""
+    proven) in nearly every case, wherever the prompts part, except where
+    ``ADVERSARIAL_HIT_FLOORS`` says why not."""
     tokenizer = load_family(family)
     rng = random.Random(5)
     markers = CHAT_MARKERS[family]
@@ -254,5 +253,4 @@ def test_a_template_without_added_tokens_still_hits(family):
         prompt = history + "Assistant:"
         assert cache.encode(tokenizer, prompt, key="gpt2") == reference_ids(tokenizer, prompt)
         history += f"Assistant: {plain_delta(rng, 40)}\n\n"
-    floor = 0 if family in ("metaspace_always_nosplit", "wordpiece") else turns - 2
-    assert cache.stats()["hits"] >= floor, cache.stats()
+    assert cache.stats()["hits"] >= turns - 2, cache.stats()

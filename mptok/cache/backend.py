@@ -40,7 +40,7 @@ import orjson
 from tokenizers import Encoding, Tokenizer
 
 from mptok.cache.config import CacheConfig
-from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, SegmentOpeners, check_rules, derive_rules
+from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, SegmentOpeners, derive_rules, prove_rules
 from mptok.core.settings import CHOICES, ENGINES
 from mptok.engines.choice import COUNTERS, Engines, TokenizerRefused
 from mptok.engines.fast import IdsEngine, self_check_texts
@@ -248,8 +248,7 @@ class TokenizerBackend:
             if isinstance(rules, SeamRules):
                 self._prefix_unless_space = _prefixes_unless_space(rules)
                 texts = self_check_texts(t.content for t in self._full.get_added_tokens_decoder().values())
-                failure = check_rules(rules, self.encode, self._tail_for_check, texts)
-                known = (rules, f"seam rules: {rules.layout}") if failure is None else (None, f"seam rules refuted: {failure}")
+                known = prove_rules(rules, self.encode, self._tail_for_check, texts)
             else:
                 known = (None, f"no seam rules: {rules}")
             with _rule_verdicts_lock:

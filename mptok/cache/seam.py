@@ -14,7 +14,11 @@ layout adds a dummy prefix whose ids still match), so a seam must pass all of
    both prompts), or the start of an added token that opens a segment.
 2. It is where a kept token begins: the kept ids, walked back from the end
    of the kept text by their lengths (``SeamRules.token_starts``), say which
-   token; a character split over several tokens never is.
+   token; a character split over several tokens never is. Where the walk
+   cannot tell (a token of unknown length after the seam, lengths a
+   normalizer changes), the kept text from the seam, tokenized, must give
+   exactly the kept prompt's last ids, and the new tail's first id must be
+   the first of them.
 3. Its character starts cleanly under Unicode normalization (no combining
    mark, nothing that decomposes into one), and the tokenizer's own
    normalizer gives the same text around it whether it runs across the seam
@@ -31,9 +35,11 @@ layout adds a dummy prefix whose ids still match), so a seam must pass all of
 Then the new prompt's ids are the kept ids before the seam followed by the
 tail's, tokenized by the backend's engine: the whole text's from an added
 token or a segment start, a continuation of the segment from anywhere else
-(``TokenizerBackend.encode_tail``). A hit costs the new text: the walk and
-the search for seams cover the characters from a little before the point
-where the prompts part to the end of the kept one, never the whole prompt.
+(``TokenizerBackend.encode_tail``). A hit costs the new text: the search for
+seams goes back from the point where the prompts part in windows that grow
+until they hold enough forced boundaries (across a long run without one it
+costs that run), and the walk covers from there to the end of the kept
+prompt, never the whole prompt.
 
 A tokenizer with no seam rules (``seam_rules`` is None) splices at added
 tokens only, each proven by tokenizing the kept prompt's text from the seam
@@ -48,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mptok.cache.backend import TokenizerBackend
-from mptok.cache.seam_rules import starts_cleanly
+from mptok.cache.seam_rules import TokenStarts, starts_cleanly
 from mptok.core.ids import IdPieces
 
 __all__ = ["CachedPrompt", "extend_prompt", "tokenize_prompt", "prompt_of_ids"]
@@ -111,14 +117,14 @@ def _extend(
     rules = backend.seam_rules
     kept = cached.ids.array()
     openers = backend.segment_openers
-    lowest = max(0, shared - openers.max_reach - SEARCH_CHARS)
-    located = rules.token_starts(kept, cached.text, lowest, shared)
-    if located is None:
-        return None
-    # Seam candidates, nearest to the end of the shared prefix first: added
-    # tokens that open a segment where the kept tokenization has them (check
-    # 5 with each one's reach), and forced boundaries (check 5 with the
-    # longest added token's).
+    # Forced boundaries nearest to the end of the shared prefix (check 5 with
+    # the longest added token's reach), searched back as far as a run of text
+    # without one reaches; the walk covers them and the added tokens just before.
+    floor = max(0, len(cached.text) - MAX_WALK_CHARS)
+    forced = rules.forced.nearest(text, shared - openers.max_reach + 1, floor, max_attempts + 1)
+    lowest = max(floor, min([shared - openers.max_reach - SEARCH_CHARS] + forced))
+    located = rules.token_starts(kept, cached.text, lowest, shared) or _NONE_LOCATED
+    # Added tokens that open a segment where the kept tokenization has them (check 5 with each one's reach).
     at_added = rules.segment_ends[kept[located.indices]]
     added = {
         position
@@ -127,13 +133,14 @@ def _extend(
         and position + reach <= shared
         and text.startswith(rules.added_contents[int(kept[index])], position)
     }
-    forced = rules.forced_boundaries(text, lowest, shared - openers.max_reach + 1)
     candidates = sorted(added.union(forced), reverse=True)
     attempts = 0
+    unproven: list[int] = []  # seams to prove by the kept tail instead
     checked_to: tuple[int, int] | None = None  # (position, index) the next seam's tail must reproduce up to
     for seam in candidates:
         index = located.index_at(seam)
         if index is None:
+            unproven.append(seam)
             continue
         if attempts >= max_attempts:
             return None
@@ -141,6 +148,7 @@ def _extend(
         if checked_to is None and not at_added:
             # A forced seam needs a later candidate to check its tail against (check 4).
             checked_to = (seam, index)
+            unproven.append(seam)
             continue
         if not _clean_seam(backend, text, seam):
             checked_to = (seam, index)
@@ -159,6 +167,58 @@ def _extend(
                 checked_to = (seam, index)
                 continue
         return CachedPrompt(text, cached.ids.spliced(index, tail), index)
+    # Seams the walk did not locate (a token of unknown length after them, a
+    # normalizer that changes lengths) or with no later candidate: the kept
+    # text from the seam, tokenized, must give exactly the kept prompt's last ids.
+    lowest_proven = _lowest_tail_proof(cached, text)
+    for seam in unproven:
+        if attempts >= max_attempts or seam < lowest_proven:
+            return None
+        if not _clean_seam(backend, text, seam):
+            continue
+        attempts += 1
+        proof = _index_by_kept_tail(backend, kept, cached.text, seam)
+        if proof is None:
+            continue
+        index, at_segment_start = proof
+        tail = backend.encode_tail(text[seam:], at_segment_start)
+        # Check 4 here: the new text's first token from the seam is the kept one.
+        if tail is not None and len(tail) and int(tail[0]) == int(kept[index]):
+            return CachedPrompt(text, cached.ids.spliced(index, np.asarray(tail)), index)
+    return None
+
+
+_NONE_LOCATED = TokenStarts(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def _lowest_tail_proof(cached: CachedPrompt, text: str) -> int:
+    """The lowest seam proven by tokenizing the kept text from it:
+    re-tokenizing ``len(cached.text) - s`` plus ``len(text) - s`` characters
+    must stay within three quarters of the prompt; past that a full
+    tokenization costs about as much."""
+    return max(1, (len(cached.text) + len(text) // 4 + 1) // 2)
+
+
+def _index_by_kept_tail(
+    backend: TokenizerBackend, kept: np.ndarray, kept_text: str, seam: int
+) -> tuple[int, bool] | None:
+    """Where the kept ids from ``seam`` begin, and whether a segment starts
+    there, if the kept text from ``seam`` tokenizes to exactly the kept
+    prompt's last ids (as a continuation of a segment, or as the start of
+    one after an added token); else None."""
+    for at_segment_start in (False, True):
+        old = backend.encode_tail(kept_text[seam:], at_segment_start)
+        if old is None:
+            return None
+        old = np.asarray(old)
+        first = len(kept) - len(old)
+        if first <= 0:
+            return None
+        if bool(backend.seam_rules.segment_ends[kept[first - 1]]) != at_segment_start:
+            continue
+        if np.array_equal(kept[first:], old):
+            return first, at_segment_start
+        return None
     return None
 
 
@@ -176,10 +236,7 @@ def _extend_at_added_token(
     the kept text from it (for a tokenizer with no seam rules)."""
     openers = backend.segment_openers
     kept = cached.ids.length
-    # Re-tokenizing len(cached.text) - s plus len(text) - s characters must
-    # stay within three quarters of the prompt: past that a full
-    # tokenization costs about as much.
-    lowest = max(0, (len(cached.text) + len(text) // 4 + 1) // 2)
+    lowest = _lowest_tail_proof(cached, text)
     for attempt, seam in enumerate(openers.starts_before(cached.text, shared, lowest)):
         if attempt >= max_attempts:
             return None

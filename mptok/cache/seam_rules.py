@@ -20,28 +20,14 @@ pass over the whole prompt to give (its offsets and word ids):
   whitespace or is matched in normalized text) ends the walk. A literal
   ``▁`` (which a space also becomes) and text that NFC would change (for an
   NFC normalizer) make the lengths ambiguous: nothing is located across them.
-- **Where every pre-tokenization splits** (*forced boundaries*): positions
+- **Where every pre-tokenization splits** (*forced boundaries*): points
   at which the pre-tokenizer splits whatever it started from, so the text
-  before them cannot influence the tokens after them:
-
-  - regex ``Split`` (``Isolated``) and ``ByteLevel`` patterns of the GPT-2
-    family (GPT-2, cl100k-style, DeepSeek, Qwen): between a letter, mark or
-    digit and whitespace, and between a letter or digit and punctuation or
-    a symbol (GPT-2 runs marks with punctuation). No alternative of these
-    patterns matches such a pair (they run letters together, digits apart,
-    punctuation and symbols together, each at most after one leading
-    character), and each letter, mark or digit is matched (never left in a
-    gap), so the match that holds the first ends right there, wherever the
-    scan started;
-  - ``Metaspace`` with ``split``: before every space (it splits before
-    every ``▁``, with no look at anything else);
-  - no pre-tokenizer (the legacy SentencePiece layout), when no vocabulary
-    piece holds ``▁`` right after another character: before a space that
-    follows a non-space (no token can span that point).
-
-  A layout whose segment start gets a prefix unless it begins with a space
-  splits only before a space, so that the tail from there gets no prefix
-  either.
+  before them cannot influence the tokens after them: pairs of character
+  classes measured on the tokenizer, or, where nothing splits a segment,
+  points no vocabulary piece spans (``mptok.cache.boundaries``). A layout
+  whose segment start gets a prefix unless it begins with a space keeps
+  only the pairs before a space, so that the tail from there gets no
+  prefix either.
 - **Which added tokens open a segment** (``SegmentOpeners``). Added tokens
   are split out first, so where one is matched at ``s`` in a kept prompt
   and in a new one sharing its first characters, the new prompt's ids from
@@ -58,16 +44,20 @@ pass over the whole prompt to give (its offsets and word ids):
   with ``rstrip`` could take it), ``normalized`` tokens when there is a
   normalizer, and special tokens when special tokens are not split out.
 
-The first two are claims about the tokenizer's patterns, so ``check_rules``
-tests them when a backend is built, against `tokenizers` itself, on the
-adversarial corpus the fast engines are checked on. A tokenizer whose layout
-has no rules here (WordPiece, a lowercasing normalizer, custom
-pre-tokenizers) or whose rules fail splices at added tokens only.
+The first two are claims about the tokenizer, so ``prove_rules`` tests them
+when a backend is built, against `tokenizers` itself, on the adversarial
+corpus the fast engines are checked on: a wrong length table leaves the
+tokenizer splicing at added tokens only, a refuted boundary claim is
+dropped alone. Where lengths are not counted (a normalizer that rewrites
+characters, WordPiece's ``##``, a pre-tokenizer that drops whitespace),
+``lengths`` is all ``UNKNOWN`` and seams are proven by the kept tail
+(``mptok.cache.seam``).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import re
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -75,9 +65,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import regex
 
-__all__ = ["SeamRules", "SegmentOpeners", "derive_rules", "check_rules"]
+from mptok.cache.boundaries import Boundaries, CharClasses, ForcedPairs, UnspannedPairs, measure_pairs, pattern_sets
+
+__all__ = ["SeamRules", "SegmentOpeners", "derive_rules", "prove_rules"]
 
 SPACE_MARKER = "\u2581"
 # A token whose length the ids do not tell (``<unk>``, whitespace-stripping added tokens).
@@ -92,13 +83,12 @@ PREFIX_ALWAYS = "always"  # a Prepend normalizer
 
 # Code points from which a character takes 2, 3 and 4 UTF-8 bytes.
 _UTF8_UNITS = np.array([0x80, 0x800, 0x10000], dtype=np.uint32)
-_GPT2_FORCED = r"(?<=[\p{L}\p{M}\p{N}])(?=\s)|(?<=[\p{L}\p{N}])(?=[\p{P}\p{S}])"
-_GPT2_FORCED_BEFORE_SPACE = r"(?<=[\p{L}\p{M}\p{N}])(?= )"
-_BEFORE_SPACE = r"(?= )"
-_BEFORE_SPACE_AFTER_OTHER = r"(?<=[^ ])(?= )"
+# What a claim of a forced boundary says: that a pre-token begins there, or
+# (a layout whose pre-tokenizer leaves a segment whole) that a token does.
+CLAIMS_PRE_TOKENS = "pre-tokens"
+CLAIMS_TOKENS = "tokens"
 # Tails tokenized from forced boundaries per text of the start-up check.
 TAILS_CHECKED_PER_TEXT = 2
-
 
 @dataclass(frozen=True)
 class TokenStarts:
@@ -131,19 +121,17 @@ class SeamRules:
     lengths: np.ndarray
     segment_ends: np.ndarray
     added_contents: dict[int, str]
-    forced: Any  # a compiled ``regex`` pattern matching empty strings at forced boundaries
+    forced: Boundaries
+    claims: str  # CLAIMS_PRE_TOKENS or CLAIMS_TOKENS
     prefix: str
     nfc: bool
     space_marker: bool
     layout: str
 
-    def forced_boundaries(self, text: str, low: int, high: int) -> list[int]:
-        """Forced boundaries ``x`` with ``low < x < high``, ascending; each
+    def forced_boundaries(self, text: str, low: int, high: int) -> np.ndarray:
+        """Forced boundaries ``x`` with ``low <= x < high``, ascending; each
         decided by ``text[x - 1]`` and ``text[x]`` alone."""
-        low = max(low, 1)
-        if high <= low:
-            return []  # (``regex`` reads a negative end as counted from the text's end)
-        return [m.start() for m in self.forced.finditer(text, low, high)]
+        return self.forced.between(text, low, high)
 
     def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
         """Where the last tokens of ``ids`` (the exact tokenization of
@@ -203,45 +191,36 @@ class SeamRules:
     def _walk_back(self, ids: np.ndarray, walked: str, lowest: int, locatable: int) -> TokenStarts | None:
         """``token_starts`` for a layout that adds nothing at a segment's
         start: every token covers a unit at least, so the tokens to walk are
-        known at once, and a few dozen of them are walked one by one (cheaper
-        than a dozen array operations on so few)."""
+        known at once."""
         marked = walked.replace(SPACE_MARKER, " ") if self.space_marker else walked
-        ascii_only = marked.isascii()
         try:
-            total = len(marked) if ascii_only else len(marked.encode("utf-8"))
+            encoded = marked.encode("utf-8")
         except UnicodeEncodeError:
             return None
+        total = len(encoded)
         count = min(len(ids), total + 1)
         first = len(ids) - count
         tail = np.asarray(ids[first:])
         if count and (int(tail.min()) < 0 or int(tail.max()) >= len(self.lengths)):
             return None
-        lengths = self.lengths[tail].tolist()
-        position, units, indices = total, [], []
-        for k in range(count - 1, -1, -1):
-            length = lengths[k]
-            if length < 0:
-                break
-            position -= length
-            if position < 0:
-                break
-            units.append(position)
-            indices.append(first + k)
-        else:
-            if count == len(ids) and position != 0 and (position > 0 or lowest == 0):
-                return None  # every token walked, and they do not tile the text
-        units.reverse()
-        indices.reverse()
-        if ascii_only:
-            keep = [i for i, unit in enumerate(units) if unit < locatable]
-            return TokenStarts(np.asarray([lowest + units[i] for i in keep], np.int64), np.asarray([indices[i] for i in keep], np.int64))
-        points = np.frombuffer(marked.encode("utf-32-le"), dtype=np.uint32)
-        char_units = np.cumsum(_UTF8_UNITS.searchsorted(points, side="right") + 1)
-        char_units = np.concatenate(([0], char_units[:-1]))
-        begins = np.asarray(units, np.int64)
-        chars = np.searchsorted(char_units, begins)
-        ok = (chars < locatable) & (char_units[np.minimum(chars, len(char_units) - 1)] == begins)
-        return TokenStarts(lowest + chars[ok], np.asarray(indices, np.int64)[ok])
+        lengths = self.lengths[tail].astype(np.int64)
+        unknown = np.flatnonzero(lengths < 0)
+        # starts[k]: the unit where tail[k] begins, counted back from the end.
+        starts = total - np.cumsum(lengths[::-1])[::-1]
+        if not len(unknown) and count == len(ids) and count and starts[0] > 0:
+            return None  # every token walked, and they do not tile the text
+        known = int(unknown[-1]) + 1 if len(unknown) else 0
+        begin = known + int(np.searchsorted(starts[known:], 0, side="left"))
+        units = starts[begin:]
+        indices = np.arange(first + begin, first + count, dtype=np.int64)
+        if total == len(marked):  # ASCII: a unit is a character
+            keep = units < locatable
+            return TokenStarts(lowest + units[keep], indices[keep])
+        # Where each character begins, in units: not a continuation byte.
+        char_units = np.flatnonzero((np.frombuffer(encoded, dtype=np.uint8) & 0xC0) != 0x80)
+        chars = np.searchsorted(char_units, units)
+        ok = (chars < locatable) & (char_units[np.minimum(chars, len(char_units) - 1)] == units)
+        return TokenStarts(lowest + chars[ok], indices[ok])
 
     def _last_tokens(self, ids: np.ndarray, total: int) -> tuple[np.ndarray | None, np.ndarray]:
         """The last ids, enough of them to cover ``total`` units or all,
@@ -376,18 +355,16 @@ def _prefixed(walked: str, char_units: np.ndarray, end: int, length: int, added:
 
 def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> SeamRules | str:
     """The rules for the tokenizer specified by ``spec`` (tokenizer.json as a
-    dict), or why it has none."""
+    dict), with every pair its layout allows claimed (``prove_rules`` keeps
+    the ones that hold), or why it has none."""
     model = spec.get("model") or {}
-    if model.get("type") not in ("BPE", "Unigram", "WordLevel"):
+    if model.get("type") not in ("BPE", "Unigram", "WordLevel", "WordPiece"):
         return f"{model.get('type')} model"
     normalizer = _normalizer_steps(spec.get("normalizer"))
-    if isinstance(normalizer, str):
-        return normalizer
     pre = _pre_tokenizer_steps(spec.get("pre_tokenizer"))
     if isinstance(pre, str):
         return pre
     byte_level = any(step["type"] == "ByteLevel" for step in pre)
-    regexes = [s for s in pre if s["type"] == "Split" or (s["type"] == "ByteLevel" and s.get("use_regex", True))]
     metaspace = [s for s in pre if s["type"] == "Metaspace"]
     prefix = PREFIX_NONE
     if any(s["type"] == "ByteLevel" and s.get("add_prefix_space") for s in pre):
@@ -405,18 +382,27 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         if prefix != PREFIX_NONE:
             return "two segment prefixes"
         prefix = PREFIX_ALWAYS
-    lengths, unknown_reason = _lengths(spec, model, byte_level, vocab_size, split_special, has_normalizer=bool(normalizer))
-    if unknown_reason:
-        return unknown_reason
-    if regexes and not metaspace and byte_level:
-        forced = _GPT2_FORCED if prefix == PREFIX_NONE else _GPT2_FORCED_BEFORE_SPACE
-        layout = "pattern"
-    elif metaspace and not regexes and all(s.get("split", True) for s in metaspace):
-        forced, layout = _BEFORE_SPACE, "metaspace"
-    elif not pre and "replace" in normalizer and _no_marker_inside(model):
-        forced, layout = _BEFORE_SPACE_AFTER_OTHER, "space-marked"
+    # Lengths in text bytes only where the normalizer is one the walk counts
+    # through and a piece is its text; else every seam is proven by the kept tail.
+    plain_pieces = model.get("type") != "WordPiece" and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+    lengths = _lengths(spec, model, byte_level, vocab_size, split_special, normalizer, plain_pieces and "other" not in normalizer)
+    patterns = [s["pattern"]["Regex"] for s in pre if s["type"] == "Split"]
+    patterns += [_BYTE_LEVEL_PATTERN for s in pre if s["type"] == "ByteLevel" and s.get("use_regex", True)]
+    splits = [s for s in pre if (s["type"] != "ByteLevel" or s.get("use_regex", True)) and (s["type"] != "Metaspace" or s.get("split", True))]
+    if splits:
+        sets = [range_set for pattern in patterns for range_set in pattern_sets(pattern)]
+        classes = CharClasses(sets + [[(ord(SPACE_MARKER), ord(SPACE_MARKER))]])
+        candidates = np.ones((classes.count, classes.count), dtype=bool)
+        candidates[classes.unassigned, :] = candidates[:, classes.unassigned] = False
+        if prefix in (PREFIX_UNLESS_SPACE, PREFIX_FIRST_UNLESS_SPACE):
+            # A tail from a space gets no segment prefix (the engine tokenizes it whole).
+            candidates[:, np.arange(classes.count) != int(classes.of(" ")[0])] = False
+        forced: Boundaries = ForcedPairs(classes, candidates)
+    elif normalizer <= {"replace", "prepend"}:
+        pieces = [p for p in _pieces(model) if not (model.get("byte_fallback") and _BYTE_FALLBACK.fullmatch(p))]
+        forced = UnspannedPairs(pieces, space_marker, fuse_unknown=model.get("type") == "Unigram" or bool(model.get("fuse_unk")))
     else:
-        return "no pre-tokenizer rule that splits wherever it starts"
+        return "no pre-tokenizer split, and a normalizer that rewrites the pieces' characters"
     segment_ends = np.zeros(len(lengths), dtype=bool)
     added_contents = {}
     for token in spec.get("added_tokens") or ():
@@ -427,35 +413,34 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         lengths=lengths,
         segment_ends=segment_ends,
         added_contents=added_contents,
-        forced=regex.compile(forced),
+        forced=forced,
+        claims=CLAIMS_PRE_TOKENS if splits else CLAIMS_TOKENS,
         prefix=prefix,
         nfc="nfc" in normalizer,
         space_marker=space_marker,
-        layout=layout,
+        layout=" + ".join(s["type"] for s in pre) or "no pre-tokenizer",
     )
 
 
-def _normalizer_steps(normalizer: dict[str, Any] | None) -> set[str] | str:
+_BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _normalizer_steps(normalizer: dict[str, Any] | None) -> set[str]:
     """The normalizer as the steps the rules know ("nfc", "replace" (a space
-    becomes ▁), "prepend" (▁ before each segment)), or why it is not one."""
+    becomes ▁), "prepend" (▁ before each segment)), and "other" for any
+    other step."""
     if normalizer is None:
         return set()
     kind = normalizer.get("type")
     if kind == "Sequence":
-        steps: set[str] = set()
-        for inner in normalizer.get("normalizers") or ():
-            found = _normalizer_steps(inner)
-            if isinstance(found, str):
-                return found
-            steps |= found
-        return steps
+        return set().union(*(_normalizer_steps(inner) for inner in normalizer.get("normalizers") or ()))
     if kind == "NFC":
         return {"nfc"}
     if kind == "Replace" and normalizer.get("pattern") == {"String": " "} and normalizer.get("content") == SPACE_MARKER:
         return {"replace"}
     if kind == "Prepend" and normalizer.get("prepend") == SPACE_MARKER:
         return {"prepend"}
-    return f"a {kind} normalizer"
+    return {"other"}
 
 
 def _pre_tokenizer_steps(pre: dict[str, Any] | None) -> list[dict[str, Any]] | str:
@@ -470,26 +455,26 @@ def _pre_tokenizer_steps(pre: dict[str, Any] | None) -> list[dict[str, Any]] | s
                 return found
             steps += found
         return steps
-    if kind == "Split":
-        if pre.get("behavior") != "Isolated" or pre.get("invert") or "Regex" not in (pre.get("pattern") or {}):
-            return "a Split pre-tokenizer that is not an isolating regex"
-        return [pre]
-    if kind in ("ByteLevel", "Metaspace"):
-        return [pre]
-    return f"a {kind} pre-tokenizer"
+    if kind == "Split" and "Regex" not in (pre.get("pattern") or {}):
+        return "a Split pre-tokenizer on a string"
+    return [pre]
 
 
 def _lengths(
-    spec: dict[str, Any], model: dict[str, Any], byte_level: bool, vocab_size: int, split_special: bool, has_normalizer: bool
-) -> tuple[np.ndarray, str]:
-    vocab = model.get("vocab")
-    if model.get("type") == "Unigram":
-        pieces = {piece: i for i, (piece, _score) in enumerate(vocab or ())}
-    else:
-        pieces = dict(vocab or {})
+    spec: dict[str, Any],
+    model: dict[str, Any],
+    byte_level: bool,
+    vocab_size: int,
+    split_special: bool,
+    normalizer: set[str],
+    pieces_counted: bool,
+) -> np.ndarray:
+    """Each id's length in text bytes (``UNKNOWN`` where the id does not
+    tell; every model piece where not ``pieces_counted``)."""
+    pieces = _pieces(model)
     lengths = np.full(vocab_size, UNKNOWN, dtype=np.int32)
     byte_fallback = bool(model.get("byte_fallback"))
-    for piece, i in pieces.items():
+    for piece, i in pieces.items() if pieces_counted else ():
         if not 0 <= i < vocab_size:
             continue
         if byte_level:
@@ -498,11 +483,13 @@ def _lengths(
             lengths[i] = 1
         else:
             lengths[i] = len(piece.replace(SPACE_MARKER, " ").encode("utf-8"))
-    for token in spec.get("added_tokens") or ():
+    # Where pieces are not counted, their text may not tile the prompt (a
+    # pre-tokenizer that drops whitespace): no added token is located either.
+    for token in spec.get("added_tokens") or () if pieces_counted else ():
         i = token["id"]
         if not 0 <= i < vocab_size or (split_special and token.get("special")):
             continue
-        if token.get("lstrip") or token.get("rstrip") or (has_normalizer and token.get("normalized")):
+        if token.get("lstrip") or token.get("rstrip") or (normalizer and token.get("normalized")):
             lengths[i] = UNKNOWN
         else:
             lengths[i] = len(token["content"].encode("utf-8"))
@@ -511,33 +498,37 @@ def _lengths(
     for unk in (model.get("unk_id"), pieces.get(model.get("unk_token") or "")):
         if unk is not None and 0 <= unk < vocab_size:
             lengths[unk] = UNKNOWN
-    return lengths, ""
+    return lengths
 
 
-def _no_marker_inside(model: dict[str, Any]) -> bool:
-    """Whether no vocabulary piece holds ▁ right after another character."""
+def _pieces(model: dict[str, Any]) -> dict[str, int]:
     vocab = model.get("vocab") or {}
-    pieces = (p for p, _ in vocab) if model.get("type") == "Unigram" else iter(vocab)
-    for piece in pieces:
-        i = piece.find(SPACE_MARKER, 1)
-        while i != -1:
-            if piece[i - 1] != SPACE_MARKER:
-                return False
-            i = piece.find(SPACE_MARKER, i + 1)
-    return True
+    if model.get("type") == "Unigram":
+        return {piece: i for i, (piece, _score) in enumerate(vocab)}
+    return dict(vocab)
 
 
-def check_rules(
+def prove_rules(
     rules: SeamRules,
     encode: Callable[[str], Any],
     tail_ids: Callable[[str, bool], Sequence[int]],
     texts: Sequence[str],
-) -> str | None:
-    """A description of the first claim of ``rules`` that `tokenizers`
-    contradicts on ``texts``, or None. ``encode`` is the reference full
+) -> tuple[SeamRules | None, str]:
+    """``rules`` with only the claimed pairs that `tokenizers` never
+    contradicts (measured on a random text over the classes, then checked
+    on ``texts``), and a line for the start log; None if the lengths are
+    contradicted. ``encode`` is the reference full
     encoding (an ``Encoding`` with offsets and word ids); ``tail_ids(text,
     at_segment_start)`` what a splice tokenizes a tail cut at a forced
     boundary with (a boundary right after an added token starts a segment)."""
+    claims_pre_tokens = rules.claims == CLAIMS_PRE_TOKENS
+    if isinstance(rules.forced, ForcedPairs):
+        try:
+            pairs = measure_pairs(rules.forced.classes, rules.forced.pairs, encode, claims_pre_tokens)
+        except Exception:
+            pairs = np.zeros_like(rules.forced.pairs)  # the text was refused: nothing measured, nothing claimed
+        rules = dataclasses.replace(rules, forced=ForcedPairs(rules.forced.classes, pairs))
+    refuted: list[str] = []
     for text in texts:
         try:
             encoding = encode(text)
@@ -550,32 +541,41 @@ def check_rules(
         if located is not None:
             for position, index in zip(located.positions.tolist(), located.indices.tolist()):
                 if offsets[index][0] != position:
-                    return f"token {index} of a {len(text)}-character text begins at {offsets[index][0]}, not {position}"
+                    return None, f"seam rules refuted: token {index} of a {len(text)}-character text begins at {offsets[index][0]}, not {position}"
         starts = {}
         for index, (start, _end) in enumerate(offsets):
             starts.setdefault(start, index)
         # Added tokens are split out before the pre-tokenizer sees the text:
         # a forced boundary inside one says nothing (and is no seam: no token begins there).
-        inside_added = [(start, end) for (start, end), i in zip(offsets, ids) if rules.segment_ends[i]]
-        forced = [
-            p for p in rules.forced_boundaries(text, 0, len(text)) if not any(a < p < b for a, b in inside_added)
-        ]
-        for position in forced:
+        inside_added = np.zeros(len(text) + 1, dtype=bool)
+        for (start, end), i in zip(offsets, ids.tolist()):
+            if rules.segment_ends[i]:
+                inside_added[start + 1 : end] = True
+        checked: list[int] = []
+        forced = rules.forced_boundaries(text, 0, len(text))
+        for position in forced[~inside_added[forced]].tolist():
             index = starts.get(position)
-            if index is None:
-                return f"a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} begins no token"
-            # The space-marked layout has no pre-tokenizer: its claim is the tokenization below.
-            splits = rules.layout == "space-marked" or index == 0 or words[index] is None or words[index] != words[index - 1]
+            splits = index is not None and (
+                not claims_pre_tokens or index == 0 or words[index] is None or words[index] != words[index - 1]
+            )
             if not splits:
-                return f"a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} begins no pre-token"
-        step = max(1, len(forced) // TAILS_CHECKED_PER_TEXT)
-        for position in forced[::step][:TAILS_CHECKED_PER_TEXT]:
+                refuted.append(f"{text[position - 1 : position + 1]!r}")
+                rules = dataclasses.replace(rules, forced=rules.forced.without(text, position))
+            else:
+                checked.append(position)
+        step = max(1, len(checked) // TAILS_CHECKED_PER_TEXT)
+        for position in checked[::step][:TAILS_CHECKED_PER_TEXT]:
             index = starts[position]
             at_segment_start = index == 0 or bool(rules.segment_ends[ids[index - 1]])
             tail = [int(i) for i in tail_ids(text[position:], at_segment_start)]
             if tail != ids[index:].tolist():
-                return f"the ids from a forced boundary at {position} of {text[max(0, position - 8): position + 8]!r} differ"
-    return None
+                refuted.append(f"{text[position - 1 : position + 1]!r}")
+                rules = dataclasses.replace(rules, forced=rules.forced.without(text, position))
+    claimed = rules.forced.claim_count
+    report = f"seam rules: {rules.layout}, " + (f"{claimed} class pairs forced" if claimed >= 0 else "points no piece spans forced")
+    if refuted:
+        report += f" ({len(refuted)} refuted at start, first at {refuted[0]})"
+    return rules, report
 
 
 # -- segment openers ---------------------------------------------------------------
