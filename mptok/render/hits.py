@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -96,6 +97,26 @@ _NO_TRANSFORM = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 logger = logging.getLogger("vllm.mptok")
 
 
+def plain_request(chat: bool, headers: dict[bytes, bytes], body: bytes) -> dict[str, Any] | None:
+    """The request's JSON when the hit path may answer it (a chat render's when ``chat``, else a completion
+    render's); None when it goes to vLLM's app. Cheap: no vLLM object is built."""
+    content_type = headers.get(b"content-type", b"").lower().split(b";", 1)[0]
+    if content_type != b"application/json" or b"origin" in headers:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if type(data) is not dict:
+        return None
+    if chat:
+        if not data.keys() <= CHAT_FIELDS or not _normalized_plain(data):
+            return None
+    elif not data.keys() <= COMPLETION_FIELDS or type(data.get("prompt")) is not str:
+        return None
+    return data
+
+
 def plain_messages(messages: Any) -> bool:
     """True when every message is one whose validation by vLLM's request model gives it back unchanged."""
     if type(messages) is not list or not messages:
@@ -134,19 +155,12 @@ def _plain_tool_calls(calls: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """vLLM's answer to one option set, cut at the values that change per request.
+class Cut:
+    """An answer's bytes cut at its holes: ``pieces`` alternate with the holes named in ``holes``
+    (``request_id``, ``ids``, ``max_tokens``, ``count``)."""
 
-    ``pieces`` alternate with the holes named in ``holes`` (``request_id``,
-    ``ids``, ``max_tokens``, ``count``); ``request`` is vLLM's validated
-    request of these options (its messages or prompt replaced per request).
-    """
-
-    request: Any
     pieces: tuple[bytes, ...]
     holes: tuple[str, ...]
-    headers: tuple[tuple[bytes, bytes], ...]
-    min_max_tokens: int
 
     def answer(self, values: dict[str, bytes]) -> bytes:
         parts = [self.pieces[0]]
@@ -156,18 +170,33 @@ class Shape:
         return b"".join(parts)
 
 
-def _hole_values(probe: dict[str, Any], chat: bool) -> dict[str, bytes]:
-    values = {
-        "request_id": orjson.dumps(probe["request_id"]),
-        "ids": orjson.dumps([probe["id"]]),
-        "max_tokens": str(probe["max_tokens"]).encode(),
-    }
+@dataclass(frozen=True)
+class Shape:
+    """vLLM's answers to one option set, cut at the values that change per request.
+
+    ``request`` is vLLM's validated request of these options (its messages
+    or prompt replaced per request). vLLM writes ``max_tokens`` elsewhere
+    in the answer when it equals ``SamplingParams``' default (it omits
+    defaults, then appends that one): ``cuts`` holds a cut for each case
+    seen, by whether ``max_tokens`` is the default.
+    """
+
+    request: Any
+    headers: tuple[tuple[bytes, bytes], ...]
+    min_max_tokens: int
+    cuts: dict[bool, Cut]
+
+
+def _hole_values(probe: dict[str, Any], chat: bool, default_max_tokens: bool) -> dict[str, bytes]:
+    values = {"request_id": orjson.dumps(probe["request_id"]), "ids": orjson.dumps([probe["id"]])}
+    if not default_max_tokens:
+        values["max_tokens"] = str(probe["max_tokens"]).encode()
     if chat:  # a chat's answer counts the tool calls in its history
         values["count"] = str(probe["count"]).encode()
     return values
 
 
-def _cut(body: bytes, values: dict[str, bytes]) -> tuple[tuple[bytes, ...], tuple[str, ...]] | None:
+def _cut(body: bytes, values: dict[str, bytes]) -> Cut | None:
     """``body`` cut at each hole's value, which must occur once; None if one does not."""
     at = sorted((body.find(value), hole) for hole, value in values.items() if body.count(value) == 1)
     if len(at) != len(values):
@@ -178,7 +207,7 @@ def _cut(body: bytes, values: dict[str, bytes]) -> tuple[tuple[bytes, ...], tupl
         holes.append(hole)
         start = position + len(values[hole])
     pieces.append(body[start:])
-    return tuple(pieces), tuple(holes)
+    return Cut(tuple(pieces), tuple(holes))
 
 
 @dataclass
@@ -242,12 +271,12 @@ class _Route:
         self._data: dict[str, Any] | None = None
 
     async def answered_here(self) -> bool:
-        data = self._plain_request()
+        data = plain_request(self._chat, self._headers, self._body)
         serving = self._hits.serving() if data is not None else None
         if data is None or serving is None:
             return False
         self._data = data
-        key = orjson.dumps({k: v for k, v in data.items() if k not in ("messages", "prompt")}, option=orjson.OPT_SORT_KEYS)
+        key = self._shape_key()
         shape = self._hits._shapes.get(key)
         if shape is None:
             return False
@@ -255,28 +284,16 @@ class _Route:
         answer = await self._render(serving, shape, data)
         if answer is None:
             return False
+        self._hits._answers.labels("hit").inc()  # before the answer: a client that reads the counter after it sees it
         await self._send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(answer)).encode()), *shape.headers]})
         await self._send({"type": "http.response.body", "body": answer})
-        self._hits._answers.labels("hit").inc()
         return True
 
-    def _plain_request(self) -> dict[str, Any] | None:
-        headers = self._headers
-        content_type = headers.get(b"content-type", b"").lower().split(b";", 1)[0]
-        if content_type != b"application/json" or b"origin" in headers:
-            return None
-        try:
-            data = orjson.loads(self._body)
-        except orjson.JSONDecodeError:
-            return None
-        if type(data) is not dict:
-            return None
-        if self._chat:
-            if not data.keys() <= CHAT_FIELDS or not _normalized_plain(data):
-                return None
-        elif not data.keys() <= COMPLETION_FIELDS or type(data.get("prompt")) is not str:
-            return None
-        return data
+    def _shape_key(self) -> bytes:
+        """The endpoint and the request's options (every field but the messages or the prompt)."""
+        assert self._data is not None
+        options = {k: v for k, v in self._data.items() if k not in ("messages", "prompt")}
+        return self._scope["path"].encode() + b" " + orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
 
     async def _render(self, serving: Any, shape: Shape, data: dict[str, Any]) -> bytes | None:
         """vLLM's rendering of this request on a copy of the shape's request; None where vLLM's path must answer."""
@@ -309,7 +326,8 @@ class _Route:
             )  # fmt: skip
         except Exception:  # vLLM's path answers it, with vLLM's error
             return None
-        if max_tokens < shape.min_max_tokens:
+        cut = shape.cuts.get(max_tokens == _default_max_tokens())
+        if max_tokens < shape.min_max_tokens or cut is None:
             return None
         request_id = self._headers.get(b"x-request-id")
         prefix = "chatcmpl-" if self._chat else "cmpl-"
@@ -321,7 +339,7 @@ class _Route:
         }
         if self._chat:
             values["count"] = str(history_tool_calls).encode()
-        return shape.answer(values)
+        return cut.answer(values)
 
     async def to_vllm(self) -> None:
         """vLLM's app answers; a 200 answer to a plain request whose options have no shape yet makes one."""
@@ -338,11 +356,11 @@ class _Route:
                     body.append(message.get("body", b""))
             await self._send(message)
 
+        self._hits._answers.labels("vllm").inc()
         try:
             await self.app_call(send)
         finally:
             _CAPTURE.reset(token)
-        self._hits._answers.labels("vllm").inc()
         if capture is not None and capture.result is not None and started and started[0]["status"] == 200:
             self._keep(capture, started[0], b"".join(body))
 
@@ -360,19 +378,20 @@ class _Route:
 
     def _keep(self, capture: _Capture, start: Message, answer: bytes) -> None:
         assert self._data is not None
-        shape = _shape(self._hits.serving(), capture, start, answer, self._chat)
+        key = self._shape_key()
+        shapes = self._hits._shapes
+        shape = _shape(self._hits.serving(), capture, start, answer, self._chat, shapes.get(key))
         if shape is None:
             logger.debug("mptok render: no shape for %s", self._scope["path"])
             return
-        key = orjson.dumps({k: v for k, v in self._data.items() if k not in ("messages", "prompt")}, option=orjson.OPT_SORT_KEYS)
-        shapes = self._hits._shapes
         shapes[key] = shape
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
 
 
-def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat: bool) -> Shape | None:
-    """The shape of vLLM's answer ``answer`` to ``capture.request``, proven on its own values and two probes."""
+def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat: bool, kept: Shape | None) -> Shape | None:
+    """``kept`` (or a new shape) with the cut of vLLM's answer ``answer`` to ``capture.request``, proven on the
+    answer's own values and on two probes; None if it cannot be proven."""
     from vllm.entrypoints.scale_out.render.serving import _hoist_transfer_params
     from vllm.entrypoints.serve.utils.api_utils import create_json_response
 
@@ -380,41 +399,45 @@ def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat:
     generated = result if chat else (result[0] if isinstance(result, list) and len(result) == 1 else None)
     if generated is None or type(generated).__name__ != "GenerateRequest":
         return None
-    headers = tuple(
-        (name, value) for name, value in start.get("headers", []) if name.lower() not in (b"content-length", b"date", b"server")
-    )
+    headers = tuple((name, value) for name, value in start.get("headers", []) if name.lower() != b"content-length")
     if any(name.lower() == b"x-request-id" for name, _ in headers):
         return None  # vLLM echoes a request id header per request
+    default_max_tokens = generated.sampling_params.max_tokens == _default_max_tokens()
 
-    def dumped(probe: dict[str, Any], generated_request: Any) -> bytes:
-        params = request.to_sampling_params(probe["max_tokens"], serving.default_sampling_params)
+    def dumped(probe: dict[str, Any]) -> bytes:
+        max_tokens = generated.sampling_params.max_tokens if default_max_tokens else probe["max_tokens"]
+        params = request.to_sampling_params(max_tokens, serving.default_sampling_params)
         _hoist_transfer_params(params)
         update: dict[str, Any] = {"request_id": probe["request_id"], "token_ids": [probe["id"]], "sampling_params": params}
-        if chat and generated_request.parse_context is not None:
-            update["parse_context"] = generated_request.parse_context.model_copy(update={"history_tool_call_cnt": probe["count"]})
-        filled = generated_request.model_copy(update=update)
+        if chat and generated.parse_context is not None:
+            update["parse_context"] = generated.parse_context.model_copy(update={"history_tool_call_cnt": probe["count"]})
+        filled = generated.model_copy(update=update)
         return bytes(create_json_response(filled if chat else [filled]).body)
 
+    real = {"request_id": orjson.dumps(generated.request_id), "ids": orjson.dumps(generated.token_ids)}
+    if not default_max_tokens:
+        real["max_tokens"] = str(generated.sampling_params.max_tokens).encode()
+    if chat:
+        real["count"] = str(generated.parse_context.history_tool_call_cnt).encode()
     try:
-        cut = _cut(dumped(_PROBES[0], generated), _hole_values(_PROBES[0], chat))
-        if cut is None:
+        cut = _cut(dumped(_PROBES[0]), _hole_values(_PROBES[0], chat, default_max_tokens))
+        if cut is None or cut.answer(_hole_values(_PROBES[1], chat, default_max_tokens)) != dumped(_PROBES[1]):
             return None
-        shape = Shape(request, cut[0], cut[1], headers, max(1, request.min_tokens or 0))
-        if shape.answer(_hole_values(_PROBES[1], chat)) != dumped(_PROBES[1], generated):
-            return None
-        real = {
-            "request_id": orjson.dumps(generated.request_id),
-            "ids": orjson.dumps(generated.token_ids),
-            "max_tokens": str(generated.sampling_params.max_tokens).encode(),
-        }
-        if chat:
-            real["count"] = str(generated.parse_context.history_tool_call_cnt).encode()
-        if set(shape.holes) != set(real) or shape.answer(real) != answer:
+        if set(cut.holes) != set(real) or cut.answer(real) != answer:
             return None
     except Exception:
         logger.debug("mptok render: a shape could not be proven", exc_info=True)
         return None
+    shape = kept if kept is not None and kept.headers == headers else Shape(request, headers, max(1, request.min_tokens or 0), {})
+    shape.cuts[default_max_tokens] = cut
     return shape
+
+
+@functools.cache
+def _default_max_tokens() -> int | None:
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams().max_tokens
 
 
 def _normalized_plain(data: dict[str, Any]) -> bool:
