@@ -20,11 +20,12 @@ on a new connection. Reported per service and C: render p50/p99 (all turns
 and later turns: each chat's last half), requests/s over the run's wall
 time, CPU seconds per request of the service's processes (nginx included),
 mptok's hits from its ``/metrics`` over the turns that can hit, and every
-answer's ids against ``vllm``'s for the same request. The clients share the
+answer against ``vllm``'s for the same request: its ids, and the rest of it
+(every other field, value and their order) byte for byte. The clients share the
 machine with the services. Writes ``docs/results/bench_render.md``.
 
-Every service but ``vllm-rs`` runs vLLM's own Python renderer, so an id
-unlike ``vllm``'s there is a defect and the run exits 1. ``vllm-rs`` renders
+Every service but ``vllm-rs`` runs vLLM's own Python renderer, so an id or
+an answer unlike ``vllm``'s there is a defect and the run exits 1. ``vllm-rs`` renders
 with its own template engine and request handling: where its ids differ,
 the report counts them and shows its first difference, decoded beside
 vLLM's, as a fact about the baseline.
