@@ -92,7 +92,8 @@ MAX_SHAPES = 64
 # Values put in a shape's holes to find them and to prove them: none can appear elsewhere in an answer.
 _PROBES = ({"id": 987_654_321, "max_tokens": 918_273_645, "count": 192_837_465, "request_id": "mptok-probe-a"},
            {"id": 987_654_322, "max_tokens": 918_273_646, "count": 192_837_466, "request_id": "mptok-probe-b"})  # fmt: skip
-_NO_TRANSFORM = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+# A counter in each render process (prometheus_client's multiprocess mode sums them on /metrics).
+ANSWERS_METRIC = "mptok_render_answers"
 
 logger = logging.getLogger("vllm.mptok")
 
@@ -478,7 +479,7 @@ def _modelled(online_renderer: Any) -> bool:
 def _answer_counter() -> Any:
     from prometheus_client import Counter
 
-    return Counter("mptok_render_answers", "Render answers by who made them: the hit path or vLLM's app", ["path"])
+    return Counter(ANSWERS_METRIC, "Render answers by who made them: the hit path or vLLM's app", ["path"])
 
 
 async def _read_body(receive: Receive) -> bytes | None:
