@@ -415,12 +415,12 @@ def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat:
         filled = generated.model_copy(update=update)
         return bytes(create_json_response(filled if chat else [filled]).body)
 
-    real = {"request_id": orjson.dumps(generated.request_id), "ids": orjson.dumps(generated.token_ids)}
-    if not default_max_tokens:
-        real["max_tokens"] = str(generated.sampling_params.max_tokens).encode()
-    if chat:
-        real["count"] = str(generated.parse_context.history_tool_call_cnt).encode()
     try:
+        real = {"request_id": orjson.dumps(generated.request_id), "ids": orjson.dumps(generated.token_ids)}
+        if not default_max_tokens:
+            real["max_tokens"] = str(generated.sampling_params.max_tokens).encode()
+        if chat:
+            real["count"] = str(generated.parse_context.history_tool_call_cnt).encode()
         cut = _cut(dumped(_PROBES[0]), _hole_values(_PROBES[0], chat, default_max_tokens))
         if cut is None or cut.answer(_hole_values(_PROBES[1], chat, default_max_tokens)) != dumped(_PROBES[1]):
             return None
