@@ -20,11 +20,12 @@ on a new connection. Reported per service and C: render p50/p99 (all turns
 and later turns: each chat's last half), requests/s over the run's wall
 time, CPU seconds per request of the service's processes (nginx included),
 mptok's hits from its ``/metrics`` over the turns that can hit, and every
-answer's ids against ``vllm``'s for the same request. The clients share the
+answer against ``vllm``'s for the same request: its ids, and the rest of it
+(every other field, value and their order) byte for byte. The clients share the
 machine with the services. Writes ``docs/results/bench_render.md``.
 
-Every service but ``vllm-rs`` runs vLLM's own Python renderer, so an id
-unlike ``vllm``'s there is a defect and the run exits 1. ``vllm-rs`` renders
+Every service but ``vllm-rs`` runs vLLM's own Python renderer, so an id or
+an answer unlike ``vllm``'s there is a defect and the run exits 1. ``vllm-rs`` renders
 with its own template engine and request handling: where its ids differ,
 the report counts them and shows its first difference, decoded beside
 vLLM's, as a fact about the baseline.
@@ -52,6 +53,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -93,6 +95,8 @@ LONG_CONTEXT = 196608  # --long: the longest chat (about 181k tokens) and a marg
 # an answer and a user message): about LONG_DELTA_TOKENS tokens of this text
 # (measured with the model's tokenizer: a chat of 180 turns ends near 180k).
 LONG_TURN_CHARS = 4450
+# vLLM's request ids are random (a client names none here).
+RANDOM_REQUEST_ID = re.compile(rb'"(chatcmpl|cmpl)-[0-9a-f]{16,32}"')
 PACKAGES = ("mptok", "vllm", "transformers", "tokenizers", "fastokens", "gigatoken")
 
 
@@ -179,6 +183,9 @@ class AnsweredIds:
 
     tokens: int
     digest: bytes
+    # The answer but its ids, its random request id masked: equal for two
+    # answers with the same fields and values in the same order, byte for byte.
+    rest: bytes = field(default=b"", compare=False)
 
     @classmethod
     def of(cls, answer: bytes, field: bytes = b'"token_ids"') -> AnsweredIds:
@@ -186,7 +193,8 @@ class AnsweredIds:
         start = answer.index(b"[", field_at)
         end = answer.index(b"]", start)  # a flat list of ints: its first "]" closes it
         text = answer[start + 1 : end].replace(b" ", b"")
-        return cls(text.count(b",") + 1 if text.strip() else 0, hashlib.blake2b(text, digest_size=16).digest())
+        rest = hashlib.blake2b(RANDOM_REQUEST_ID.sub(rb'"\1-"', answer[:start] + answer[end:]), digest_size=16).digest()
+        return cls(text.count(b",") + 1 if text.strip() else 0, hashlib.blake2b(text, digest_size=16).digest(), rest)
 
 
 @dataclass
@@ -200,6 +208,7 @@ class Run:
     client_cpu_s: float = 0.0
     wrong: int = 0
     first_wrong: bytes | None = None  # the first request whose ids differ from vLLM's
+    unlike: int = 0  # answers with vLLM's ids whose other fields, values or order differ from vLLM's answer
     failed: int = 0
     hits: float = float("nan")
 
@@ -243,6 +252,8 @@ def drive(
                     elif ids != expected[(chat, turn)]:
                         run.wrong += 1
                         run.first_wrong = run.first_wrong or payload
+                    elif ids.rest != expected[(chat, turn)].rest:
+                        run.unlike += 1
 
     cpu_before = service.cpu_s()
     client_before = time.process_time()
@@ -294,16 +305,20 @@ def measured(
     return run
 
 
-def report_row(label: str, name: str, run: Run, chats: list[list[bytes]], count_hits: bool, client_cpu: bool) -> str:
+def report_row(
+    label: str, name: str, run: Run, chats: list[list[bytes]], count_hits: bool, client_cpu: bool, unlike: bool = False
+) -> str:
     """A report's table row of ``run`` over ``chats``: latencies, requests/s, CPU per request (the client's
-    too when ``client_cpu``), the hits of the turns that can hit when ``count_hits``, wrong, failed."""
+    too when ``client_cpu``), the hits of the turns that can hit when ``count_hits``, wrong, answers unlike
+    vLLM's besides their ids when ``unlike``, failed."""
     can_hit = sum(len(chat) for chat in chats) - len(chats)
     hits = f"{run.hits:.0f} of {can_hit} ({run.hits / can_hit:.0%})" if count_hits else ""
     client = f" | {run.client_cpu_s / max(1, len(run.seconds)) * 1000:.1f}" if client_cpu else ""
     return (
         f"| {label} | {name} | {percentile(run.seconds, 0.5) * 1000:.1f} | {percentile(run.seconds, 0.99) * 1000:.1f} "
         f"| {percentile(run.later, 0.5) * 1000:.1f} | {len(run.seconds) / run.wall_s:.1f} "
-        f"| {run.cpu_s / max(1, len(run.seconds)) * 1000:.1f}{client} | {hits} | {run.wrong} | {run.failed} |"
+        f"| {run.cpu_s / max(1, len(run.seconds)) * 1000:.1f}{client} | {hits} | {run.wrong} |"
+        f"{f' {run.unlike} |' if unlike else ''} {run.failed} |"
     )
 
 
@@ -388,7 +403,9 @@ def main() -> int:
             LONG_TITLE if args.long else TITLE, body, python=f".venv-vllm-{importlib.metadata.version('vllm')}/bin/python", packages=PACKAGES,
             directory=args.report_dir, file="bench_render_long" if args.long else None,
         )  # fmt: skip
-    return 1 if any(run.failed or (run.wrong and name not in OWN_RENDERER) for name, runs in results.items() for run in runs.values()) else 0
+    return 1 if any(
+        run.failed or ((run.wrong or run.unlike) and name not in OWN_RENDERER) for name, runs in results.items() for run in runs.values()
+    ) else 0
 
 
 def _report(
@@ -398,16 +415,21 @@ def _report(
     rows = []
     for concurrency, chats in workloads.items():
         for name in SERVICES:
-            rows.append(report_row(str(concurrency), name, results[name][concurrency], chats, name == "mptok-render", client_cpu=True))
+            rows.append(
+                report_row(str(concurrency), name, results[name][concurrency], chats, name == "mptok-render", client_cpu=True, unlike=True)
+            )
     ratios = []
     for concurrency in workloads:
         rate = {name: len(results[name][concurrency].seconds) / results[name][concurrency].wall_s for name in SERVICES}
+        cpu = {name: results[name][concurrency].cpu_s / max(1, len(results[name][concurrency].seconds)) for name in SERVICES}
         ratios.append(
             f"- C={concurrency}: mptok render {rate['mptok-render'] / rate['fastokens']:.2f}x the requests/s of vLLM with "
             f"fastokens, {rate['mptok-render'] / rate['nginx-2x-fastokens']:.2f}x two of them behind nginx, "
             f"{rate['mptok-render'] / rate['vllm-rs']:.2f}x vllm-rs render, "
             f"{rate['mptok-render'] / rate['vllm']:.2f}x vLLM without fastokens; vllm-rs render "
-            f"{rate['vllm-rs'] / rate['fastokens']:.2f}x vLLM with fastokens."
+            f"{rate['vllm-rs'] / rate['fastokens']:.2f}x vLLM with fastokens. CPU per request: mptok render "
+            f"{cpu['mptok-render'] / cpu['vllm-rs']:.2f}x vllm-rs render's, {cpu['mptok-render'] / cpu['fastokens']:.2f}x vLLM with "
+            "fastokens'."
         )
     chats_per_c = ", ".join(f"{len(chats)} at C={c}" for c, chats in workloads.items())
     tokens = list(lengths.values())
@@ -438,11 +460,12 @@ def _report(
             f"{chats} every request `{PATH}` on a new connection. Every service runs while another is measured (idle). "
             "CPU per request: user + system seconds of the service's processes (nginx included) over the run, per request. "
             "The clients run on the same machine, on the same two cores (client CPU: the benchmark process's, per request); "
-            "each compares an answer's ids with vLLM's by the digest of their JSON text (`AnsweredIds`).",
+            "each compares an answer's ids with vLLM's by the digest of their JSON text, and the rest of the answer (every "
+            "other field, value and their order; the random request id masked) by the digest of its bytes (`AnsweredIds`).",
             "",
             "| C | service | render p50 ms | p99 ms | later turns p50 ms | requests/s | CPU ms/request | client CPU ms/request "
-            "| mptok hits | ids unlike vLLM's | failed |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+            "| mptok hits | ids unlike vLLM's | other fields unlike vLLM's | failed |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
             *rows,
             "",
             *ratios,

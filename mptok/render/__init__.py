@@ -10,7 +10,9 @@ every conversation to the process whose cache holds it:
 - ``options.py``: the command line (``mptok.cli`` parses it): the supervisor's options, vLLM's passed through;
 - ``frontends.py``: what the supervisor runs in each slot, and what it cleans up after one;
 - ``worker.py``: one process: vLLM's own render server, on the shared port;
+- ``hits.py``: the chat and completion render endpoints answered with vLLM's prompt and answer bytes, without
+  vLLM's per-request objects, where a request is plain enough; vLLM's app answers the rest;
 - ``gate.py``: what ``mptok serve`` adds around each request: admission, the supervisor's series on ``/metrics``.
 
-Nothing here imports vLLM but ``worker.py``, in the render processes.
+Nothing here imports vLLM but ``worker.py`` and ``hits.py``, in the render processes.
 """

@@ -8,8 +8,9 @@ call (``VllmRenderHooks``), nothing else:
 - ``setup_server``: vLLM's own checks and start log run on a throwaway
   port, and the socket it returns is the supervisor's listening socket, so
   the N processes accept from one socket;
-- ``serve_http``: vLLM's own server, after ``RenderGate`` is put around its
-  app; once uvicorn listens, the heartbeat starts on its event loop and the
+- ``serve_http``: vLLM's own server, after the render endpoints' hit path
+  (``RenderHits``), mptok's session-header middleware and ``RenderGate``
+  are put around its app; once uvicorn listens, the heartbeat starts on its event loop and the
   supervisor is told ``("ready", pid)``.
 
 The process starts without a frontend id (``FrontendKind.standby``): vLLM
@@ -37,14 +38,15 @@ from typing import Any
 
 from mptok.render.frontends import RenderSettings, prometheus_dir
 from mptok.render.gate import RenderGate
+from mptok.render.hits import RenderHits
 from mptok.render.options import MODE
 from mptok.supervise.admission import Admission
 from mptok.supervise.heartbeat import Heartbeat
 from mptok.supervise.lifeline import stop_with_parent
 from mptok.supervise.options import Use
 from mptok.supervise.snapshots import SnapshotDir
+from mptok.vllm.session import SessionHeaders
 
-SESSION_MIDDLEWARE = "mptok.vllm.session.SessionHeaders"
 _STARTED_POLL_S = 0.05
 
 
@@ -52,8 +54,6 @@ def vllm_command(settings: RenderSettings) -> list[str]:
     """The ``vllm`` command line this process runs (without the program name)."""
     options = settings.options
     args = list(options.vllm_args)
-    if SESSION_MIDDLEWARE not in args:
-        args += ["--middleware", SESSION_MIDDLEWARE]
     if "--tokenizer-mode" not in {arg.partition("=")[0] for arg in args}:
         args += ["--tokenizer-mode", MODE]
     return ["launch", "render", options.model, "--host", options.serve.host, "--port", str(options.serve.port), *args]
@@ -109,9 +109,10 @@ class VllmRenderHooks:
 
         routing = options.arguments_for(Use.ROUTING)
         take_seat(Seat(frontend_id, options.frontends, self._settings.ipc_dir, self._authkey, routing=routing))
-        # vLLM has built its middleware stack already (add_middleware would refuse): the gate goes around it.
-        stack = app.middleware_stack or app.build_middleware_stack()
-        app.middleware_stack = RenderGate(stack, Admission(options.max_in_flight), SnapshotDir(self._settings.ipc_dir))
+        # vLLM has built its middleware stack already (add_middleware would refuse): the hit path and the gate go
+        # around it; the hit path's renders see the session header as vLLM's own requests do.
+        stack = RenderHits(app.middleware_stack or app.build_middleware_stack(), app)
+        app.middleware_stack = RenderGate(SessionHeaders(stack), Admission(options.max_in_flight), SnapshotDir(self._settings.ipc_dir))
         serving = asyncio.ensure_future(serve_http(app, sock, **kwargs))
         heartbeat = Heartbeat(self._settings.ipc_dir, frontend_id)
         try:

@@ -26,8 +26,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def render_plain_ids(model_dir: Path, logs_dir: Path) -> dict[str, list[int]]:
-    """Every render case's ids from ``vllm launch render`` without the switch (``render_cases.py``)."""
-    from render_cases import plain_render_ids
+def render_plain(model_dir: Path, logs_dir: Path):
+    """Every render case's ids and answer from ``vllm launch render`` without the switch (``render_cases.py``)."""
+    from render_cases import plain_render
 
-    return plain_render_ids(model_dir, logs_dir)
+    return plain_render(model_dir, logs_dir)
+
+
+@pytest.fixture(scope="session")
+def render_plain_ids(render_plain) -> dict[str, list[int]]:
+    return render_plain.ids

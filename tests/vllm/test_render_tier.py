@@ -6,7 +6,13 @@ server's tests send (``render_cases``: agentic chats with tools,
 ``/tokenize`` renders, ``/v1/messages/render`` and ``/v1/responses/render``),
 each on a new connection, so the kernel spreads them over both processes;
 every answer must carry the ids of ``vllm launch render`` without the
-switch. Its one ``/metrics`` must show both processes' counters, vLLM's and
+switch, and every answer of ``render_cases.ANSWER_CASES`` (sent three times,
+so that each option set is answered by the hit path at least once) must be
+that server's answer: status, content type, every field and value in order
+(a random request id aside). The hit path answers the plain ones, vLLM's app
+the others and every bad request, as ``mptok_render_answers_total`` shows;
+its check is complete: every field of vLLM's request models it does not
+know, and one vLLM may add, sends a request to vLLM's app. Its one ``/metrics`` must show both processes' counters, vLLM's and
 mptok's (the keyless agents' later turns hitting, conversations routed
 between the processes) and the supervisor's. Then, on the same server:
 admission under a burst (503 with Retry-After), a SIGKILLed and a SIGSTOPped
@@ -28,14 +34,19 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import orjson
 import psutil
 import pytest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+from mptok.render.hits import CHAT_FIELDS, COMPLETION_FIELDS, plain_messages, plain_request
 
 from mptok_harness.serve import request, scrape
 from mptok_harness.vllm import MptokRender
 from mptok_harness.vllm_requests import text_source
 
-from render_cases import API_CASES, LATER_TURNS, answer_every_format
+from render_cases import ANSWER_CASES, API_CASES, LATER_TURNS, Answer, answer_every_format, answer_of
 from test_plugin import CASES, _mptok_totals, _scraped, _settled_totals
 
 FRONTENDS = 2
@@ -68,6 +79,74 @@ def answered(tier: MptokRender) -> dict[str, list[int]]:
 @pytest.mark.parametrize("name", [*CASES, *API_CASES])
 def test_every_request_gets_the_ids_of_vllm_launch_render(render_plain_ids, answered, name):
     assert answered[name] == render_plain_ids[name]
+
+
+# Each answer case is sent this often: a new option set is answered by vLLM's app once per process.
+SENDS = FRONTENDS + 1
+# Answer cases the hit path leaves to vLLM's app: a field it does not know, content parts, echo, several prompts.
+LEFT_TO_VLLM = ("unknown-field", "content-parts", "echo", "several-prompts")
+
+
+def _answers_by_path(server: MptokRender) -> Counter[str]:
+    return Counter({labels["path"]: value for name, labels, value in scrape(server.port) if name == "mptok_render_answers_total"})
+
+
+@pytest.fixture(scope="module")
+def answered_cases(tier: MptokRender, answered) -> dict[str, tuple[list[Answer], Counter[str]]]:
+    """Each answer case's answers (sent ``SENDS`` times) and who answered them."""
+    cases = {}
+    for name, case in ANSWER_CASES.items():
+        before = _answers_by_path(tier)
+        answers = [answer_of(tier, *case) for _ in range(SENDS)]
+        after = _answers_by_path(tier)
+        after.subtract(before)
+        cases[name] = (answers, after)
+    return cases
+
+
+@pytest.mark.parametrize("name", ANSWER_CASES)
+def test_every_answer_is_vllm_launch_renders_field_by_field(render_plain, answered_cases, name):
+    answers, by_path = answered_cases[name]
+    expected = render_plain.answers[name]
+    for answer in answers:
+        assert answer == expected
+    assert by_path["hit"] + by_path["vllm"] == SENDS, by_path
+    if name in LEFT_TO_VLLM or name.startswith("bad-"):
+        assert by_path["hit"] == 0, by_path
+        assert name.startswith("bad-") == (expected.status != 200)
+    else:
+        assert expected.status == 200
+        assert by_path["hit"] >= 1, by_path
+
+
+def test_the_hit_path_knows_only_vllms_fields_and_leaves_every_other_to_vllm():
+    json_type = {b"content-type": b"application/json"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    completion = {"model": "m", "prompt": "x"}
+    for fields, model, base, is_chat in ((CHAT_FIELDS, ChatCompletionRequest, chat, True), (COMPLETION_FIELDS, CompletionRequest, completion, False)):
+        assert fields <= set(model.model_fields)
+        assert plain_request(is_chat, json_type, orjson.dumps(base)) is not None
+        for field in set(model.model_fields) - fields | {"a_field_of_a_later_vllm"}:
+            assert plain_request(is_chat, json_type, orjson.dumps({**base, field: None})) is None, field
+    assert plain_request(True, {**json_type, b"origin": b"http://a"}, orjson.dumps(chat)) is None
+    assert plain_request(True, {b"content-type": b"text/plain"}, orjson.dumps(chat)) is None
+
+
+def test_a_plain_message_is_what_vllms_request_model_makes_of_it():
+    """The messages the hit path takes without validating them come out of vLLM's validation unchanged."""
+    chats = [body["messages"] for _, body, _ in ANSWER_CASES.values() if isinstance(body, dict) and "messages" in body]
+    chats.append([{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
+    plain = 0
+    for messages in chats:
+        data = orjson.loads(orjson.dumps({"model": "m", "messages": messages}))
+        taken = plain_request(True, {b"content-type": b"application/json"}, orjson.dumps(data))
+        if taken is not None:
+            plain += 1
+            assert ChatCompletionRequest.model_validate(data).messages == taken["messages"]
+    assert plain >= len(chats) - 3
+    for message in ({"role": "user", "content": "x", "extra": 1}, {"role": "user", "content": 3}, {"role": "tool", "content": "x", "name": "n"},
+                    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}):  # fmt: skip
+        assert not plain_messages([message]), message
 
 
 def test_the_start_is_one_ready_line_and_every_process_routes(tier, answered):
