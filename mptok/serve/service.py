@@ -45,6 +45,7 @@ from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.warm_threads import warm_every_thread
 from mptok.front.prompt_ids import PromptIds, Routing
+from mptok.serve.ids_json import IdsJson
 from mptok.supervise.admission import Admission
 from mptok.supervise.logfmt import log_event
 
@@ -115,6 +116,7 @@ class TokenizeService:
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self.prompt_ids = PromptIds(tokenizer, cache, routing)
+        self._ids_json = IdsJson()
         self._template = template
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
         # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
@@ -220,7 +222,7 @@ class TokenizeService:
             self._limits.check_length(len(ids))
         except Exception as e:
             return _error_answer(e, "tokenize_failed", "tokenization")
-        return Answer(200, self._tokenize_payload(ids, request.return_token_strs), tokenize_s)
+        return Answer(200, self._tokenize_payload(ids, request.return_token_strs, identity.key), tokenize_s)
 
     def _text_of(self, request: TokenizeRequest) -> str:
         if request.prompt is not None:
@@ -265,21 +267,23 @@ class TokenizeService:
     def _too_long(self, what: str) -> RequestError:
         return RequestError(413, f"{what} exceeds --max-prompt-chars={self.max_prompt_chars} characters")
 
-    def _tokenize_payload(self, ids: np.ndarray, return_token_strs: bool) -> bytes:
+    def _tokenize_payload(self, ids: np.ndarray, return_token_strs: bool, key: str | None) -> bytes:
+        """``{"count", "max_model_len", "tokens", "token_strs", "frontend"}`` as orjson writes it,
+        the ids' JSON reused from the conversation's last answer where they agree (``IdsJson``)."""
         token_strs = None
         if return_token_strs:
             with self._direct_lock:
                 token_strs = self._tokenizer.convert_ids_to_tokens(ids.tolist())
-        # The ids go to JSON straight from their int32 array: no list, no Python ints.
-        return orjson.dumps(
-            {
-                "count": len(ids),
-                "max_model_len": self._limits.max_model_len,
-                "tokens": ids,
-                "token_strs": token_strs,
-                "frontend": self.frontend_id,
-            },
-            option=orjson.OPT_SERIALIZE_NUMPY,
+        return b"".join(
+            (
+                b'{"count":%d,"max_model_len":' % len(ids),
+                orjson.dumps(self._limits.max_model_len),
+                b',"tokens":',
+                self._ids_json.dumps(ids, key),
+                b',"token_strs":',
+                orjson.dumps(token_strs),
+                b',"frontend":%d}' % self.frontend_id,
+            )
         )
 
     def _detokenize_answer(self, body: bytes) -> Answer:
