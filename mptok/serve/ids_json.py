@@ -15,12 +15,12 @@ buffers they pin, least recently answered conversation dropped first.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
+
+from mptok.core.lru import ByteBoundedLru
 
 CHUNK_IDS = 4096
 DEFAULT_MAX_BYTES = 64 << 20
@@ -32,7 +32,6 @@ class _Written:
 
     ids: np.ndarray
     chunks: tuple[bytes, ...]
-    nbytes: int
 
 
 def _chunk_json(ids: np.ndarray) -> bytes:
@@ -54,38 +53,21 @@ class IdsJson:
     """JSON arrays of ids per conversation key, each reusing the key's last one. Thread-safe."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
-        self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._kept: OrderedDict[str, _Written] = OrderedDict()
-        self._bytes = 0
+        self._kept: ByteBoundedLru[_Written] = ByteBoundedLru(max_bytes)
 
     def dumps(self, ids: np.ndarray, key: str | None) -> bytes:
         """``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)``, from ``key``'s last answer where it can."""
-        if key is None or len(ids) < CHUNK_IDS or self._max_bytes <= 0:
+        if key is None or len(ids) < CHUNK_IDS:
             return orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
-        with self._lock:
-            last = self._kept.get(key)
+        last = self._kept.get(key)
         reused = () if last is None else last.chunks[: _shared(last.ids, ids) // CHUNK_IDS]
         start = len(reused) * CHUNK_IDS
         chunks = reused + tuple(_chunk_json(ids[i : i + CHUNK_IDS]) for i in range(start, len(ids), CHUNK_IDS))
         # Nothing writes an answered array again (the cache's views are immutable; the others are this answer's own).
         pinned = ids.base.nbytes if isinstance(ids.base, np.ndarray) else ids.nbytes
-        self._keep(key, _Written(ids, chunks, pinned + sum(map(len, chunks))))
+        self._kept.put(key, _Written(ids, chunks), pinned + sum(map(len, chunks)))
         return b"[" + b",".join(chunks) + b"]"
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"answers_kept": len(self._kept), "answer_bytes": self._bytes}
-
-    def _keep(self, key: str, written: _Written) -> None:
-        with self._lock:
-            old = self._kept.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            if written.nbytes > self._max_bytes:
-                return
-            self._kept[key] = written
-            self._bytes += written.nbytes
-            while self._bytes > self._max_bytes:
-                _, dropped = self._kept.popitem(last=False)
-                self._bytes -= dropped.nbytes
+        entries, nbytes = self._kept.stats()
+        return {"answers_kept": entries, "answer_bytes": nbytes}
