@@ -16,6 +16,12 @@ first, unmeasured (its one miss), then --clients threads send the measured
 turns, a new connection per turn. Every answer is compared with full
 tokenization of the rendered prompt, computed before any server starts.
 
+The steady state is measured: each conversation's --warm-turns turns
+before the measured ones are sent first, unmeasured, and the measured turns
+start once the server is idle (a fast engine's first results in each process
+are re-checked against `tokenizers` in the background; the checks that
+sampling makes later are counted).
+
 Run from the repository's root:
 
     make bench                                  # also the library benchmark (scripts.bench_cache)
@@ -49,6 +55,7 @@ from scripts.replay_bench import (
     BUILD_CACHE,
     collect,
     command_line,
+    cpu_by_role,
     replay,
 )
 from scripts.report import REPO, write_report
@@ -66,29 +73,44 @@ is the server as it ships; *cache off* is the same server with
 in full by the fastest exact engine. The conversations are the replay's
 (`scripts/replay_bench.py`): keyless agentic chats through the built-in
 DeepSeek V3 template, `{"messages": [...], "add_generation_prompt": true}`, a
-new connection per turn, about 300 tokens a turn; each conversation's turn
-before the measured ones is sent first, unmeasured. Every id is compared with
-full tokenization of the rendered prompt.
+new connection per turn, about 300 tokens a turn; each conversation's turns
+before the measured ones are sent first, unmeasured, and the measured turns
+start once the server is idle (past the start-up re-checks of each process's
+first fast results; the checks sampled later are counted). Every id is
+compared with full tokenization of the rendered prompt.
 """
 MODES = ("keyless", "no-cache")  # replay_bench's names: cache on (no session id), cache off
 LABELS = {"keyless": "cache", "no-cache": "cache off"}
 
 
-def window(conv: Conversation, turns: int) -> tuple[Conversation, Conversation]:
-    """``conv`` cut to its turn before the last ``turns`` (the warm-up) and those
-    turns, each part's first turn carrying all its ids (replay starts from none)."""
+def window(conv: Conversation, warm: int, turns: int) -> tuple[Conversation, Conversation]:
+    """``conv`` cut to the ``warm`` turns before its last ``turns`` (the warm-up) and
+    those turns, each part's first turn carrying all its ids (replay starts from none)."""
     expected, full = array.array("i"), []
     for turn in conv.turns:
         expected = conv.expected(turn, expected)
         full.append(expected)
     start = max(1, len(conv.turns) - turns)
+    first = max(0, start - warm)
 
     def whole(i: int) -> Turn:
         return replace(conv.turns[i], reused=0, tail=full[i])
 
-    warm = replace(conv, turns=[whole(start - 1)])
-    measured = replace(conv, turns=[whole(start), *conv.turns[start + 1 :]])
-    return warm, measured
+    return (
+        replace(conv, turns=[whole(first), *conv.turns[first + 1 : start]]),
+        replace(conv, turns=[whole(start), *conv.turns[start + 1 :]]),
+    )
+
+
+def wait_until_idle(pid: int, timeout_s: float = 120.0) -> None:
+    """Wait until the server's processes spend under a tenth of a core for a second
+    (the fast engines' first results are re-checked in the background, once per process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = sum(cpu_by_role([pid]).values())
+        time.sleep(1.0)
+        if sum(cpu_by_role([pid]).values()) - before < 0.1:
+            return
 
 
 def run(mode: str, warm: list[Conversation], measured: list[Conversation], args: argparse.Namespace, workdir: Path) -> ModeResult:
@@ -100,6 +122,7 @@ def run(mode: str, warm: list[Conversation], measured: list[Conversation], args:
         before = ModeResult(mode, "")
         replay(warm, server.port, args.clients, before, progress, [server.process.pid], args.frontends)
         collect(before, [server.port])
+        wait_until_idle(server.process.pid)
         result = ModeResult(mode, f"`mptok serve {' '.join(serve_args)}`")
         replay(measured, server.port, args.clients, result, progress, [server.process.pid], args.frontends)
         collect(result, [server.port])
@@ -122,13 +145,14 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=4, help="conversations at each length (default 4)")
     parser.add_argument("--lengths", default="38000,150000", help="tokens the conversations grow to, comma-separated (default 38000,150000)")
     parser.add_argument("--turns", type=int, default=40, help="measured turns per conversation (default 40)")
+    parser.add_argument("--warm-turns", type=int, default=12, help="turns per conversation sent before the measured ones, unmeasured (default 12)")
     parser.add_argument("--delta-tokens", type=int, default=300, help="tokens added per turn (default 300)")
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--backend", default="auto", help="--tokenizer-backend of both servers (default auto)")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each (length, mode), interleaved (default 2)")
     parser.add_argument("--jobs", type=int, default=2, help="processes computing the expected ids (default 2)")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/results/bench_turn.md")
-    smoke = {"frontends": 2, "conversations": 2, "lengths": "3000", "turns": 4, "clients": 2, "repeat": 1, "no_write": True}
+    smoke = {"frontends": 2, "conversations": 2, "lengths": "3000", "warm_turns": 2, "turns": 4, "clients": 2, "repeat": 1, "no_write": True}
     args = parse_args_with_smoke(parser, smoke)
     lengths = [int(n) for n in args.lengths.split(",") if n]
     tokenizer = mptok.load_tokenizer()
@@ -141,7 +165,7 @@ def main() -> int:
     for length in lengths:
         params = BuildParams(args.conversations, length, args.delta_tokens, args.seed)
         conversations = build(tokenizer, template, params, Progress(True), args.jobs, BUILD_CACHE)
-        cut = [window(c, args.turns) for c in conversations]
+        cut = [window(c, args.warm_turns, args.turns) for c in conversations]
         workloads[length] = ([w for w, _ in cut], [m for _, m in cut])
     with tempfile.TemporaryDirectory(prefix="bench-turn-") as workdir:
         for run_index in range(args.repeat):
@@ -169,7 +193,8 @@ def main() -> int:
 
 def table(lengths: list[int], results: dict, workloads: dict, args: argparse.Namespace) -> str:
     rows = [
-        f"F = {args.frontends}, {args.conversations} conversations per length, the last {args.turns} turns of each measured, "
+        f"F = {args.frontends}, {args.conversations} conversations per length, the last {args.turns} turns of each measured "
+        f"after {args.warm_turns} unmeasured, "
         f"{args.clients} client threads, {args.repeat} run(s) of each server, interleaved.",
         "",
         "| prompt tokens (measured turns) | server CPU ms per turn: cache | cache off | cache / cache off | hits | checked exact |",

@@ -88,7 +88,8 @@ class BuiltInPieces:
     @staticmethod
     def text(system_prompts: list[str], pieces: str, add_generation_prompt: bool) -> str:
         """The prompt, from the messages' system prompts and their pieces joined."""
-        return "<｜begin▁of▁sentence｜>" + "\n\n".join(system_prompts) + pieces + ("<｜Assistant｜>" if add_generation_prompt else "")
+        # One join: the prompt is copied once.
+        return "".join(("<｜begin▁of▁sentence｜>", "\n\n".join(system_prompts), pieces, "<｜Assistant｜>" if add_generation_prompt else ""))
 
 
 class ChatTemplateError(ValueError):

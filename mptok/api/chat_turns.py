@@ -61,7 +61,7 @@ class _Pieces:
                 systems.append((i, message["content"]))
             new.append(piece)
             ends.append(ends[-1] + len(piece))
-        return _Pieces(self.joined + "".join(new), ends, systems)
+        return _Pieces("".join([self.joined, *new]), ends, systems)
 
     def text(self, add_generation_prompt: bool) -> str:
         return BuiltInPieces.text([content for _, content in self.systems], self.joined, add_generation_prompt)
