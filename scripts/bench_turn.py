@@ -43,7 +43,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from mptok_harness.serve import Server
+from mptok_harness.serve import Server, scrape, total
 from scripts.replay_bench import (
     NO_CACHE_ENV,
     BuildParams,
@@ -79,6 +79,8 @@ start once the server is idle (past the start-up re-checks of each process's
 first fast results; the checks sampled later are counted). Every id is
 compared with full tokenization of the rendered prompt.
 """
+# Fast results re-checked against `tokenizers` in the background (each re-tokenizes a whole prompt).
+CHECKS = "mptok_tokenizer_backend_checks_total"
 MODES = ("keyless", "no-cache")  # replay_bench's names: cache on (no session id), cache off
 LABELS = {"keyless": "cache", "no-cache": "cache off"}
 
@@ -123,9 +125,11 @@ def run(mode: str, warm: list[Conversation], measured: list[Conversation], args:
         replay(warm, server.port, args.clients, before, progress, [server.process.pid], args.frontends)
         collect(before, [server.port])
         wait_until_idle(server.process.pid)
+        checks_before = total(scrape(server.port), CHECKS)
         result = ModeResult(mode, f"`mptok serve {' '.join(serve_args)}`")
         replay(measured, server.port, args.clients, result, progress, [server.process.pid], args.frontends)
         collect(result, [server.port])
+        result.checks = total(scrape(server.port), CHECKS) - checks_before
     result.errors += before.errors
     result.failed += before.failed + (before.checked - before.exact)
     result.hits -= before.hits
@@ -197,8 +201,8 @@ def table(lengths: list[int], results: dict, workloads: dict, args: argparse.Nam
         f"after {args.warm_turns} unmeasured, "
         f"{args.clients} client threads, {args.repeat} run(s) of each server, interleaved.",
         "",
-        "| prompt tokens (measured turns) | server CPU ms per turn: cache | cache off | cache / cache off | hits | checked exact |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| prompt tokens (measured turns) | server CPU ms per turn: cache | cache off | cache / cache off | hits | background re-checks: cache, cache off | checked exact |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     hit_ms = {}
     for length in lengths:
@@ -214,7 +218,8 @@ def table(lengths: list[int], results: dict, workloads: dict, args: argparse.Nam
         rows.append(
             f"| {min(tokens):,}-{max(tokens):,} | {on_ms:.2f} ({', '.join(f'{cpu_ms(r):.2f}' for r in on)}) "
             f"| {off_ms:.2f} ({', '.join(f'{cpu_ms(r):.2f}' for r in off)}) | 1/{off_ms / on_ms:.1f} "
-            f"| {100 * hits / max(1, hits + misses):.1f}% ({int(hits)} / {int(hits + misses)}) | {exact} of {checked} |"
+            f"| {100 * hits / max(1, hits + misses):.1f}% ({int(hits)} / {int(hits + misses)}) "
+            f"| {int(sum(r.checks for r in on))}, {int(sum(r.checks for r in off))} | {exact} of {checked} |"
         )
     if len(lengths) > 1:
         rows += ["", f"A hit turn at {lengths[-1]:,} tokens costs {hit_ms[lengths[-1]] / hit_ms[lengths[0]]:.2f}x one at {lengths[0]:,}."]
