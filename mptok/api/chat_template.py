@@ -86,10 +86,10 @@ class BuiltInPieces:
         return "" if role == "system" else None
 
     @staticmethod
-    def text(system_prompts: list[str], pieces: str, add_generation_prompt: bool) -> str:
-        """The prompt, from the messages' system prompts and their pieces joined."""
-        # One join: the prompt is copied once.
-        return "".join(("<｜begin▁of▁sentence｜>", "\n\n".join(system_prompts), pieces, "<｜Assistant｜>" if add_generation_prompt else ""))
+    def text(system_prompts: list[str], pieces: list[str], add_generation_prompt: bool) -> str:
+        """The prompt, from the messages' system prompts and their pieces (one join: one copy of the prompt)."""
+        generation = "<｜Assistant｜>" if add_generation_prompt else ""
+        return "".join(["<｜begin▁of▁sentence｜>", "\n\n".join(system_prompts), *pieces, generation])
 
 
 class ChatTemplateError(ValueError):

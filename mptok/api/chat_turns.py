@@ -12,9 +12,8 @@ an earlier message shares only the messages before it.
 
 With the built-in template (``BuiltInPieces``: each message's piece of the
 prompt depends on that message alone) the pieces of the shared messages are
-kept too, joined, and the prompt is that string, sliced, with the new
-messages' pieces and the frame around it: no template code runs for the
-messages before.
+kept too, and the prompt is one join of the frame, those pieces and the new
+messages' pieces: no template code runs for the messages before.
 
 What is kept is bounded (``ByteBoundedLru``): about the messages' size, least
 recently used conversation dropped first.
@@ -37,37 +36,33 @@ _MESSAGE_OVERHEAD_BYTES = 400  # two dicts of a few keys, as CPython holds them
 
 @dataclass(frozen=True)
 class _Pieces:
-    """The built-in template's pieces of a turn's messages, joined (``joined``);
-    ``ends[i]``: where the first ``i`` messages' pieces end in it; ``systems``:
+    """The built-in template's piece of each of a turn's messages; ``systems``:
     (index, content) of each system message."""
 
-    joined: str
-    ends: list[int]
+    pieces: list[str]
     systems: list[tuple[int, str]]
 
     def upto(self, known: int) -> _Pieces:
-        end = self.ends[known]
-        return _Pieces(self.joined[:end], self.ends[: known + 1], [s for s in self.systems if s[0] < known])
+        return _Pieces(self.pieces[:known], [s for s in self.systems if s[0] < known])
 
     def extended(self, prepared: list[dict[str, Any]], start: int) -> _Pieces | None:
         """These pieces with those of ``prepared`` (messages ``start``...) after them; None
         if the template refuses one of them (its Jinja source then renders the refusal)."""
-        new, ends, systems = [], list(self.ends), list(self.systems)
+        pieces, systems = list(self.pieces), list(self.systems)
         for i, message in enumerate(prepared, start):
             piece = BuiltInPieces.piece(message)
             if piece is None:
                 return None
             if message["role"] == "system":
                 systems.append((i, message["content"]))
-            new.append(piece)
-            ends.append(ends[-1] + len(piece))
-        return _Pieces("".join([self.joined, *new]), ends, systems)
+            pieces.append(piece)
+        return _Pieces(pieces, systems)
 
     def text(self, add_generation_prompt: bool) -> str:
-        return BuiltInPieces.text([content for _, content in self.systems], self.joined, add_generation_prompt)
+        return BuiltInPieces.text([content for _, content in self.systems], self.pieces, add_generation_prompt)
 
 
-_NO_PIECES = _Pieces("", [0], [])
+_NO_PIECES = _Pieces([], [])
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,12 @@ class IdsJson:
 
     def dumps(self, ids: np.ndarray, key: str | None) -> bytes:
         """``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)``, from ``key``'s last answer where it can."""
+        return b"".join(self.parts(ids, key))
+
+    def parts(self, ids: np.ndarray, key: str | None) -> list[bytes]:
+        """``dumps(ids, key)`` in parts, for the caller to join with what surrounds it (one copy)."""
         if key is None or len(ids) < CHUNK_IDS:
-            return orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
+            return [orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)]
         last = self._kept.get(key)
         reused = () if last is None else last.chunks[: _shared(last.ids, ids) // CHUNK_IDS]
         start = len(reused) * CHUNK_IDS
@@ -66,7 +70,10 @@ class IdsJson:
         # Nothing writes an answered array again (the cache's views are immutable; the others are this answer's own).
         pinned = ids.base.nbytes if isinstance(ids.base, np.ndarray) else ids.nbytes
         self._kept.put(key, _Written(ids, chunks), pinned + sum(map(len, chunks)))
-        return b"[" + b",".join(chunks) + b"]"
+        parts = [b","] * (2 * len(chunks) + 1)
+        parts[0], parts[-1] = b"[", b"]"
+        parts[1:-1:2] = chunks
+        return parts
 
     def stats(self) -> dict[str, int]:
         entries, nbytes = self._kept.stats()

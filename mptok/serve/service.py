@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mptok.api.affinity import identify
+from mptok.api.affinity import ChatNames, identify
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_tools
 from mptok.api.chat_turns import ChatTurn, ChatTurns
 from mptok.api.tokenize_request import (
@@ -119,6 +119,7 @@ class TokenizeService:
         self.prompt_ids = PromptIds(tokenizer, cache, routing)
         self._ids_json = IdsJson()
         self._chats = ChatTurns(pieces=template.pieces is not None)
+        self._chat_names = ChatNames()
         self._template = template
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
         # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
@@ -214,7 +215,9 @@ class TokenizeService:
     def _answer(self, body: bytes, header_conversation_id: str | None) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
-            identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars)
+            identity = identify(
+                request.conversation_id, request.messages, request.prompt, self._affinity_chars, self._chat_names.of
+            )
             chat = None
             if request.messages is not None:
                 chat = self._chats.turn(identity.key, request.messages)
@@ -291,7 +294,7 @@ class TokenizeService:
                 b'{"count":%d,"max_model_len":' % len(ids),
                 orjson.dumps(self._limits.max_model_len),
                 b',"tokens":',
-                self._ids_json.dumps(ids, key),
+                *self._ids_json.parts(ids, key),
                 b',"token_strs":',
                 orjson.dumps(token_strs),
                 b',"frontend":%d}' % self.frontend_id,
