@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test-vllm test-vllm-render test-sglang bench-sglang bench-render bench-render-long run bench bench-memory replay replay-long replay-capacity drill smoke test soak test-versions ci clean
+.PHONY: test-vllm test-vllm-render test-sglang bench-sglang bench-render bench-render-long run bench bench-turn bench-memory replay replay-long replay-capacity drill smoke test soak test-versions ci clean
 
 # The runtime alone (what `make run` needs); the test and bench extras are
 # installed on top of it by the targets that use them.
@@ -33,9 +33,16 @@ $(BIN)/.installed-bench: $(BIN)/.installed-test
 # The cache against fastokens (with and without its segment cache), gigatoken
 # and `tokenizers` on chat and plain turns at ~50k and ~200k tokens, DeepSeek
 # V3 and Qwen, with hit rates on every family an engine loads
-# (docs/results/bench_cache.md; about 6 minutes on 2 cores).
+# (docs/results/bench_cache.md; about 6 minutes on 2 cores); then what a
+# served turn costs: server CPU per turn of `mptok serve --frontends 4` with
+# the cache against the cache off, keyless chats at ~38k and ~150k tokens
+# (docs/results/bench_turn.md; `make bench-turn` alone, `ARGS` for it).
 bench: $(BIN)/.installed-bench
 	$(BIN)/python -m scripts.bench_cache $(ARGS)
+	$(BIN)/python -m scripts.bench_turn
+
+bench-turn: $(BIN)/.installed-bench
+	$(BIN)/python -m scripts.bench_turn $(ARGS)
 
 # What the cache's memory costs (bytes per cached token, tracemalloc), a flood
 # against a small --budget, and the RSS of `mptok serve --cache-bytes`.

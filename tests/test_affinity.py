@@ -13,7 +13,7 @@ import random
 import pytest
 
 import mptok
-from mptok.api.affinity import IdentityKind, chat_identity, identify, prompt_identity
+from mptok.api.affinity import ChatNames, IdentityKind, chat_identity, identify, prompt_identity
 from mptok.api.chat_template import DEEPSEEK_V3_TEMPLATE
 from mptok.core.protocol import PeerRequest
 from mptok.routing.owners import PeerService
@@ -42,6 +42,31 @@ def test_a_chat_keeps_its_identity_from_turn_to_turn():
     assert len(identities) == 1
     # The order a client writes a message's fields in does not matter.
     assert chat_identity([system, {"content": first["content"], "role": "user"}]) in identities
+
+
+def test_a_chats_name_is_decided_once_and_then_looked_up_as_chat_identity_decides_it():
+    rng = random.Random(2)
+    names = ChatNames()
+    system = {"role": "system", "content": plain_delta(rng, 50)}
+    chats = [[system, {"role": "user", "content": f"Task {i}"}] for i in range(3)]
+    for _ in range(3):
+        for messages in chats:
+            copy = [dict(m) for m in messages]  # a new request's own objects
+            assert names.of(copy) == chat_identity(messages) is not None
+            messages += [{"role": "assistant", "content": plain_delta(rng, 5)}, {"role": "user", "content": "next"}]
+    assert names._names.stats()[0] == 3  # one entry per conversation
+    # Another field order, values JSON tells apart and Python does not, and odd input: as chat_identity says.
+    reordered = [system, {"content": "Task 0", "role": "user"}]
+    assert names.of(reordered) == chat_identity(reordered) == chat_identity(chats[0])
+    for messages in (
+        [{"role": "user", "content": "x", "n": 1}],
+        [{"role": "user", "content": "x", "n": True}],
+        [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        [{"role": "system", "content": "no user"}],
+        ["not a message"],
+    ):
+        assert names.of(messages) == chat_identity(messages)
+    assert ChatNames(max_bytes=10).of(chats[1]) == chat_identity(chats[1])  # too big to keep, still named
 
 
 def test_chats_sharing_a_system_prompt_get_different_identities():

@@ -490,3 +490,33 @@ def test_a_fingerprint_crosses_as_two_ints_and_back():
 )
 def test_values_no_fingerprint_has_are_refused_from_the_wire(since, shared_chars):
     assert Fingerprint.from_wire(since, shared_chars) is None
+
+
+def test_ids_json_reuses_a_conversations_last_answer_and_writes_what_orjson_writes():
+    import orjson
+
+    from mptok.core.ids import IdPieces
+    from mptok.serve.ids_json import CHUNK_IDS, IdsJson
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 128_000, 6 * CHUNK_IDS).astype(np.int32)
+    written = IdsJson(max_bytes=1 << 30)
+
+    def check(array: np.ndarray, key: str | None = "chat") -> None:
+        assert written.dumps(array, key) == orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    pieces = IdPieces.of(ids[: 2 * CHUNK_IDS + 5])
+    check(pieces.array())
+    pieces = pieces.spliced(pieces.length, ids[2 * CHUNK_IDS + 5 : 3 * CHUNK_IDS])  # an append: the same buffer
+    check(pieces.array())
+    rewritten = ids[: 3 * CHUNK_IDS].copy()
+    rewritten[CHUNK_IDS + 7] += 1  # a changed id in a chunk the last answer wrote
+    check(rewritten)
+    check(ids[: CHUNK_IDS + 3])  # shorter than the last
+    check(ids[1:])  # shifted: nothing shared
+    check(ids, None)  # no conversation: nothing kept
+    check(ids[:10])
+    assert written.stats()["answers_kept"] == 1
+    small = IdsJson(max_bytes=CHUNK_IDS)  # a bound below one answer: nothing kept, still right
+    assert small.dumps(ids, "chat") == orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
+    assert small.stats() == {"answers_kept": 0, "answer_bytes": 0}

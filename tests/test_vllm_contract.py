@@ -399,3 +399,62 @@ def test_the_readme_vllm_client_works_unchanged(servers):
     assert result.returncode == 0, result.stderr
     prompt_line = result.stdout.splitlines()[0]
     assert prompt_line == f"{len(tokenizer.encode('Hello, my name is'))} tokens of at most 32768"
+
+
+# -- rendering without apply_chat_template's copies -----------------------------------
+
+# Reads every field a message may carry, so that what the template is handed shows in its text.
+FIELDS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{% for k, v in m.items() %}{{ k }}={{ v | tojson }};{% endfor %}]\n"
+    "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}{{ flavour }}{% if add_generation_prompt %}>>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("name", ["chatml_tools", "bos_tools", "fields", "builtin"])
+def test_rendering_equals_apply_chat_template_turn_after_turn(tmp_path, name):
+    """``ChatTemplate.render`` (transformers' compiled template, the messages
+    prepared once per conversation by ``ChatTurns``) gives apply_chat_template's
+    text for every turn of a growing chat with tool calls, reasoning, names
+    and null fields, with and without tools and template variables."""
+    from mptok.api.chat_template import vllm_conversation, vllm_tools
+    from mptok.api.chat_turns import ChatTurns
+
+    if name == "builtin":
+        tokenizer = mptok.load_tokenizer()
+        template = ChatTemplate.for_tokenizer(tokenizer)
+    elif name == "fields":
+        tokenizer = mptok.load_tokenizer(write_chat_tokenizer("bos_tools", tmp_path / name))
+        template = ChatTemplate(FIELDS_TEMPLATE, "test")
+    else:
+        tokenizer = mptok.load_tokenizer(write_chat_tokenizer(name, tmp_path / name))
+        template = ChatTemplate.for_tokenizer(tokenizer)
+    rng = random.Random(4)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}
+    extra = [
+        {"role": "assistant", "content": None, "tool_calls": [call]} if name != "builtin" else {"role": "assistant", "content": "a"},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"} if name != "builtin" else {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "<think>hm</think>ok", "reasoning_content": "think", "name": "bot"},
+        {"role": "system", "content": "A later system prompt."},
+        {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}], "name": None},
+    ]
+    turns = ChatTurns(pieces=template.pieces is not None)
+    messages: list[dict] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": plain_delta(rng, 8)}]
+    for turn in range(9):
+        for tools, kwargs in ((None, {}), (WEATHER_TOOLS, {"flavour": "salty"})):
+            chat = turns.turn("conversation", json.loads(json.dumps(messages)))  # a new request's own objects
+            chat.check()
+            prepared = chat.prepared()
+            text = template.render(
+                tokenizer, prepared, True, tools=vllm_tools(tools) if tools else None,
+                template_kwargs=template.accepted_kwargs(kwargs), prepared=True,
+            )  # fmt: skip
+            want = tokenizer.apply_chat_template(
+                vllm_conversation(messages), tools=vllm_tools(tools) if tools else None, chat_template=template.source,
+                add_generation_prompt=True, tokenize=False, **template.accepted_kwargs(kwargs),
+            )  # fmt: skip
+            assert text == want, (name, turn, tools)
+            # The built-in template's prompt from the kept pieces of the earlier messages.
+            assert chat.built_in_text(True) == (want if name == "builtin" else None), (turn, tools)
+        messages.append(extra[turn % len(extra)] if turn < len(extra) else {"role": "user", "content": plain_delta(rng, 8)})
+        if turn == 6:
+            messages[1] = {"role": "user", "content": "an earlier message changed"}

@@ -32,6 +32,8 @@ from typing import Any
 
 import orjson
 
+from mptok.core.lru import ByteBoundedLru
+
 _HASH_PERSON = b"mptok-affinity1"
 
 # Headers that name the conversation when the body does not, in the order
@@ -60,13 +62,15 @@ def identify(
     messages: Sequence[dict[str, Any]] | None,
     prompt: str | None,
     affinity_chars: int = 0,
+    chat_key: Callable[[Sequence[dict[str, Any]]], str | None] | None = None,
 ) -> ConversationIdentity:
     """The identity of one request's conversation: an explicit id, else a chat's
-    ``chat_identity``, else a prompt's ``prompt_identity``, else keyless."""
+    ``chat_identity`` (through ``chat_key``, e.g. ``ChatNames.of``, if given),
+    else a prompt's ``prompt_identity``, else keyless."""
     if explicit_id:
         return named(explicit_id, None)
     if messages is not None:
-        key = chat_identity(messages)
+        key = (chat_key or chat_identity)(messages)
     elif prompt is not None and affinity_chars > 0:
         key = prompt_identity(prompt, affinity_chars)
     else:
@@ -88,6 +92,44 @@ def header_conversation_id(header: Callable[[str], str | None]) -> str | None:
     """The conversation id a request's headers give: the first of
     ``CONVERSATION_HEADERS`` that ``header(name)`` finds and is not empty."""
     return next((value for name in CONVERSATION_HEADERS if (value := header(name))), None)
+
+
+class ChatNames:
+    """``chat_identity`` decided once per conversation, then looked up.
+
+    A chat's stable messages arrive again with every turn. Seen before, they
+    are found by a dict lookup (Python's hash of their strings, then a
+    comparison with the kept ones, both in C) instead of being serialized
+    and digested again. Only messages whose every value is a string (or
+    null) are looked up (``1 == True`` in Python, not in JSON); others are
+    digested every time. Bounded: ``max_bytes`` of kept messages, least
+    recently used dropped first. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int = 16 << 20):
+        self._names: ByteBoundedLru[str] = ByteBoundedLru(max_bytes)
+
+    def of(self, messages: Sequence[dict[str, Any]]) -> str | None:
+        """``chat_identity(messages)``."""
+        try:
+            first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+            if first_user is None:
+                return None
+            stable = tuple(tuple(m.items()) for m in messages[: first_user + 1])
+            plain = all(type(v) is str or v is None for m in stable for _, v in m)
+        except Exception:
+            return None  # not plain JSON, as chat_identity says
+        if not plain:
+            return chat_identity(messages)
+        key = self._names.get(stable)
+        if key is None:
+            key = chat_identity(messages)
+            nbytes = sum(_NAME_OVERHEAD_BYTES + sum(len(v) for _, v in m if v is not None) for m in stable)
+            self._names.put(stable, key, nbytes)
+        return key
+
+
+_NAME_OVERHEAD_BYTES = 200  # a message's tuples, as CPython holds them
 
 
 def chat_identity(messages: Sequence[dict[str, Any]]) -> str | None:

@@ -61,6 +61,37 @@ DEEPSEEK_V3_TEMPLATE = (
 _DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
 
 
+class BuiltInPieces:
+    """``DEEPSEEK_V3_TEMPLATE`` in Python, message by message, so a conversation's
+    kept rendering of its earlier messages is reused (``mptok.api.chat_turns``).
+
+    The template writes the begin-of-sentence token, the system prompts
+    joined by blank lines, then for each message a piece that depends on
+    that message alone (``piece``), then the generation prompt
+    (``text``). tests/test_vllm_contract.py compares it with the Jinja source
+    turn after turn.
+    """
+
+    @staticmethod
+    def piece(message: dict[str, Any]) -> str | None:
+        """What the template writes for ``message`` in its loop (a system message:
+        nothing); None for what it refuses (the Jinja source then says why)."""
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(content, str):
+            return None
+        if role == "user":
+            return "<｜User｜>" + content
+        if role == "assistant":
+            return "<｜Assistant｜>" + content.split("</think>")[-1] + "<｜end▁of▁sentence｜>"
+        return "" if role == "system" else None
+
+    @staticmethod
+    def text(system_prompts: list[str], pieces: list[str], add_generation_prompt: bool) -> str:
+        """The prompt, from the messages' system prompts and their pieces (one join: one copy of the prompt)."""
+        generation = "<｜Assistant｜>" if add_generation_prompt else ""
+        return "".join(["<｜begin▁of▁sentence｜>", "\n\n".join(system_prompts), *pieces, generation])
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered: the template refused them, or there is no template."""
 
@@ -86,6 +117,9 @@ class ChatTemplate:
         self.source = source
         self.origin = origin
         self._variables: set[str] | None = None
+        self._template: Any = None
+        # The built-in template, in Python (wherever its source came from).
+        self.pieces = BuiltInPieces if source == DEEPSEEK_V3_TEMPLATE else None
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, override: str | None = None) -> ChatTemplate:
@@ -109,26 +143,46 @@ class ChatTemplate:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        prepared: bool = False,
     ) -> str:
         """The prompt text; ``ChatTemplateError`` if the template refuses the messages.
 
         ``template_kwargs`` (a request's ``chat_template_kwargs``) reach the
         template as variables after ``accepted_kwargs`` has filtered them.
+        ``prepared``: the messages are ``template_messages``' already.
+
+        The text is transformers' ``apply_chat_template(..., tokenize=False)``'s:
+        its compiled template (the same sandboxed environment), given the
+        messages as it prepares them (``template_messages``), the tools, and
+        the tokenizer's special tokens under the request's variables. Only
+        ``continue_final_message`` and ``documents`` go through
+        ``apply_chat_template`` itself.
         """
         if self.source is None:
             raise ChatTemplateError(
                 "this tokenizer has no chat template: send a prompt, or start the server with --chat-template FILE"
             )
         try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                chat_template=self.source,
-                **(template_kwargs or {}),
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-            )
+            compiled = self._compiled()
+            if compiled is None or continue_final_message or "documents" in (template_kwargs or {}):
+                text = tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    chat_template=self.source,
+                    **(template_kwargs or {}),
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                )
+            else:
+                # What apply_chat_template renders, without its per-call copy of every message.
+                text = compiled.render(
+                    messages=messages if prepared else template_messages(messages),
+                    tools=tools,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **{**tokenizer.special_tokens_map, **(template_kwargs or {})},
+                )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template refused the messages: {e}") from None
         except ValueError as e:
@@ -140,6 +194,18 @@ class ChatTemplate:
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
         return text
+
+    def _compiled(self) -> Any:
+        """transformers' compiled template of ``source`` (cached there), or None
+        where its compiler is not where this version of transformers keeps it."""
+        if self._template is None:
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+            except ImportError:
+                self._template = False
+            else:
+                self._template = _compile_jinja_template(self.source)
+        return self._template or None
 
     def accepted_kwargs(self, requested: dict[str, Any]) -> dict[str, Any]:
         """The part of a request's ``chat_template_kwargs`` that reaches the template.
@@ -169,7 +235,7 @@ class ChatTemplate:
 _SET_BY_REQUEST = frozenset({"add_generation_prompt", "continue_final_message", "tools", "messages"})
 
 
-def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def vllm_conversation(messages: list[dict[str, Any]], start: int = 0) -> list[dict[str, Any]]:
     """The messages as vLLM hands them to a chat template (text-only, "string" content format).
 
     Each message becomes ``role`` and ``content`` (a string: a list of text
@@ -179,10 +245,10 @@ def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     one) and its ``reasoning`` (also as ``reasoning_content``); on a tool
     message ``tool_call_id``; on a developer message its ``tools``; and
     ``name`` when it is a string. ``ChatTemplateError`` when a call's
-    arguments are not JSON.
+    arguments are not JSON (naming the message by its index plus ``start``).
     """
     conversation = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(messages, start):
         content = message.get("content")
         if isinstance(content, list):
             content = "\n".join(part["text"] for part in content)
@@ -202,6 +268,24 @@ def vllm_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             converted["tools"] = message.get("tools")
         conversation.append(converted)
     return conversation
+
+
+# The names transformers passes a message's reasoning under, the first the one templates read.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers' ``apply_chat_template`` hands them to a
+    template: the keys whose value is None dropped, a message's reasoning
+    also under ``thinking`` (first) and ``reasoning_content`` (last)."""
+    prepared = []
+    for message in conversation:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
 
 
 def _with_parsed_arguments(index: int, call: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class TokenizeRequest:
 def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> TokenizeRequest:
     """Parse and type-check a body the way vLLM's ``/tokenize`` reads it; ``RequestError`` (400) if wrong.
 
+    Each message is checked by ``check_messages``, which the caller runs.
+
     ``add_special_tokens`` defaults to true for a prompt and false for
     messages, ``add_generation_prompt`` to true; ``conversation_id`` in the
     body wins over the header's.
@@ -70,7 +72,7 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
         raise RequestError(400, f'"prompt" must be a string, not {_json_type(prompt)}')
     return TokenizeRequest(
         prompt=prompt,
-        messages=None if has_prompt else _check_messages(data["messages"]),
+        messages=None if has_prompt else _message_list(data["messages"]),
         add_generation_prompt=not has_prompt and _optional(data, "add_generation_prompt", bool, True),
         add_special_tokens=_optional(data, "add_special_tokens", bool, has_prompt),
         conversation_id=conversation_id,
@@ -97,18 +99,28 @@ def _json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _check_messages(messages: Any) -> list[dict[str, Any]]:
+def _message_list(messages: Any) -> list[Any]:
     if not isinstance(messages, list):
         raise RequestError(400, f'"messages" must be a non-empty list, not {_json_type(messages)}')
     if not messages:
         raise RequestError(400, '"messages" must be a non-empty list; it is empty')
-    for i, message in enumerate(messages):
+    return messages
+
+
+def check_messages(messages: list[Any], start: int = 0) -> None:
+    """``RequestError`` (400) naming the first of ``messages[start:]`` that vLLM would refuse.
+
+    ``parse_tokenize_request`` checks that ``messages`` is a non-empty list;
+    its messages are checked here, so that a conversation's messages checked
+    on an earlier turn (``start``) are not checked again.
+    """
+    for i in range(start, len(messages)):
+        message = messages[i]
         if not isinstance(message, dict):
             raise RequestError(400, f"messages[{i}] must be an object, not {_json_type(message)}")
         if not isinstance(message.get("role"), str):
             raise RequestError(400, f'messages[{i}]["role"] must be a string, not {_json_type(message.get("role"))}')
         _check_content(i, message)
-    return messages
 
 
 def _check_content(i: int, message: dict[str, Any]) -> None:

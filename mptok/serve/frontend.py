@@ -39,7 +39,7 @@ from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 from mptok.core.periodic import PeriodicTask
 from mptok.routing.owners import lower_switch_interval
-from mptok.serve.http_protocol import MAX_HEADER_BYTES, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.serve.http_protocol import REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
 from mptok.serve.launch import FrontendSettings
 from mptok.serve.service import Answer, TokenizeService
 from mptok.supervise.lifeline import stop_with_parent
@@ -258,7 +258,6 @@ class Frontend:
             lifespan="off",
             timeout_graceful_shutdown=options.graceful_timeout_s,
             http=guarded_protocol(options.read_timeout_s, options.max_connections, self.service.count_request),
-            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
         self._server = _server_noting_its_stop(uvicorn)(config)
         if stop_signals:

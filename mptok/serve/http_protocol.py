@@ -1,12 +1,9 @@
-"""uvicorn's HTTP/1.1 protocol (h11) with the guards a server facing any client needs.
+"""uvicorn's fastest HTTP/1.1 protocol (httptools, llhttp in C) with the guards a server facing any client needs.
 
-What uvicorn 0.54 with h11 does on its own, seen against ``mptok serve``:
+What uvicorn's ``HttpToolsProtocol`` does on its own, seen against ``mptok serve``:
 
-- A header block over h11's limit (``h11_max_incomplete_event_size``, 16 KiB
-  by default) raises ``RemoteProtocolError`` with ``error_status_hint=431``;
-  uvicorn answers a plain-text 400 and closes the socket with the rest of
-  the request unread, so the kernel sends a reset and the client usually
-  sees ``ECONNRESET``, not the answer.
+- Nothing bounds a header block (llhttp has no limit of its own), so a
+  client may send megabytes of headers.
 - Nothing bounds the time a request takes to arrive: the keep-alive timer
   is cancelled by every byte received and is not armed for a new
   connection, so a client sending a header byte now and then holds a
@@ -14,14 +11,16 @@ What uvicorn 0.54 with h11 does on its own, seen against ``mptok serve``:
 - Nothing bounds the number of connections but the process's file limit
   (``limit_concurrency`` answers a plain-text 503 and also refuses
   ``/health``).
+- Malformed HTTP gets a plain-text 400, not the JSON error shape.
 
-``guarded_protocol(...)`` returns an ``H11Protocol`` subclass that adds: a
-deadline for each request to arrive whole, headers and body (408 after
-it); a cap on open connections (503 at once beyond it); mptok's JSON error
-shape for these and for malformed HTTP (400) and oversized headers (431);
-and a lingering close after them: the write side is shut, what the client
-still sends is read and dropped for at most ``LINGER_S``, then the socket
-is closed, so the answer reaches a client that is still sending.
+``guarded_protocol(...)`` returns an ``HttpToolsProtocol`` subclass that
+adds: a header block limit (``MAX_HEADER_BYTES``, 431 beyond it); a
+deadline for each request to arrive whole, headers and body (408 after it);
+a cap on open connections (503 at once beyond it); mptok's JSON error shape
+for these and for malformed HTTP (400); and a lingering close after them:
+the write side is shut, what the client still sends is read and dropped for
+at most ``LINGER_S``, then the socket is closed, so the answer reaches a
+client that is still sending.
 """
 
 from __future__ import annotations
@@ -32,14 +31,14 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mptok.api.tokenize_request import RETRY_AFTER_S, error_body
 
 logger = logging.getLogger("mptok.frontend")
 
-# h11's own default; a header block larger than this is answered 431.
+# A header block (request line and headers) larger than this is answered 431.
 MAX_HEADER_BYTES = 16 * 1024
 # After an error answer, how long what the client still sends is read and dropped.
 LINGER_S = 2.0
@@ -50,17 +49,8 @@ UNPARSED_PATH = "-"
 REFUSED_SCOPE_KEY = "mptok.refused_status"
 
 
-class _Connection(h11.Connection):
-    """An h11 connection that remembers the protocol error it raised, for its status hint."""
-
-    last_error: h11.RemoteProtocolError | None = None
-
-    def next_event(self) -> Any:
-        try:
-            return super().next_event()
-        except h11.RemoteProtocolError as e:
-            self.last_error = e
-            raise
+class _HeaderBlockTooLarge(Exception):
+    """Raised from a parser callback: llhttp stops, and ``data_received`` answers 431."""
 
 
 def error_response(status: int, message: str, retry_after_s: int | None = None) -> bytes:
@@ -77,8 +67,8 @@ def error_response(status: int, message: str, retry_after_s: int | None = None) 
     return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
 
 
-class GuardedH11Protocol(H11Protocol):
-    """``H11Protocol`` with a request deadline, a connection cap and answers that arrive.
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` with a header limit, a request deadline, a connection cap and answers that arrive.
 
     Configured by ``guarded_protocol``; uvicorn makes one per connection, on
     the event loop, so nothing here needs a lock.
@@ -90,9 +80,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.conn = _Connection(h11.SERVER, MAX_HEADER_BYTES)
         self._deadline: asyncio.TimerHandle | None = None
         self._lingering = False
+        self._arriving = False  # a request has begun and not arrived whole
+        self._heading = False  # ... and its header block is not complete
+        self._header_bytes = 0
+        self._header_too_large = False
+        self._cycle_is_current = False  # self.cycle is the arriving (or last arrived) request's
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -104,25 +98,53 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             return  # read and dropped: the answer is sent, the socket closes soon
-        super().data_received(data)
+        heading = self._heading
+        if heading:
+            self._header_bytes += len(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # no WebSocket here; the request is answered as plain HTTP
+        except httptools.HttpParserError as e:
+            if self._header_too_large:
+                self._refuse_header_block()
+            else:
+                self._refuse(400, f"malformed HTTP request: {e}")
+            return
         if self._lingering or self.transport.is_closing():
             return
-        state = self.conn.their_state
-        if state is h11.SEND_BODY or (state is h11.IDLE and self.conn.trailing_data[0]):
+        if self._heading and not heading:
+            self._header_bytes += len(data)  # began in this chunk: counts what came before it too
+        if self._heading and self._header_bytes > MAX_HEADER_BYTES:
+            self._refuse_header_block()
+        elif self._arriving:
             self._arm()  # a request is arriving: its deadline runs from its first byte
-        elif state is h11.IDLE:
-            self._disarm()  # between requests (a refused body was drained): the next one gets the whole time
-            self._arm()
         else:
-            self._disarm()  # arrived whole: the app answers it
+            self._disarm()  # arrived whole (the app answers it), or nothing is arriving
 
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn calls this when h11 cannot parse the request."""
-        error = self.conn.last_error
-        if error is not None and error.error_status_hint == 431:
-            self._refuse(431, f"the request's header block exceeds {MAX_HEADER_BYTES} bytes")
-        else:
-            self._refuse(400, f"malformed HTTP request: {error or msg}")
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arriving = self._heading = True
+        self._header_bytes = 0
+        self._cycle_is_current = False
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._heading = False
+        super().on_headers_complete()
+        self._cycle_is_current = True
+
+    def on_message_complete(self) -> None:
+        self._arriving = False
+        super().on_message_complete()
 
     def shutdown(self) -> None:
         if self._lingering:
@@ -133,6 +155,15 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def _count_header_bytes(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._header_too_large = True
+            raise _HeaderBlockTooLarge
+
+    def _refuse_header_block(self) -> None:
+        self._refuse(431, f"the request's header block exceeds {MAX_HEADER_BYTES} bytes")
 
     def _arm(self) -> None:
         if self._deadline is None:
@@ -153,19 +184,20 @@ class GuardedH11Protocol(H11Protocol):
     def _refuse(self, status: int, message: str, retry_after_s: int | None = None) -> None:
         """Answer ``status`` in mptok's error shape, then close the connection lingering."""
         self._disarm()
-        if self.conn.our_state in (h11.SEND_BODY, h11.DONE, h11.MUST_CLOSE):
+        current = self.cycle if self._cycle_is_current else None
+        if current is not None and current.response_started:
             self.transport.close()  # this request is answered already: a second answer would corrupt the stream
             return
         self._lingering = True
         if self.flow is not None:
             self.flow.resume_reading()  # uvicorn may have paused reading: what comes now is dropped
         path = UNPARSED_PATH
-        if self.cycle is not None and not self.cycle.response_complete:
-            path = self.cycle.scope["path"]
-            self.cycle.scope[REFUSED_SCOPE_KEY] = status  # type: ignore[typeddict-unknown-key]
+        if current is not None and not current.response_complete:
+            path = current.scope["path"]
+            current.scope[REFUSED_SCOPE_KEY] = status  # type: ignore[typeddict-unknown-key]
             # The app may be waiting for the body: it now reads a disconnect and stops.
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
+            current.disconnected = True
+            current.message_event.set()
         self.count(path, status)
         logger.debug("refused status=%d message=%s", status, message)
         self.transport.write(error_response(status, message, retry_after_s))
@@ -174,20 +206,13 @@ class GuardedH11Protocol(H11Protocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
-def _not_an_invalid_request_warning(record: logging.LogRecord) -> bool:
-    """uvicorn logs a WARNING for every request h11 cannot parse, so a flood of bad
-    requests would flood the log; they are counted instead (``path="-"``)."""
-    return record.getMessage() != "Invalid HTTP request received."
-
-
 def guarded_protocol(
     read_timeout_s: float, max_connections: int, count: Callable[[str, int], None]
-) -> type[GuardedH11Protocol]:
+) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to give ``uvicorn.Config(http=...)``; ``count(path, status)``
     is told of every answer given here (not by the app)."""
-    logging.getLogger("uvicorn.error").addFilter(_not_an_invalid_request_warning)  # added once, however often called
     return type(
-        "ConfiguredGuardedH11Protocol",
-        (GuardedH11Protocol,),
+        "ConfiguredGuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
         {"read_timeout_s": read_timeout_s, "max_connections": max_connections, "count": staticmethod(count)},
     )

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mptok.api.affinity import identify
-from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_conversation, vllm_tools
+from mptok.api.affinity import ChatNames, identify
+from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_tools
+from mptok.api.chat_turns import ChatTurn, ChatTurns
 from mptok.api.tokenize_request import (
     RETRY_AFTER_S,
     RequestError,
@@ -45,6 +46,7 @@ from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.warm_threads import warm_every_thread
 from mptok.front.prompt_ids import PromptIds, Routing
+from mptok.serve.ids_json import IdsJson
 from mptok.supervise.admission import Admission
 from mptok.supervise.logfmt import log_event
 
@@ -115,6 +117,9 @@ class TokenizeService:
         self.max_body_bytes = max_prompt_chars * _BODY_BYTES_PER_CHAR + _BODY_OVERHEAD_BYTES
         self._tokenizer = tokenizer
         self.prompt_ids = PromptIds(tokenizer, cache, routing)
+        self._ids_json = IdsJson()
+        self._chats = ChatTurns(pieces=template.pieces is not None)
+        self._chat_names = ChatNames()
         self._template = template
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
         # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
@@ -210,9 +215,15 @@ class TokenizeService:
     def _answer(self, body: bytes, header_conversation_id: str | None) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
+            identity = identify(
+                request.conversation_id, request.messages, request.prompt, self._affinity_chars, self._chat_names.of
+            )
+            chat = None
+            if request.messages is not None:
+                chat = self._chats.turn(identity.key, request.messages)
+                chat.check()
             self._limits.check_model(request.model)
-            text = self._text_of(request)
-            identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars)
+            text = self._text_of(request, chat)
             started = time.perf_counter()
             ids = self.prompt_ids.ids_array(text, request.add_special_tokens, identity)
             tokenize_s = time.perf_counter() - started
@@ -220,36 +231,42 @@ class TokenizeService:
             self._limits.check_length(len(ids))
         except Exception as e:
             return _error_answer(e, "tokenize_failed", "tokenization")
-        return Answer(200, self._tokenize_payload(ids, request.return_token_strs), tokenize_s)
+        return Answer(200, self._tokenize_payload(ids, request.return_token_strs, identity.key), tokenize_s)
 
-    def _text_of(self, request: TokenizeRequest) -> str:
-        if request.prompt is not None:
+    def _text_of(self, request: TokenizeRequest, chat: ChatTurn | None) -> str:
+        if chat is None:
+            assert request.prompt is not None
             text = request.prompt
         else:
-            assert request.messages is not None
-            if len(request.messages) > self.max_messages:
+            if len(chat.messages) > self.max_messages:
                 raise RequestError(
-                    413, f'"messages" has {len(request.messages)} messages; at most --max-messages={self.max_messages}'
+                    413, f'"messages" has {len(chat.messages)} messages; at most --max-messages={self.max_messages}'
                 )
-            if sum(map(_content_chars, request.messages)) > self.max_prompt_chars:
+            if chat.content_chars() > self.max_prompt_chars:
                 raise self._too_long("the messages' contents")
-            text = self._render(request)
+            text = self._render(request, chat)
         if len(text) > self.max_prompt_chars:
             raise self._too_long("the prompt")
         return text
 
-    def _render(self, request: TokenizeRequest) -> str:
+    def _render(self, request: TokenizeRequest, chat: ChatTurn) -> str:
         """The chat as vLLM renders it: its view of the messages and tools, the
         accepted ``chat_template_kwargs``, ``continue_final_message`` (docs/SERVE.md, "Endpoints")."""
-        assert request.messages is not None
         try:
+            prepared = chat.prepared()
+            template_kwargs = self._template.accepted_kwargs(request.chat_template_kwargs or {})
+            if not (template_kwargs or request.continue_final_message):
+                text = chat.built_in_text(request.add_generation_prompt)
+                if text is not None:
+                    return text
             return self._template.render(
                 self._tokenizer,
-                vllm_conversation(request.messages),
+                prepared,
                 request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=vllm_tools(request.tools) if request.tools is not None else None,
-                template_kwargs=self._template.accepted_kwargs(request.chat_template_kwargs or {}),
+                template_kwargs=template_kwargs,
+                prepared=True,
             )
         except ChatTemplateError as e:
             raise RequestError(400, str(e)) from None
@@ -265,21 +282,23 @@ class TokenizeService:
     def _too_long(self, what: str) -> RequestError:
         return RequestError(413, f"{what} exceeds --max-prompt-chars={self.max_prompt_chars} characters")
 
-    def _tokenize_payload(self, ids: np.ndarray, return_token_strs: bool) -> bytes:
+    def _tokenize_payload(self, ids: np.ndarray, return_token_strs: bool, key: str | None) -> bytes:
+        """``{"count", "max_model_len", "tokens", "token_strs", "frontend"}`` as orjson writes it,
+        the ids' JSON reused from the conversation's last answer where they agree (``IdsJson``)."""
         token_strs = None
         if return_token_strs:
             with self._direct_lock:
                 token_strs = self._tokenizer.convert_ids_to_tokens(ids.tolist())
-        # The ids go to JSON straight from their int32 array: no list, no Python ints.
-        return orjson.dumps(
-            {
-                "count": len(ids),
-                "max_model_len": self._limits.max_model_len,
-                "tokens": ids,
-                "token_strs": token_strs,
-                "frontend": self.frontend_id,
-            },
-            option=orjson.OPT_SERIALIZE_NUMPY,
+        return b"".join(
+            (
+                b'{"count":%d,"max_model_len":' % len(ids),
+                orjson.dumps(self._limits.max_model_len),
+                b',"tokens":',
+                *self._ids_json.parts(ids, key),
+                b',"token_strs":',
+                orjson.dumps(token_strs),
+                b',"frontend":%d}' % self.frontend_id,
+            )
         )
 
     def _detokenize_answer(self, body: bytes) -> Answer:
@@ -305,7 +324,3 @@ def _error_answer(error: Exception, event: str, work: str) -> Answer:
     log_event(logger, logging.ERROR, event, error=f"{type(error).__name__}: {error}")
     return Answer(500, error_body(500, f"{work} failed: {type(error).__name__}"))
 
-
-def _content_chars(message: dict[str, Any]) -> int:
-    content = message.get("content") or ""
-    return len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)

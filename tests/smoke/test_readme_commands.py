@@ -7,7 +7,7 @@ root, with real tokenizers and real servers:
 
 - ``make run``: the server answers the README's chat turns with the ids of
   full tokenization, then stops cleanly on Ctrl-C (SIGINT);
-- ``make bench``, ``bench-memory``, ``replay``, ``replay-long``, ``replay-capacity``,
+- ``make bench``, ``bench-turn``, ``bench-memory``, ``replay``, ``replay-long``, ``replay-capacity``,
   ``drill``: the script each target runs, with ``--smoke`` (scripts/smoke.py:
   a small workload, one run, no report written; a non-zero exit on an error
   or a wrong id); ``replay-capacity`` runs three commands that differ only in
@@ -93,7 +93,7 @@ def test_make_run_answers_the_readme_turns_exactly_and_stops_on_ctrl_c(tmp_path:
         assert "event=stopped" in server.log()
 
 
-@pytest.mark.parametrize("target", ["bench", "bench-memory", "replay", "replay-long", "replay-capacity", "drill"])
+@pytest.mark.parametrize("target", ["bench", "bench-turn", "bench-memory", "replay", "replay-long", "replay-capacity", "drill"])
 def test_benchmark_runs_to_its_end_in_its_smoke_form_and_writes_no_report(target: str):
     command = make_commands(target)[0]
     before = results_written()
