@@ -2,7 +2,7 @@
 
 The cache, the transport, routing and the HTTP service each count their own
 events and time their own work with these two classes, and nothing else;
-``mptok.supervise.metrics`` and the vLLM plugin's ``mptok.vllm.metrics`` only
+``mptok.supervise.metrics`` and the engine plugins' ``mptok.front.prometheus`` only
 collect their snapshots and render them. Kept in the bottom layer, they let
 every component count without importing the exposition format.
 """

@@ -39,16 +39,13 @@ import copy
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from mptok.render.gate import Message, Receive, Scope, Send
 
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETION_PATH = "/v1/completions/render"
@@ -188,13 +185,20 @@ class Shape:
     cuts: dict[bool, Cut]
 
 
-def _hole_values(probe: dict[str, Any], chat: bool, default_max_tokens: bool) -> dict[str, bytes]:
-    values = {"request_id": orjson.dumps(probe["request_id"]), "ids": orjson.dumps([probe["id"]])}
-    if not default_max_tokens:
-        values["max_tokens"] = str(probe["max_tokens"]).encode()
-    if chat:  # a chat's answer counts the tool calls in its history
-        values["count"] = str(probe["count"]).encode()
+def _hole_values(request_id: str, ids: Any, max_tokens: int | None, count: int | None) -> dict[str, bytes]:
+    """What fills each hole: ``max_tokens`` None where the answer holds none (the default's
+    place), ``count`` None for a completion (a chat's answer counts the tool calls in its history)."""
+    values = {"request_id": orjson.dumps(request_id), "ids": orjson.dumps(ids)}
+    if max_tokens is not None:
+        values["max_tokens"] = str(max_tokens).encode()
+    if count is not None:
+        values["count"] = str(count).encode()
     return values
+
+
+def _probe_values(probe: dict[str, Any], chat: bool, default_max_tokens: bool) -> dict[str, bytes]:
+    max_tokens = None if default_max_tokens else probe["max_tokens"]
+    return _hole_values(probe["request_id"], [probe["id"]], max_tokens, probe["count"] if chat else None)
 
 
 def _cut(body: bytes, values: dict[str, bytes]) -> Cut | None:
@@ -333,14 +337,8 @@ class _Route:
         request_id = self._headers.get(b"x-request-id")
         prefix = "chatcmpl-" if self._chat else "cmpl-"
         base = request_id.decode("latin-1") if request_id is not None else data["request_id"] if "request_id" in data else random_uuid()
-        values = {
-            "request_id": orjson.dumps(prefix + base),
-            "ids": orjson.dumps(ids if type(ids) is list else list(ids)),
-            "max_tokens": str(max_tokens).encode(),
-        }
-        if self._chat:
-            values["count"] = str(history_tool_calls).encode()
-        return cut.answer(values)
+        ids = ids if type(ids) is list else list(ids)
+        return cut.answer(_hole_values(prefix + base, ids, max_tokens, history_tool_calls if self._chat else None))
 
     async def to_vllm(self) -> None:
         """vLLM's app answers; a 200 answer to a plain request whose options have no shape yet makes one."""
@@ -416,13 +414,12 @@ def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat:
         return bytes(create_json_response(filled if chat else [filled]).body)
 
     try:
-        real = {"request_id": orjson.dumps(generated.request_id), "ids": orjson.dumps(generated.token_ids)}
-        if not default_max_tokens:
-            real["max_tokens"] = str(generated.sampling_params.max_tokens).encode()
-        if chat:
-            real["count"] = str(generated.parse_context.history_tool_call_cnt).encode()
-        cut = _cut(dumped(_PROBES[0]), _hole_values(_PROBES[0], chat, default_max_tokens))
-        if cut is None or cut.answer(_hole_values(_PROBES[1], chat, default_max_tokens)) != dumped(_PROBES[1]):
+        real = _hole_values(
+            generated.request_id, generated.token_ids, None if default_max_tokens else generated.sampling_params.max_tokens,
+            generated.parse_context.history_tool_call_cnt if chat else None,
+        )  # fmt: skip
+        cut = _cut(dumped(_PROBES[0]), _probe_values(_PROBES[0], chat, default_max_tokens))
+        if cut is None or cut.answer(_probe_values(_PROBES[1], chat, default_max_tokens)) != dumped(_PROBES[1]):
             return None
         if set(cut.holes) != set(real) or cut.answer(real) != answer:
             return None

@@ -109,22 +109,9 @@ class Option:
     choices: tuple[str, ...] = ()
 
 
-def option(
-    flag: str,
-    parse: Callable[[str], Any] | None,
-    metavar: str | None,
-    help: str,
-    *,
-    use: Use,
-    default: Any = dataclasses.MISSING,
-    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
-    argument: str | None = None,
-    many: bool = False,
-    choices: tuple[str, ...] = (),
-) -> Any:
-    """A ``ServeOptions`` field that is a command-line option (see ``Option``)."""
-    declared = Option(flag, parse, metavar, help, use, argument, many, choices)
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"option": declared})
+def option(*declared: Any, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING, **more: Any) -> Any:
+    """A ``ServeOptions`` field that is a command-line option: ``Option``'s fields, and the field's default."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"option": Option(*declared, **more)})
 
 
 @dataclass(frozen=True)

@@ -189,8 +189,8 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self._reader, self._writer = socket.socketpair()
-        self._reader.setblocking(False)
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
         self._writer.setblocking(False)
         self._previous_fd: int | None = None
         self._previous: dict[int, Any] = {}
@@ -205,16 +205,12 @@ class StopSignals:
             signal.signal(signum, handler)
         if self._previous_fd is not None:
             signal.set_wakeup_fd(self._previous_fd)
-        self._reader.close()
+        self.reader.close()
         self._writer.close()
-
-    @property
-    def waitable(self) -> socket.socket:
-        return self._reader
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
-            while self._reader.recv(512):
+            while self.reader.recv(512):
                 pass
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -256,15 +252,8 @@ class Supervisor:
             run_dir = RunDir()  # mode 0700
             cleanup.callback(run_dir.close)
             self._ipc_dir = run_dir.path
-            log_event(
-                logger,
-                logging.INFO,
-                "starting",
-                frontends=self.options.frontends,
-                host=self.options.host,
-                port=self.options.port,
-                ipc_dir=self._ipc_dir,
-            )
+            options = self.options
+            log_event(logger, logging.INFO, "starting", frontends=options.frontends, host=options.host, port=options.port, ipc_dir=self._ipc_dir)
             self._snapshots = SnapshotDir(self._ipc_dir)
             cleanup.callback(self._stop_all)
             self._start_all()
@@ -305,15 +294,8 @@ class Supervisor:
         self._serving = True
         self._spares_at = time.monotonic()
         url = f"http://{self.options.host}:{self.options.port}"
-        log_event(
-            logger,
-            logging.INFO,
-            "ready",
-            msg=f"ready: {len(self._slots)} frontends on {url}",
-            url=url,
-            pids=",".join(str(s.pid) for s in self._slots),
-            ipc_dir=self._ipc_dir,
-        )
+        pids = ",".join(str(s.pid) for s in self._slots)
+        log_event(logger, logging.INFO, "ready", msg=f"ready: {len(self._slots)} frontends on {url}", url=url, pids=pids, ipc_dir=self._ipc_dir)
 
     def _start_process(self, frontend_id: int | None, name: str) -> tuple[Any, Any]:
         """A started process of the kind (``frontend_id`` None: a standby one) and the supervisor's end of its pipe."""
@@ -349,9 +331,7 @@ class Supervisor:
         slot.process, slot.conn, slot.pid = process, conn, process.pid
         slot.ready, slot.failure, slot.restart_at = False, None, None
         slot.started_at, slot.ready_by = now, ready_by
-        log_event(
-            logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts, start=how
-        )
+        log_event(logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts, start=how)
         self._publish()
 
     def _take_spare(self) -> _Spare | None:
@@ -379,11 +359,16 @@ class Supervisor:
             for slot in self._slots:
                 if slot.restart_at is not None and slot.restart_at <= now:
                     if slot.given_up:
-                        self._retry_given_up(slot)
+                        slot.given_up = False
+                        slot.policy.forget_exits()
+                        reason = f"--given-up-retry {self.options.given_up_retry_s:g} s passed"
+                        log_event(logger, logging.WARNING, "frontend_retry", frontend=slot.frontend_id, times_given_up=slot.times_given_up,
+                                  reason=reason)  # fmt: skip
                     slot.restarts += 1
                     self._spawn(slot)
-                elif slot.process is not None and not slot.ready:
-                    self._kill_if_late(slot, now)
+                elif slot.process is not None and not slot.ready and now >= slot.ready_by:
+                    # A restarted frontend gets startup_timeout_s to be ready, as at start-up (a warm spare, less).
+                    self._kill(slot, "frontend_start_timeout", f"not ready {now - slot.started_at:.1f} s after it was started")
                 elif slot.ready:
                     self._kill_if_hung(slot)
             for spare in self._spares:
@@ -396,12 +381,6 @@ class Supervisor:
             self._wait(min([1.0, *(max(0.0, t - now) for t in pending)]))
         log_event(logger, logging.INFO, "stopping", signal=signal.Signals(self._signals.received[0]).name)
         return EXIT_OK
-
-    def _kill_if_late(self, slot: _Slot, now: float) -> None:
-        """A restarted frontend gets ``startup_timeout_s`` to be ready, as at start-up (a warm spare, less)."""
-        if now < slot.ready_by:
-            return
-        self._kill(slot, "frontend_start_timeout", f"not ready {now - slot.started_at:.1f} s after it was started")
 
     def _kill_if_hung(self, slot: _Slot) -> None:
         timeout_s = self._kind.hang_timeout_s
@@ -426,21 +405,9 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, ValueError):
             child.process.kill()
 
-    def _retry_given_up(self, slot: _Slot) -> None:
-        slot.given_up = False
-        slot.policy.forget_exits()
-        log_event(
-            logger,
-            logging.WARNING,
-            "frontend_retry",
-            frontend=slot.frontend_id,
-            times_given_up=slot.times_given_up,
-            reason=f"--given-up-retry {self.options.given_up_retry_s:g} s passed",
-        )
-
     def _wait(self, timeout_s: float) -> None:
         """Wait for a signal, a message from a child, or a child's exit; handle what came."""
-        waitables: list[Any] = [self._signals.waitable]
+        waitables: list[Any] = [self._signals.reader]
         by_object: dict[Any, tuple[str, Any]] = {}
         for slot in self._slots:
             if slot.process is None:
@@ -454,7 +421,7 @@ class Supervisor:
                 by_object[spare.conn] = ("spare_message", spare)
         waitables.extend(by_object)
         for ready in multiprocessing.connection.wait(waitables, timeout_s):
-            if ready is self._signals.waitable:
+            if ready is self._signals.reader:
                 self._signals.drain()
                 continue
             what, owner = by_object[ready]
@@ -547,16 +514,13 @@ class Supervisor:
             slot.times_given_up += 1
             slot.restart_at = time.monotonic() + self.options.given_up_retry_s
             log_event(
-                logger,
-                logging.CRITICAL,
-                "frontend_given_up",
-                **fields,
+                logger, logging.CRITICAL, "frontend_given_up", **fields,
                 reason=f"crash loop: {slot.policy.recent_exits} exits within {self.options.restart_window_s:g} s "
                 f"(--max-restarts {self.options.max_restarts})",
                 action=f"not restarting it for {self.options.given_up_retry_s:g} s (--given-up-retry); the other "
                 "frontends take its conversations meanwhile; read its last log lines and fix the cause",
                 retry_in_s=f"{self.options.given_up_retry_s:g}",
-            )
+            )  # fmt: skip
             self._publish()
             return
         slot.restart_at = time.monotonic() + delay
