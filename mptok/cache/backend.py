@@ -160,13 +160,7 @@ class TokenizerBackend:
 
     _serials = itertools.count()
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        choice: str = "auto",
-        *,
-        engine: IdsEngine | None = None,
-    ):
+    def __init__(self, tokenizer: Any, choice: str = "auto", *, engine: IdsEngine | None = None):
         if choice not in CHOICES:
             raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
         # Never reused, unlike id(): caches key their entries by it.
@@ -356,9 +350,7 @@ def _prefixes_unless_space(rules: SeamRules) -> bool:
 
 def _has_normalizer(spec: dict[str, Any]) -> bool:
     normalizer = spec.get("normalizer")
-    return normalizer is not None and not (
-        normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")
-    )
+    return normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers"))
 
 
 def _build(spec_json: str, split_special: bool) -> Tokenizer:

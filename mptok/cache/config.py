@@ -109,13 +109,7 @@ class CacheConfig:
 
 
 # The least value of each numeric setting.
-_LOWEST = {
-    "max_entries": 1,
-    "max_bytes": 1,
-    "max_held_bytes": 1,
-    "min_chars": 0,
-    "max_seam_attempts": 1,
-}
+_LOWEST = {"max_entries": 1, "max_bytes": 1, "max_held_bytes": 1, "min_chars": 0, "max_seam_attempts": 1}
 _NOT_AN_INT = "must be an int"
 _NOT_A_SIZE = "is not a size in bytes (say 536870912, 512M or 1GiB)"
 

@@ -167,11 +167,9 @@ class SeamRules:
         if tail is None:
             return None
         count = len(tail)
-        if self.prefix != PREFIX_NONE:
-            covers_start = count == len(ids) and lowest == 0
-            lengths = self._without_prefixes(tail, lengths, walked, char_units, total, covers_start, lowest == 0)
-            if lengths is None:
-                return None
+        lengths = self._without_prefixes(tail, lengths, walked, char_units, total, count == len(ids) and lowest == 0, lowest == 0)
+        if lengths is None:
+            return None
         # starts[k]: the unit where tail[k] begins, counted back from the end;
         # meaningful only after the last token of unknown length.
         unknown = np.flatnonzero(lengths < 0)
@@ -235,7 +233,7 @@ class SeamRules:
             lengths = self.lengths[tail].astype(np.int64)
             # Enough once they cover the window even if every segment's first
             # token turns out to hold a prefix (a unit of no text).
-            prefixes = int(self.segment_ends[tail].sum()) + 1 if self.prefix != PREFIX_NONE else 0
+            prefixes = int(self.segment_ends[tail].sum()) + 1
             if count == len(ids) or lengths.sum() - prefixes >= total or (lengths < 0).any():
                 return tail, lengths
             count = min(len(ids), 2 * count)
@@ -328,9 +326,7 @@ def _nfc_apart(text: str, position: int) -> bool:
 
 def starts_cleanly(char: str) -> bool:
     """A starter under canonical ordering that does not decompose into a mark."""
-    return unicodedata.combining(char) == 0 and (
-        unicodedata.combining(unicodedata.normalize("NFD", char)[0]) == 0
-    )
+    return unicodedata.combining(char) == 0 and unicodedata.combining(unicodedata.normalize("NFD", char)[0]) == 0
 
 
 def _prefixed(walked: str, char_units: np.ndarray, end: int, length: int, added: str) -> int | None:

@@ -56,9 +56,7 @@ def engine_memo_dir(environ: Mapping[str, str] | None = None) -> str | None:
         return None
     if value:
         if not os.path.isabs(value):
-            raise ValueError(
-                f"{ENGINE_MEMO_VARIABLE}={raw!r} must be an absolute directory path, or {ENGINE_MEMO_OFF!r}"
-            )
+            raise ValueError(f"{ENGINE_MEMO_VARIABLE}={raw!r} must be an absolute directory path, or {ENGINE_MEMO_OFF!r}")
         return os.path.normpath(value)
     base = environ.get("XDG_CACHE_HOME", "").strip()
     if not os.path.isabs(base):

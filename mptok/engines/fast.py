@@ -79,9 +79,7 @@ class _Fastokens:
         self._split_special = split_special
 
     def encode_ids(self, text: str) -> list[int]:
-        return self._tokenizer.encode(
-            text, add_special_tokens=False, split_special_tokens=self._split_special
-        ).ids
+        return self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=self._split_special).ids
 
     def encode_id_array(self, text: str) -> np.ndarray:
         # The flat batch call answers with uint32 bytes: no list of Python

@@ -48,9 +48,7 @@ class KeyValueFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        parts = [
-            f"{stamp}.{int(record.msecs):03d}Z level={record.levelname} {self._prefix} pid={record.process}"
-        ]
+        parts = [f"{stamp}.{int(record.msecs):03d}Z level={record.levelname} {self._prefix} pid={record.process}"]
         fields = getattr(record, _FIELDS_ATTR, None)
         if fields is None:
             parts.append(f"event=log logger={record.name} msg={quote(record.getMessage())}")

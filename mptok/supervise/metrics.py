@@ -36,9 +36,7 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
     ``SUPERVISOR_METRICS``. A value missing from a snapshot is left out of
     the text, with a warning, never shown as 0 (``audit`` finds it first).
     """
-    frontends = sorted(
-        ((int(name), snap) for name, snap in snapshots.items() if name.isdigit()), key=lambda item: item[0]
-    )
+    frontends = sorted(((int(name), snap) for name, snap in snapshots.items() if name.isdigit()), key=lambda item: item[0])
     out: list[str] = []
     for metric in FRONTEND_SERIES:
         _header(out, metric)

@@ -56,11 +56,8 @@ class MptokRenderer(HfRenderer):
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
         parallel = config.parallel_config
-        self._prompt_tokens = (
-            None
-            if self.tokenizer is None
-            else PromptTokens.of_process(self.tokenizer, parallel._api_process_rank, parallel._api_process_count, FRONT)
-        )
+        rank, count = parallel._api_process_rank, parallel._api_process_count
+        self._prompt_tokens = None if self.tokenizer is None else PromptTokens.of_process(self.tokenizer, rank, count, FRONT)
         # vLLM's own wrapper runs it on this executor, outside the request's context.
         executor = getattr(self, "_executor", None)
         if isinstance(executor, Executor):
@@ -87,11 +84,7 @@ class MptokRenderer(HfRenderer):
         return tokens_prompt
 
     def _ids_through_mptok(self, prompt: Any, params: Any, identity: ConversationIdentity) -> list[int] | None:
-        if (
-            self._prompt_tokens is None
-            or not _text_only(prompt)
-            or self._wants_offsets(prompt, params)
-        ):
+        if self._prompt_tokens is None or not _text_only(prompt) or self._wants_offsets(prompt, params):
             return None
         arguments = params.get_encode_kwargs()
         if not set(arguments) <= _ENCODE_ARGUMENTS:

@@ -65,9 +65,7 @@ def run_in_context(func: Callable[..., _T], executor: Executor) -> Callable[...,
 
     def call(*args: Any, **kwargs: Any) -> Awaitable[_T]:
         context = contextvars.copy_context()
-        return asyncio.get_running_loop().run_in_executor(
-            executor, functools.partial(context.run, func, *args, **kwargs)
-        )
+        return asyncio.get_running_loop().run_in_executor(executor, functools.partial(context.run, func, *args, **kwargs))
 
     return call
 
