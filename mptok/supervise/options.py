@@ -261,8 +261,6 @@ class ServeOptions:
         "serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM's option does",
         use=Use.FRONTEND, default=False,
     )
-    # Not an option: the first restart's back-off (it doubles from here).
-    restart_delay_s: float = 0.25
 
     def __post_init__(self) -> None:
         # argparse gives lists; a tuple keeps the options hashable.

@@ -74,6 +74,8 @@ _EXIT_MARGIN_S = 5.0
 # not ready within this (stopped, stuck) is killed as a late start is.
 _ACTIVATION_TIMEOUT_S = 30.0
 _JOIN_AFTER_KILL_S = 5.0
+# The first restart's back-off; it doubles with each exit in the window.
+_FIRST_RESTART_DELAY_S = 0.25
 _MAX_RESTART_DELAY_S = 8.0
 
 
@@ -228,7 +230,7 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._authkey = secrets.token_bytes(32)
         self._slots = [
-            _Slot(i, RestartPolicy(options.max_restarts, options.restart_window_s, options.restart_delay_s))
+            _Slot(i, RestartPolicy(options.max_restarts, options.restart_window_s, _FIRST_RESTART_DELAY_S))
             for i in range(options.frontends)
         ]
         self._listener: socket.socket | None = None  # the port's one listening socket, every frontend's
@@ -237,7 +239,7 @@ class Supervisor:
         self._signals = signals
         self._serving = False  # after start-up: exits are restarted, not fatal
         self._spares: list[_Spare] = []
-        self._spare_policy = RestartPolicy(options.max_restarts, options.restart_window_s, options.restart_delay_s)
+        self._spare_policy = RestartPolicy(options.max_restarts, options.restart_window_s, _FIRST_RESTART_DELAY_S)
         self._spares_at: float | None = None  # monotonic; when missing spares may be started
 
     def run(self) -> int:
