@@ -20,19 +20,9 @@ from mptok.supervise.options import ServeOptions, add_arguments, parse_seconds, 
 
 # ServeOptions fields that mean the same for render processes as for mptok serve's frontends.
 SHARED_FIELDS = (
-    "frontends",
-    "host",
-    "port",
-    "route_timeout_s",
-    "route_backoff_s",
-    "route_patience",
-    "graceful_timeout_s",
-    "startup_timeout_s",
-    "max_restarts",
-    "restart_window_s",
-    "max_in_flight",
-    "given_up_retry_s",
-)
+    "frontends", "host", "port", "route_timeout_s", "route_backoff_s", "route_patience", "graceful_timeout_s",
+    "startup_timeout_s", "max_restarts", "restart_window_s", "max_in_flight", "given_up_retry_s",
+)  # fmt: skip
 # vLLM loads its stack in each process: slower to start than mptok serve's frontends.
 STARTUP_TIMEOUT_S = 300.0
 HANG_TIMEOUT_S = 30.0
@@ -77,19 +67,12 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, only=SHARED_FIELDS)
     parser.set_defaults(startup_timeout_s=STARTUP_TIMEOUT_S)
     parser.add_argument(
-        "--hang-timeout",
-        dest="hang_timeout_s",
-        type=parse_seconds,
-        metavar="S",
-        default=HANG_TIMEOUT_S,
+        "--hang-timeout", dest="hang_timeout_s", type=parse_seconds, metavar="S", default=HANG_TIMEOUT_S,
         help="a ready render process whose event loop has not run for S seconds (stopped, stuck) is killed "
         "and restarted (default: %(default)s)",
     )
     parser.add_argument(
-        "--spares",
-        type=whole_number(0, 64, "0 to 64"),
-        metavar="K",
-        default=SPARES,
+        "--spares", type=whole_number(0, 64, "0 to 64"), metavar="K", default=SPARES,
         help="render processes kept built and waiting (not listening) beside the N, each costing one render "
         "process's memory; a process that exits or hangs is replaced by one within seconds, where a new "
         "process takes as long as a start; 0 restarts cold (default: %(default)s)",

@@ -299,12 +299,6 @@ def add_arguments(parser: argparse.ArgumentParser, only: Collection[str] | None 
             parser.add_argument(declared.flag, dest=field.name, action="store_true", default=default, help=declared.help)
             continue
         parser.add_argument(
-            declared.flag,
-            dest=field.name,
-            type=declared.parse,
-            metavar=declared.metavar,
-            nargs="+" if declared.many else None,
-            choices=declared.choices or None,
-            default=default,
-            help=declared.help,
+            declared.flag, dest=field.name, type=declared.parse, metavar=declared.metavar, nargs="+" if declared.many else None,
+            choices=declared.choices or None, default=default, help=declared.help,
         )
