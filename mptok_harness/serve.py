@@ -150,6 +150,14 @@ def startup_timeout_s(tmp_dir: Path, frontends: int) -> float:
     return max(_STARTUP_FLOOR_S, _STARTUP_MARGIN * max(_STARTS[str(frontends)][-_STARTS_CONSIDERED:]))
 
 
+def _ready_bound_s(frontends: str) -> float:
+    """How long a start of a server of ``frontends`` frontends is waited for:
+    the hang guard, or the margin over the slowest of such starts lately
+    where that is longer (a machine busy enough to stretch starts that far
+    is not a hang)."""
+    return max([HANG_GUARD_S] + [_STARTUP_MARGIN * s for s in _STARTS.get(frontends, [])[-_STARTS_CONSIDERED:]])
+
+
 def _frontends_of(args: Sequence[str]) -> str:
     """The ``--frontends`` value in a server's arguments ("" for the default)."""
     for flag, value in zip(args, args[1:]):
@@ -186,7 +194,7 @@ class Server:
         _RUNNING.add(self)
         if wait_ready:
             launched = time.monotonic()
-            self.wait_for_log(r"event=ready ")
+            self.wait_for_log(r"event=ready ", _ready_bound_s(_frontends_of(args)))
             _STARTS.setdefault(_frontends_of(args), []).append(time.monotonic() - launched)
 
     def __enter__(self) -> Server:
