@@ -127,22 +127,43 @@ def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels:
 
 # Every Server of this process not yet killed: what wait_for_snapshots waits on by default.
 _RUNNING: weakref.WeakSet[Server] = weakref.WeakSet()
-# Seconds from launch to ready of each Server this process started, newest last.
-_STARTS: list[float] = []
+# Seconds from launch to ready of each Server this process started, newest
+# last, by its number of frontends (they start at once, so more take longer
+# on a machine with fewer cores).
+_STARTS: dict[str, list[float]] = {}
 # A start-up bound this many times the slowest of the last few starts, and never under the floor.
 _STARTUP_MARGIN = 3
 _STARTS_CONSIDERED = 5
 _STARTUP_FLOOR_S = 10.0
 
 
-def startup_timeout_s(tmp_dir: Path) -> float:
-    """A ``--startup-timeout`` for a test that needs one shorter than the
-    default: a margin over the slowest start of a server this process has
-    seen lately, so that it follows the machine's load instead of a fixed guess
-    (one ``--frontends 1`` server is started to measure if none was)."""
-    if not _STARTS:
-        Server(tmp_dir / "startup-probe.log", "--frontends", "1").kill()
-    return max(_STARTUP_FLOOR_S, _STARTUP_MARGIN * max(_STARTS[-_STARTS_CONSIDERED:]))
+def startup_timeout_s(tmp_dir: Path, frontends: int) -> float:
+    """A ``--startup-timeout`` for a server of ``frontends`` frontends, for a
+    test that needs one shorter than the default: a margin over the slowest
+    start of a server of as many frontends this process has seen lately, so
+    that it follows the machine's load instead of a fixed guess (one such
+    server is started to measure if none was). Starts of larger servers are
+    not considered: their frontends share the cores, and would stretch the
+    bound (and a test that waits all of it) for nothing."""
+    if not _STARTS.get(str(frontends)):
+        Server(tmp_dir / "startup-probe.log", "--frontends", str(frontends)).kill()
+    return max(_STARTUP_FLOOR_S, _STARTUP_MARGIN * max(_STARTS[str(frontends)][-_STARTS_CONSIDERED:]))
+
+
+def _ready_bound_s(frontends: str) -> float:
+    """How long a start of a server of ``frontends`` frontends is waited for:
+    the hang guard, or the margin over the slowest of such starts lately
+    where that is longer (a machine busy enough to stretch starts that far
+    is not a hang)."""
+    return max([HANG_GUARD_S] + [_STARTUP_MARGIN * s for s in _STARTS.get(frontends, [])[-_STARTS_CONSIDERED:]])
+
+
+def _frontends_of(args: Sequence[str]) -> str:
+    """The ``--frontends`` value in a server's arguments ("" for the default)."""
+    for flag, value in zip(args, args[1:]):
+        if flag == "--frontends":
+            return value
+    return ""
 
 
 class Server:
@@ -173,8 +194,8 @@ class Server:
         _RUNNING.add(self)
         if wait_ready:
             launched = time.monotonic()
-            self.wait_for_log(r"event=ready ")
-            _STARTS.append(time.monotonic() - launched)
+            self.wait_for_log(r"event=ready ", _ready_bound_s(_frontends_of(args)))
+            _STARTS.setdefault(_frontends_of(args), []).append(time.monotonic() - launched)
 
     def __enter__(self) -> Server:
         return self

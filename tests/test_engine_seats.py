@@ -23,7 +23,8 @@ TEXT_CHARS = 4000
 
 
 def _hold_a_seat(ipc_parent: str, conn) -> None:
-    """A process that claims a seat of 2, reports (seat or None, ids right), then waits to be told to go."""
+    """A process that loads its tokenizer, claims a seat of 2 when told to,
+    reports (seat or None, ids right), then waits to be told to go."""
     tempfile.tempdir = ipc_parent
     import mptok
     from mptok.api.affinity import named
@@ -31,6 +32,8 @@ def _hold_a_seat(ipc_parent: str, conn) -> None:
     from mptok_harness.vllm_requests import text_source
 
     tokenizer = mptok.load_tokenizer()
+    if conn.recv() != "claim":
+        return
     tokens = PromptTokens(tokenizer, ANY_SEAT, 2, EngineFront("a test", "worker", "test worker", "mptok.test"))
     text = text_source(5)(TEXT_CHARS)
     right = all(
@@ -43,12 +46,18 @@ def _hold_a_seat(ipc_parent: str, conn) -> None:
 
 
 class _Holder:
+    """One seat holder's process: started (and loading) at once; ``claim()`` has it take a seat, in the order the test says."""
+
     def __init__(self, ipc_parent: str):
         self.conn, child = multiprocessing.get_context("spawn").Pipe()
         self.process = multiprocessing.get_context("spawn").Process(target=_hold_a_seat, args=(ipc_parent, child))
         self.process.start()
+
+    def claim(self) -> _Holder:
+        self.conn.send("claim")
         assert self.conn.poll(HANG_GUARD_S), "no report from the seat holder"
         self.seat, self.right = self.conn.recv()
+        return self
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -61,22 +70,27 @@ class _Holder:
 
 @pytest.fixture
 def holders():
+    """``holders(n)``: n seat holders, their processes started together (each
+    loads a tokenizer: seconds of CPU), none claiming a seat before told to."""
     # A short parent: a Unix socket's path has at most 107 bytes.
     with tempfile.TemporaryDirectory(dir="/tmp", prefix="seats-") as parent:
         made: list[_Holder] = []
-        yield lambda: made.append(_Holder(parent)) or made[-1]
+
+        def start(count: int) -> list[_Holder]:
+            made.extend(_Holder(parent) for _ in range(count))
+            return made[-count:]
+
+        yield start
         for holder in made:
             holder.stop()
 
 
 def test_processes_claim_free_seats_and_a_replacement_takes_the_dead_ones(holders):
-    first, second = holders(), holders()
-    assert (first.seat, second.seat) == (0, 1)
-    extra = holders()
-    assert extra.seat is None  # every seat served: its cache alone
+    first, second, extra, replacement = holders(4)
+    assert (first.claim().seat, second.claim().seat) == (0, 1)
+    assert extra.claim().seat is None  # every seat served: its cache alone
     assert first.right and second.right and extra.right
     os.kill(first.process.pid, signal.SIGKILL)
     first.process.join(HANG_GUARD_S)
-    replacement = holders()
-    assert replacement.seat == 0
+    assert replacement.claim().seat == 0
     assert replacement.right

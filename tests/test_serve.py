@@ -581,8 +581,13 @@ def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_pat
     # (it never will be): the startup deadline kills it, which is its
     # second exit, one more than --max-restarts: given up. After the
     # cool-down it is tried again, and serves.
-    startup_timeout = startup_timeout_s(tmp_path)  # the stopped one waits all of it; the retry must start within it
-    args = ("--frontends", "2", "--max-restarts", "1", "--startup-timeout", f"{startup_timeout:.0f}", "--given-up-retry", "1")
+    startup_timeout = startup_timeout_s(tmp_path, 2)  # the stopped one waits all of it; the retry must start within it
+    # Both exits must fall in one restart window, and the stopped one's comes a whole start-up timeout after the first.
+    window = 2 * startup_timeout
+    args = (
+        "--frontends", "2", "--max-restarts", "1", "--startup-timeout", f"{startup_timeout:.0f}",
+        "--restart-window", f"{window:.0f}", "--given-up-retry", "1",
+    )  # fmt: skip
     with Server(tmp_path / "serve.log", *args) as server:
         offset = len(server.log())
         os.kill(server.frontend_pids()[1], signal.SIGKILL)

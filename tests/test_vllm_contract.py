@@ -76,12 +76,11 @@ def servers(tmp_path_factory):
         ),
     }  # fmt: skip
     try:
+        # This process's own tokenizers load while the servers start.
+        tokenizers = {"chatml_tools": mptok.load_tokenizer(chatml), "bos_tools": mptok.load_tokenizer(bos)}
         for server in started.values():
             server.wait_for_log(r"event=ready ")
-        yield {
-            "chatml_tools": (started["chatml_tools"], mptok.load_tokenizer(chatml)),
-            "bos_tools": (started["bos_tools"], mptok.load_tokenizer(bos)),
-        }
+        yield {name: (started[name], tokenizers[name]) for name in started}
     finally:
         for server in started.values():
             server.kill()
