@@ -20,7 +20,8 @@ import mptok
 from mptok.core.protocol import PeerReply, PeerRequest
 from mptok.routing.owners import HANDED_OVER_FIRST, PEER_WORKERS
 from mptok.routing.liveness import BACKOFF, FALLBACK_REASONS, PATIENCE, TIMEOUT
-from mptok.routing.router import owner_of, owner_order
+from mptok.core.deadline import Deadline
+from mptok.routing.router import RouteLimits, owner_of, owner_order
 from mptok.routing.owners import TokenizationOwners
 from mptok.transport import ENCODE_TYPEID, EncodeProxy, OwnerUnreachable, socket_path
 from mptok_harness.checks import expected_ids as expected
@@ -509,3 +510,32 @@ def test_a_short_prompt_with_a_copy_kept_here_does_not_cross(tmp_path, tokenizer
         assert (stats["routed"], stats["copies_kept"], stats["kept_here"]) == (1, 1, 3), stats
         assert owners[0].stats()["served"] == 1 and stats["held_entries"] == 0  # no fingerprint
         assert caches[1].stats()["hits"] == 3
+
+
+def test_a_callers_deadline_that_has_passed_asks_no_owner_and_blames_none(tmp_path, tokenizer):
+    """A route obeys its caller's deadline: once it has passed, the prompt is
+    tokenized here (exact ids) without a call, and the owner is not backed
+    off for it: the next prompt without a deadline is routed."""
+    ipc_dir = str(tmp_path / "ipc")
+    with in_process_owners(ipc_dir, tokenizer, 2) as (caches, owners):
+        key = key_owned_by(0, 2, "deadline")
+        first, second = conversation(0, 2, first_chars=6000)
+        assert owners[1].encode(tokenizer, first, key=key, deadline=Deadline(0.0)) == expected(tokenizer, first)
+        stats = owners[1].stats()
+        assert (stats["routed"], stats[f"fallback_{TIMEOUT}"], owners[0].stats()["served"]) == (0, 1, 0)
+        assert caches[1].stats()["entries"] == 1  # tokenized and kept here
+        later = Deadline.after(600.0)
+        assert owners[1].encode_array(tokenizer, second, key=key, deadline=later).tolist() == expected(tokenizer, second)
+        assert (owners[1].stats()["routed"], owners[0].stats()["served"]) == (1, 1)
+
+
+def test_a_routes_deadlines_are_the_earlier_of_its_limits_and_the_callers():
+    limits = RouteLimits(timeout_s=5.0, backoff_s=1.0, patience_per_char_s=None)
+    sooner, later = Deadline.after(1.0), Deadline.after(60.0)
+    route = limits.deadline(1000, sooner)
+    assert route.timeout == sooner and route.patience == sooner and not route.callers_passed
+    route = limits.deadline(1000, later)
+    assert route.timeout.at < later.at and route.patience == later
+    route = limits.deadline(1000)
+    assert route.given is None and not route.patience.bounded
+    assert limits.deadline(1000, Deadline(0.0)).callers_passed

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mptok.cache.config import CacheConfig
+from mptok.core.deadline import Deadline
 from mptok.core.protocol import Fingerprint
 
 
@@ -62,7 +63,20 @@ class TokenCache(Encoder, Protocol):
 
 
 class Routing(Encoder, Protocol):
-    """Routing above a cache (``TokenizationOwners``): it encodes, and counts what it did."""
+    """Routing above a cache (``TokenizationOwners``): it encodes, by a
+    caller's deadline if given, and counts what it did."""
+
+    def encode(
+        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
+    ) -> list[int]:
+        """``Encoder.encode``, waiting on no other frontend past ``deadline``."""
+        ...
+
+    def encode_array(
+        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
+    ) -> np.ndarray:
+        """``Encoder.encode_array``, waiting on no other frontend past ``deadline``."""
+        ...
 
     def stats(self) -> dict[str, int]:
         """Counters since start, for /metrics."""

@@ -29,6 +29,10 @@ class Deadline:
     def never(cls) -> Deadline:
         return cls(math.inf)
 
+    def earlier(self, other: Deadline | None) -> Deadline:
+        """This deadline or ``other``, whichever ends first (None: this one)."""
+        return self if other is None or self.at <= other.at else other
+
     @property
     def bounded(self) -> bool:
         """Whether it ends at all."""

@@ -195,15 +195,17 @@ _MAX_COMPARED_CHARS = 16384
 def _first_text_difference(a: str, b: str, low: int, high: int) -> int:
     """The first index in ``[low, high)`` where ``a`` and ``b`` differ, given
     ``a[:low] == b[:low]`` and a difference before ``high``: windows doubling
-    from ``low`` (up to a bound) until one differs, then halving inside it."""
+    from ``low`` (up to a bound) until one differs, then halving inside it.
+    Each step slices only ``a`` and matches it in place in ``b``
+    (``startswith`` at an offset), so one copy a step, not two."""
     window = 64
-    while high - low > window and a[low : low + window] == b[low : low + window]:
+    while high - low > window and b.startswith(a[low : low + window], low):
         low += window
         window = min(2 * window, _MAX_COMPARED_CHARS)
     high = min(high, low + window)
     while high - low > 64:
         middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
+        if b.startswith(a[low:middle], low):
             low = middle
         else:
             high = middle

@@ -318,16 +318,23 @@ class TokenizationOwners:
     def frontend_id(self) -> int:
         return self._frontend_id
 
-    def encode(self, tokenizer: Any, text: str, key: str | None = None) -> list[int]:
+    def encode(
+        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
+    ) -> list[int]:
         """Exactly ``cache.encode(tokenizer, text, key)``'s ids, from the
         conversation's owner or from ``cache``: never fails because an owner
-        did (see the class). Raises what ``cache.encode`` raises for bad input."""
-        return self.encode_array(tokenizer, text, key).tolist()
+        did (see the class). No owner is waited on past ``deadline`` (the
+        caller's, e.g. from the request's arrival) nor past the route's own
+        limits; the prompt is then tokenized here. Raises what
+        ``cache.encode`` raises for bad input."""
+        return self.encode_array(tokenizer, text, key, deadline).tolist()
 
-    def encode_array(self, tokenizer: Any, text: str, key: str | None = None) -> np.ndarray:
+    def encode_array(
+        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
+    ) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array (``cache.encode_array``),
         for a caller that writes JSON or sends them on: no list is made."""
-        ids = self._router.decide(tokenizer, text, key)
+        ids = self._router.decide(tokenizer, text, key, deadline)
         return ids if ids is not None else self._cache.encode_array(tokenizer, text, key)
 
     def stats(self) -> dict[str, int]:

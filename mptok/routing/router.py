@@ -87,6 +87,13 @@ class RouteDeadline:
 
     timeout: Deadline
     patience: Deadline
+    given: Deadline | None = None  # the caller's, already in both
+
+    @property
+    def callers_passed(self) -> bool:
+        """Whether the caller's deadline has passed: then a call that ran
+        out of time says nothing about the owner's speed."""
+        return self.given is not None and self.given.passed
 
     def for_call(self, *, delta: bool) -> tuple[Deadline, bool]:
         """The call's deadline, and whether it is the patience's."""
@@ -106,11 +113,15 @@ class RouteLimits:
     backoff_s: float
     patience_per_char_s: float | None
 
-    def deadline(self, prompt_chars: int) -> RouteDeadline:
-        """The deadlines of a route starting now for a prompt of ``prompt_chars`` characters."""
+    def deadline(self, prompt_chars: int, given: Deadline | None = None) -> RouteDeadline:
+        """The deadlines of a route starting now for a prompt of
+        ``prompt_chars`` characters: each the earlier of this frontend's
+        limit and ``given`` (the caller's, None: no limit of its own)."""
         per_char = self.patience_per_char_s
         patience_s = None if per_char is None else PATIENCE_FLOOR_S + per_char * prompt_chars
-        return RouteDeadline(Deadline.after(self.timeout_s), Deadline.after(patience_s))
+        return RouteDeadline(
+            Deadline.after(self.timeout_s).earlier(given), Deadline.after(patience_s).earlier(given), given
+        )
 
 
 # What a held fingerprint costs beyond its key, its (owner, key) tuple and its
@@ -245,9 +256,17 @@ class Router:
         self._counters = Counters(ROUTE_COUNTERS)
         self._route_seconds = Histogram()
 
-    def decide(self, tokenizer: Any, text: str, key: str | None) -> np.ndarray | None:
-        """The ids of ``text`` from where its conversation is kept, or None: tokenize it here."""
+    def decide(
+        self, tokenizer: Any, text: str, key: str | None, deadline: Deadline | None = None
+    ) -> np.ndarray | None:
+        """The ids of ``text`` from where its conversation is kept, or None:
+        tokenize it here. No owner is waited on past ``deadline`` (the
+        caller's, if any) nor past this frontend's own limits; once it has
+        passed, none is asked."""
         if not self._routing or key is None or tokenizer is not self._tokenizer:
+            return None
+        if deadline is not None and deadline.passed:
+            self._counters.add("fallback_" + TIMEOUT)
             return None
         if len(text) < self._cache.config.min_chars:
             return None  # no cache keeps it: a crossing would buy nothing
@@ -264,13 +283,13 @@ class Router:
                 self._counters.add("kept_here")
                 return here.ids
         started = time.perf_counter()
-        deadline = self._limits.deadline(len(text))
+        route_deadline = self._limits.deadline(len(text), deadline)
         for frontend in order:
             if frontend == self._frontend_id:
                 self._counters.add("taken_over_here")
                 return None
             try:
-                outcome = self._try_owner(frontend, key, text, deadline)
+                outcome = self._try_owner(frontend, key, text, route_deadline)
             except Exception:
                 logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
                 outcome = _Fallback(ERROR, skip=False)
@@ -349,7 +368,8 @@ class Router:
                 patience_ended = False
                 reply = proxy.ask(PeerRequest(text, key), deadline.timeout, record.incarnation)
         except OwnerTimeout:
-            self._watches[frontend].timed_out(record)
+            if not deadline.callers_passed:
+                self._watches[frontend].timed_out(record)
             return _Fallback(PATIENCE if patience_ended else TIMEOUT, skip=False)
         except OwnerUnreachable:
             # An owner that died (or went) since its last check is skipped,
