@@ -36,7 +36,8 @@ from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 from mptok.core.periodic import PeriodicTask
 from mptok.routing.owners import lower_switch_interval
-from mptok.serve.http_protocol import REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.core.deadline import Deadline
+from mptok.serve.http_protocol import ARRIVED_SCOPE_KEY, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
 from mptok.serve.launch import FrontendSettings
 from mptok.serve.service import Answer, TokenizeService
 from mptok.supervise.lifeline import stop_with_parent
@@ -133,11 +134,14 @@ def build_app(
 
     async def tokenize(scope: Scope, receive: Receive) -> _Reply:
         key = header_conversation_id(lambda name: _header(scope, name))
+        # One deadline from the request's first byte: the queue wait and the route take what is left.
+        arrived = scope.get(ARRIVED_SCOPE_KEY)
+        deadline = Deadline.after(service.queue_timeout_s) if arrived is None else Deadline(arrived + service.queue_timeout_s)
 
         async def answer(body: bytes) -> Answer | None:
             gone = asyncio.ensure_future(_client_gone(receive))  # the service skips work whose client has gone
             try:
-                return await service.answer(body, key, gone)
+                return await service.answer(body, key, gone, deadline)
             finally:
                 gone.cancel()
 
