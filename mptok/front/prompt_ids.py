@@ -29,6 +29,7 @@ from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.backend import SlowTokenizerError, backend_for
 from mptok.cache.protocols import Encoder, Routing, TokenCache
 from mptok.core.counting import Counters
+from mptok.core.deadline import Deadline
 from mptok.core.ids import as_id_array
 from mptok.front.catalogue import (
     DIRECT_PROMPT_TOKENS,
@@ -75,14 +76,17 @@ class PromptIds:
         # The frame goes on the array: one list is made, of the final ids.
         return self._framed_array(text, add_special_tokens, identity).tolist()
 
-    def ids_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> np.ndarray:
-        """``ids`` as a 1-D int32 array (the cache's own when unframed: no list is made), never None."""
+    def ids_array(
+        self, text: str, add_special_tokens: bool, identity: ConversationIdentity, *, deadline: Deadline | None = None
+    ) -> np.ndarray:
+        """``ids`` as a 1-D int32 array (the cache's own when unframed: no list is made), never None.
+        ``deadline``: by when the route must have decided (routing only; the request's arrival deadline)."""
         if not self.through_mptok(text, add_special_tokens):
             with self.tokenizer_lock:
                 direct = as_id_array(self._tokenizer(text, add_special_tokens=True)["input_ids"])
             self.count_direct(len(direct))
             return direct
-        return self._framed_array(text, add_special_tokens, identity)
+        return self._framed_array(text, add_special_tokens, identity, deadline)
 
     def count_direct(self, tokens: int) -> None:
         """One prompt of ``tokens`` tokens that the tokenizer's own call tokenized, not mptok."""
@@ -108,10 +112,15 @@ class PromptIds:
             names = {}
         return {texts: {engine: int(names.get(texts) == engine) for engine in ENGINE_NAMES} for texts in TEXT_LENGTHS}
 
-    def _framed_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity) -> np.ndarray:
+    def _framed_array(
+        self, text: str, add_special_tokens: bool, identity: ConversationIdentity, deadline: Deadline | None = None
+    ) -> np.ndarray:
         encoder: Encoder = self._routing if self._routing is not None else self._cache
         try:
-            ids = encoder.encode_array(self._tokenizer, text, key=identity.key)
+            if deadline is not None and self._routing is not None:
+                ids = self._routing.encode_array(self._tokenizer, text, key=identity.key, deadline=deadline)
+            else:
+                ids = encoder.encode_array(self._tokenizer, text, key=identity.key)
         except Exception:
             self._counts.add(ERRORS)
             raise

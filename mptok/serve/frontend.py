@@ -3,8 +3,9 @@
 The supervisor starts N of these on the port's one listening socket; each
 serves its ``PrefixTokenCache`` to the others through
 ``TokenizationOwners``, so a conversation is tokenized by the frontend whose
-cache holds it wherever its request lands. The HTTP side is FastAPI on
-uvicorn, as in vLLM and SGLang; everything that costs CPU runs in
+cache holds it wherever its request lands. The HTTP side is a small ASGI
+app on uvicorn's httptools protocol (no framework: its routing and request
+objects cost more than the answer); everything that costs CPU runs in
 ``TokenizeService``'s bounded thread pool, never on the event loop, so
 ``/health`` and ``/metrics`` answer while prompts tokenize. This module is
 the HTTP app and the process's lifecycle.
@@ -28,10 +29,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from mptok.api.affinity import header_conversation_id
 from mptok.api.chat_template import ChatTemplate
@@ -39,7 +36,8 @@ from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
 from mptok.core.periodic import PeriodicTask
 from mptok.routing.owners import lower_switch_interval
-from mptok.serve.http_protocol import REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
+from mptok.core.deadline import Deadline
+from mptok.serve.http_protocol import ARRIVED_SCOPE_KEY, REFUSED_SCOPE_KEY, UNPARSED_PATH, guarded_protocol
 from mptok.serve.launch import FrontendSettings
 from mptok.serve.service import Answer, TokenizeService
 from mptok.supervise.lifeline import stop_with_parent
@@ -57,17 +55,52 @@ _OWNERS_CLOSE_FLOOR_S = 0.5
 CLIENT_GONE = 499
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
+class _ClientGone(Exception):
+    """The client disconnected before its body arrived whole."""
+
+
+# An ASGI app's parts, as uvicorn hands them over.
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Scope, Receive], Awaitable["_Reply"]]
+
+
+class _Reply:
+    """One HTTP response: status, body, content type and extra headers."""
+
+    __slots__ = ("status", "body", "media_type", "headers")
+
+    def __init__(self, status: int, body: bytes = b"", media_type: bytes = b"application/json", headers: tuple[tuple[bytes, bytes], ...] = ()):
+        self.status, self.body, self.media_type, self.headers = status, body, media_type, headers
+
+    async def send(self, send: Send) -> None:
+        headers = [(b"content-length", str(len(self.body)).encode()), (b"content-type", self.media_type), *self.headers]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def _header(scope: Scope, name: str) -> str | None:
+    wanted = name.encode("latin-1")
+    return next((value.decode("latin-1") for key, value in scope["headers"] if key == wanted), None)
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = _header(scope, "content-length") or ""
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"the body has {declared} bytes; at most {limit} are read")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise RequestError(413, f"the body exceeds {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def build_app(
@@ -75,106 +108,109 @@ def build_app(
     snapshots: SnapshotDir,
     publish_own: Callable[[], None],
     tokenizer_info_payload: bytes | None = None,
-) -> FastAPI:
-    """The ASGI app of one frontend. ``publish_own()`` writes this frontend's snapshot now;
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The ASGI app of one frontend: a table of (method, path) to handler, no framework
+    in between. ``publish_own()`` writes this frontend's snapshot now;
     ``GET /tokenizer_info`` exists only when ``tokenizer_info_payload`` is given."""
-    app = FastAPI(title="mptok frontend", docs_url=None, redoc_url=None, openapi_url=None)
     pid = os.getpid()
 
-    async def answered(request: Request, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> Response:
+    async def answered(scope: Scope, receive: Receive, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> _Reply:
         """``work``'s answer to the body, read while the request holds an ``Admission`` place."""
         answer: Answer | None
         try:
             with service.admission.place():
-                body = await _read_body(request, service.max_body_bytes)
+                body = await _read_body(scope, receive, service.max_body_bytes)
                 answer = await work(body)
         except RequestError as e:
             answer = Answer.of_error(e)
-        except ClientDisconnect:
+        except _ClientGone:
             answer = None
         if answer is None:  # nobody to answer; uvicorn drops what is sent
-            if REFUSED_SCOPE_KEY not in request.scope:  # else the protocol answered and counted it
+            if REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
                 service.count_request(path, CLIENT_GONE)
-            return Response(status_code=CLIENT_GONE)
+            return _Reply(CLIENT_GONE)
         service.count_request(path, answer.status)
-        return _response(answer)
+        return _reply(answer)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        key = header_conversation_id(request.headers.get)
+    async def tokenize(scope: Scope, receive: Receive) -> _Reply:
+        key = header_conversation_id(lambda name: _header(scope, name))
+        # One deadline from the request's first byte: the queue wait and the route take what is left.
+        arrived = scope.get(ARRIVED_SCOPE_KEY)
+        deadline = Deadline.after(service.queue_timeout_s) if arrived is None else Deadline(arrived + service.queue_timeout_s)
 
         async def answer(body: bytes) -> Answer | None:
-            gone = asyncio.ensure_future(_client_gone(request))  # the service skips work whose client has gone
+            gone = asyncio.ensure_future(_client_gone(receive))  # the service skips work whose client has gone
             try:
-                return await service.answer(body, key, gone)
+                return await service.answer(body, key, gone, deadline)
             finally:
                 gone.cancel()
 
-        return await answered(request, "/tokenize", answer)
+        return await answered(scope, receive, "/tokenize", answer)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await answered(request, "/detokenize", lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
+    async def detokenize(scope: Scope, receive: Receive) -> _Reply:
+        return await answered(scope, receive, "/detokenize", lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
 
-    if tokenizer_info_payload is not None:
+    async def tokenizer_info(scope: Scope, receive: Receive) -> _Reply:
+        service.count_request("/tokenizer_info", 200)
+        return _Reply(200, tokenizer_info_payload or b"")
 
-        @app.get("/tokenizer_info")
-        async def get_tokenizer_info() -> Response:
-            service.count_request("/tokenizer_info", 200)
-            return Response(tokenizer_info_payload, media_type="application/json")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> Response:
-        # Starlette's 404 and 405, in the error shape of the others; an unknown
-        # path is counted as "-", so that clients cannot mint label values.
-        path = request.url.path
-        if error.status_code == 404:
-            service.count_request(UNPARSED_PATH, 404)
-            message = f"no endpoint {path[:200]!r}"
-        else:
-            service.count_request(path, error.status_code)
-            message = f"{request.method[:20]} {path}: {error.detail}"
-        body = error_body(error.status_code, message)
-        return Response(body, status_code=error.status_code, headers=error.headers, media_type="application/json")
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> Response:
-        # A bug: Starlette sends this answer, then re-raises, so the traceback is logged.
-        service.count_request(UNPARSED_PATH, 500)
-        return Response(error_body(500, f"internal error: {type(error).__name__}"), status_code=500, media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(scope: Scope, receive: Receive) -> _Reply:
         service.count_request("/health", 200)
-        return Response(
-            orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}),
-            media_type="application/json",
-        )
+        return _Reply(200, orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}))
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(scope: Scope, receive: Receive) -> _Reply:
         service.count_request("/metrics", 200)
         text = await asyncio.to_thread(_render_all, snapshots, publish_own)
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return _Reply(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
+
+    routes: dict[str, tuple[str, Handler]] = {
+        "/tokenize": ("POST", tokenize),
+        "/detokenize": ("POST", detokenize),
+        "/health": ("GET", health),
+        "/metrics": ("GET", metrics),
+    }
+    if tokenizer_info_payload is not None:
+        routes["/tokenizer_info"] = ("GET", tokenizer_info)
+
+    def refused(status: int, path: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> _Reply:
+        # An unknown path is counted as "-", so that clients cannot mint label values.
+        service.count_request(path, status)
+        return _Reply(status, error_body(status, message), headers=headers)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        route = routes.get(path)
+        try:
+            if route is None:
+                reply = refused(404, UNPARSED_PATH, f"no endpoint {path[:200]!r}")
+            elif method != route[0] and not (method == "HEAD" and route[0] == "GET"):
+                reply = refused(405, path, f"{method[:20]} {path}: Method Not Allowed", ((b"allow", route[0].encode()),))
+            else:
+                reply = await route[1](scope, receive)
+        except Exception as error:
+            # A bug: answered in the error shape, then re-raised, so uvicorn logs the traceback.
+            await refused(500, UNPARSED_PATH, f"internal error: {type(error).__name__}").send(send)
+            raise
+        await reply.send(send)
 
     return app
 
 
-async def _client_gone(request: Request) -> None:
+async def _client_gone(receive: Receive) -> None:
     """Returns once the client has disconnected; call only after the body was read."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
-def _response(answer: Answer) -> Response:
+def _reply(answer: Answer) -> _Reply:
     """The HTTP response of ``answer``, with its Server-Timing and Retry-After headers."""
-    headers = {}
+    headers = []
     if answer.tokenize_s is not None:
         # The same interval as mptok_tokenize_seconds, for one request.
-        headers["Server-Timing"] = f"tokenize;dur={answer.tokenize_s * 1000:.3f}"
+        headers.append((b"server-timing", f"tokenize;dur={answer.tokenize_s * 1000:.3f}".encode()))
     if answer.retry_after_s is not None:
-        headers["Retry-After"] = str(answer.retry_after_s)
-    return Response(answer.payload, status_code=answer.status, headers=headers, media_type="application/json")
+        headers.append((b"retry-after", str(answer.retry_after_s).encode()))
+    return _Reply(answer.status, answer.payload, headers=tuple(headers))
 
 
 def _render_all(snapshots: SnapshotDir, publish_own: Callable[[], None]) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -47,6 +48,8 @@ UNPARSED_PATH = "-"
 # Set in the ASGI scope of a request answered here while the app was reading its body
 # (the app then reads a disconnect, and must not count the request again).
 REFUSED_SCOPE_KEY = "mptok.refused_status"
+# Set in the ASGI scope of every request: ``time.monotonic()`` when its first byte arrived.
+ARRIVED_SCOPE_KEY = "mptok.arrived"
 
 
 class _HeaderBlockTooLarge(Exception):
@@ -87,6 +90,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_too_large = False
         self._cycle_is_current = False  # self.cycle is the arriving (or last arrived) request's
+        self._began = 0.0  # time.monotonic() at the arriving request's first byte
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -126,6 +130,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arriving = self._heading = True
+        self._began = time.monotonic()
         self._header_bytes = 0
         self._cycle_is_current = False
 
@@ -140,6 +145,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._heading = False
         super().on_headers_complete()
+        self.cycle.scope[ARRIVED_SCOPE_KEY] = self._began  # type: ignore[typeddict-unknown-key]
         self._cycle_is_current = True
 
     def on_message_complete(self) -> None:

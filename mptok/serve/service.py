@@ -164,18 +164,24 @@ class TokenizeService:
         future.add_done_callback(self._done)
         return future
 
-    async def answer(self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future) -> Answer | None:
+    async def answer(
+        self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future, deadline: Deadline | None = None
+    ) -> Answer | None:
         """The answer to a read body, or None if ``client_gone`` finished before its work started.
 
-        Work still waiting for a pool thread ``queue_timeout_s`` after it was
-        submitted is not started: 503 with Retry-After. Work that has started
+        ``deadline`` (default: ``queue_timeout_s`` from now) is the request's
+        from its arrival: work still waiting for a pool thread when it passes
+        is not started (503 with Retry-After), and the route of work that
+        started takes what is left of it. Work that has started
         has always finished when this returns (a thread cannot be stopped), so
         a caller holding an ``Admission`` place holds it while the work runs.
         Raises ``RequestError`` (503) once closed.
         """
-        future = self._submit(self._answer, body, header_conversation_id)
+        if deadline is None:
+            deadline = Deadline.after(self.queue_timeout_s)
+        future = self._submit(self._answer, body, header_conversation_id, deadline)
         work = asyncio.wrap_future(future)
-        await asyncio.wait({work, client_gone}, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, client_gone}, timeout=deadline.left(), return_when=asyncio.FIRST_COMPLETED)
         if not work.done() and future.cancel():  # still queued: never started
             if client_gone.done():
                 return None
@@ -212,7 +218,7 @@ class TokenizeService:
         with self._in_flight_lock:
             self._in_flight.discard(future)
 
-    def _answer(self, body: bytes, header_conversation_id: str | None) -> Answer:
+    def _answer(self, body: bytes, header_conversation_id: str | None, deadline: Deadline) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
             identity = identify(
@@ -225,6 +231,7 @@ class TokenizeService:
             self._limits.check_model(request.model)
             text = self._text_of(request, chat)
             started = time.perf_counter()
+            # Until TokenizationOwners.encode_array takes a deadline (branch route2), the route keeps its own.
             ids = self.prompt_ids.ids_array(text, request.add_special_tokens, identity)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
