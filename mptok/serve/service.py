@@ -231,8 +231,7 @@ class TokenizeService:
             self._limits.check_model(request.model)
             text = self._text_of(request, chat)
             started = time.perf_counter()
-            # Until TokenizationOwners.encode_array takes a deadline (branch route2), the route keeps its own.
-            ids = self.prompt_ids.ids_array(text, request.add_special_tokens, identity)
+            ids = self.prompt_ids.ids_array(text, request.add_special_tokens, identity, deadline=deadline)
             tokenize_s = time.perf_counter() - started
             self.tokenize_seconds.observe(tokenize_s)
             self._limits.check_length(len(ids))
