@@ -160,6 +160,7 @@ def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: s
     """
     # Read by prometheus_client when it is first imported (vLLM imports it).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prometheus_dir(settings.ipc_dir)
+    _make_metric_files(prometheus_dir(settings.ipc_dir))
     parent = multiprocessing.parent_process()
     stop_with_parent(parent.pid if parent is not None else os.getppid())
     from mptok.front.engine_tokens import stand_by
@@ -179,6 +180,27 @@ def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: s
     with contextlib.suppress(OSError):
         conn.send(("failed", f"vllm launch render did not start: {status}"))
     raise SystemExit(1)
+
+
+def _make_metric_files(directory: str) -> None:
+    """This process's prometheus_client value files, made whole before any metric exists.
+
+    prometheus_client creates a value file empty and sizes it after; a
+    ``/metrics`` read in between fails (``struct.error``: a 500). Made here
+    zeroed at their final size (no values yet) and moved into place, a read
+    only ever sees whole files. A file left by a dead process of the same
+    pid is kept: its counters are part of the totals."""
+    from prometheus_client.metrics import Gauge
+    from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE
+
+    kinds = ["counter", "histogram", "summary", *(f"gauge_{mode}" for mode in sorted(Gauge._MULTIPROC_MODES))]
+    for kind in kinds:
+        path = os.path.join(directory, f"{kind}_{os.getpid()}.db")
+        if os.path.exists(path):
+            continue
+        with open(f"{path}.part", "wb") as made:
+            made.truncate(_INITIAL_MMAP_SIZE)
+        os.replace(f"{path}.part", path)
 
 
 def _run_vllm(argv: list[str], hooks: VllmRenderHooks) -> int | str | None:
