@@ -96,7 +96,7 @@ def test_a_new_prompt_replaces_its_predecessor_and_counts_only_the_buffer_it_pin
 
 
 def _entry(cache: PrefixTokenCache, key: str):
-    return next(entry for holder, entry in cache._entries.items() if holder[1] == key)
+    return next(entry for holder, entry in cache._kept._entries.items() if holder[1] == key)
 
 
 def test_conversation_ids_longer_than_the_limit_are_refused(tokenizer):

@@ -82,7 +82,7 @@ def test_a_wrong_fingerprint_is_answered_none_never_with_other_ids(tokenizer):
     cache = PrefixTokenCache()
     rng = random.Random(3)
     text = plain_delta(rng, 3000)
-    assert cache.keep(tokenizer, text, "conv").kept
+    assert cache.extend_after(tokenizer, text, "conv").kept
     chain = extend_chain(text)
     good = Fingerprint.of(text, chain)
     assert good is not None

@@ -103,9 +103,9 @@ class _CacheNamingItsThreads(mptok.PrefixTokenCache):
         super().__init__()
         self.peer_threads: set[tuple[str, int]] = set()
 
-    def keep(self, *args, **kwargs):
+    def extend_after(self, *args, **kwargs):
         self.peer_threads.add((threading.current_thread().name, threading.get_ident()))
-        return super().keep(*args, **kwargs)
+        return super().extend_after(*args, **kwargs)
 
 
 def test_an_owner_answers_every_connection_on_its_few_warm_workers(tmp_path, tokenizer):
@@ -444,7 +444,7 @@ def owner_and_asker(ipc_dir: str, tokenizer, asker_config: mptok.CacheConfig):
 def assert_kept_what_it_had(cache, tokenizer, key: str, unrelated: str) -> None:
     """A cache with room for one entry kept its keyless prompt, not ``key``'s conversation."""
     assert cache.stats()["entries"] == 1
-    assert cache.keep(tokenizer, unrelated, key, if_kept=True) is None
+    assert cache.extend_if_kept(tokenizer, unrelated, key) is None
     assert cache.encode(tokenizer, unrelated) == expected(tokenizer, unrelated)
     assert cache.stats()["hits"] == 1
 

@@ -15,7 +15,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.cache.backend import backend_for, backend_stats
-from mptok.cache.boundaries import ForcedPairs
+from mptok.cache.seam import ForcedPairs
 from mptok.cache.seam_rules import derive_rules
 from mptok.core.ids import IdPieces
 from mptok_harness.conversations import plain_delta

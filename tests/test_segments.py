@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mptok import CacheConfig, PrefixTokenCache
 from mptok.cache.backend import backend_for
-from mptok.cache.seam_rules import SegmentOpeners
+from mptok.cache.seam import SegmentOpeners
 from mptok_harness.conversations import chat_turns
 from mptok_harness.families import CHAT_MARKERS, load_family, load_family_hf
 

@@ -40,7 +40,8 @@ import orjson
 from tokenizers import Encoding, Tokenizer
 
 from mptok.cache.config import CacheConfig
-from mptok.cache.seam_rules import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, SegmentOpeners, derive_rules, prove_rules
+from mptok.cache.seam import PREFIX_FIRST_UNLESS_SPACE, PREFIX_UNLESS_SPACE, SeamRules, SegmentOpeners
+from mptok.cache.seam_rules import derive_rules, prove_rules
 from mptok.core.settings import CHOICES, ENGINES
 from mptok.engines.choice import COUNTERS, Engines, TokenizerRefused
 from mptok.engines.fast import IdsEngine, self_check_texts

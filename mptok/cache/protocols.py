@@ -3,8 +3,8 @@
 ``PrefixTokenCache`` is the one cache and ``TokenizationOwners`` the one
 router; the fronts (``mptok.front``, ``mptok.serve``, ``mptok.vllm``) and
 routing speak to them through these descriptions, so that each layer names
-only what it calls. ``Kept`` is the answer of the one call routing makes
-beyond encoding (``PrefixTokenCache.keep``).
+only what it calls. ``Kept`` is what the owner's call answers
+(``PrefixTokenCache.extend_after``).
 """
 
 from __future__ import annotations
@@ -48,13 +48,17 @@ class TokenCache(Encoder, Protocol):
 
     config: CacheConfig
 
-    def keep(
-        self, tokenizer: Any, text: str, key: str, *, after: Fingerprint | None = None, ids: np.ndarray | None = None,
-        chain: bytes = b"", if_kept: bool = False, room_only: bool = False,
-    ) -> Kept | None:
-        """Make ``text`` conversation ``key``'s latest kept prompt and give its ids
-        (see ``PrefixTokenCache.keep``); None when ``after`` names no kept
-        prompt, or with ``if_kept`` when nothing of ``key`` is kept here."""
+    def extend_if_kept(self, tokenizer: Any, text: str, key: str) -> np.ndarray | None:
+        """The ids, extended from what ``key`` keeps here; None, at once, where it keeps nothing."""
+        ...
+
+    def extend_after(self, tokenizer: Any, text: str, key: str, after: Fingerprint | None = None) -> Kept | None:
+        """``key``'s prompt (``text`` after what ``after`` names) kept as its
+        latest, and its ids; None when no kept prompt has ``after``."""
+        ...
+
+    def adopt(self, tokenizer: Any, text: str, key: str, ids: np.ndarray, chain: bytes = b"") -> bool:
+        """Keep ``text``'s exact ``ids`` from elsewhere as ``key``'s copy where that evicts nothing."""
         ...
 
     def stats(self) -> dict[str, int]:

@@ -1,352 +1,76 @@
-"""What the proof of a seam reads from the tokenizer: where each kept token begins, where every tokenization splits, and which added tokens open a segment.
+"""A tokenizer's seam rules, derived from its specification and proven at start: what the seam encoder reads.
 
-A splice keeps a prompt's ids up to a seam and tokenizes only the text from
-the seam on (``mptok.cache.seam``). To prove the seam it needs facts that
-the ids of a fast engine do not carry and that `tokenizers` would take a
-pass over the whole prompt to give (its offsets and word ids):
-
-- **Where each token begins.** Every vocabulary entry covers a fixed number
-  of bytes of the text: a byte-level BPE entry one byte per character (the
-  ByteLevel alphabet maps each byte to one character), a SentencePiece piece
-  its UTF-8 bytes with ``▁`` standing for a space, a byte-fallback piece
-  (``<0x0A>``) one byte, an added token its content. So the kept ids,
-  walked back from the end of the kept text, say where each of the last
-  tokens begins: a gather of a length table and a cumulative sum over the
-  tokens near the end, never over the prompt. What a layout adds at the start
-  of a segment (the text between two added tokens: ByteLevel's
-  ``add_prefix_space``, Metaspace's prepend scheme, a ``Prepend``
-  normalizer) covers no byte of the text; the walk takes it out where it
-  applies. A token of unknown length (``<unk>``; an added token that strips
-  whitespace or is matched in normalized text) ends the walk. A literal
-  ``▁`` (which a space also becomes) and text that NFC would change (for an
-  NFC normalizer) make the lengths ambiguous: nothing is located across them.
-- **Where every pre-tokenization splits** (*forced boundaries*): points
-  at which the pre-tokenizer splits whatever it started from, so the text
-  before them cannot influence the tokens after them: pairs of character
-  classes measured on the tokenizer, or, where nothing splits a segment,
-  points no vocabulary piece spans (``mptok.cache.boundaries``). A layout
-  whose segment start gets a prefix unless it begins with a space keeps
-  only the pairs before a space, so that the tail from there gets no
-  prefix either.
-- **Which added tokens open a segment** (``SegmentOpeners``). Added tokens
-  are split out first, so where one is matched at ``s`` in a kept prompt
-  and in a new one sharing its first characters, the new prompt's ids from
-  ``s`` on are those of ``text[s:]`` tokenized whole. They are found left to
-  right, each match the longest at its position, raw (``normalized=False``)
-  tokens in a first pass and normalized ones in the gaps it leaves; so the
-  prompts can decide differently up to ``s`` only through a match that the
-  new text completes past the shared prefix: one holding the opener's text,
-  or (for a normalized opener) a raw token that starts inside it and begins
-  with the rest of it. An opener's *reach* is the furthest past ``s`` such a
-  token can end; ``max_reach``, the longest added token, bounds every
-  opener's. Tokens that look at their surroundings open nothing: ``lstrip``,
-  ``single_word``, contents that begin with whitespace (a token before them
-  with ``rstrip`` could take it), ``normalized`` tokens when there is a
-  normalizer, and special tokens when special tokens are not split out.
-
-The first two are claims about the tokenizer, so ``prove_rules`` tests them
-when a backend is built, against `tokenizers` itself, on the adversarial
-corpus the fast engines are checked on: a wrong length table leaves the
-tokenizer splicing at added tokens only, a refuted boundary claim is
-dropped alone. Where lengths are not counted (a normalizer that rewrites
-characters, WordPiece's ``##``, a pre-tokenizer that drops whitespace),
-``lengths`` is all ``UNKNOWN`` and seams are proven by the kept tail
-(``mptok.cache.seam``).
+A splice (``mptok.cache.seam``) needs facts that the ids of a fast engine do
+not carry and that `tokenizers` would take a pass over the whole prompt to
+give (its offsets and word ids): where each token begins (a length table:
+every vocabulary entry covers a fixed number of bytes of the text) and where
+every pre-tokenization splits (*forced boundaries*, as pairs of character
+classes measured on the tokenizer, or the points no vocabulary piece spans
+where nothing splits a segment). ``derive_rules`` reads them from
+tokenizer.json; being claims about the tokenizer, ``prove_rules`` tests
+them against `tokenizers` itself when a backend is built: a wrong length
+table leaves the tokenizer splicing at added tokens only, a refuted
+boundary claim is dropped alone. docs/CACHE.md ("The seam rules") has the
+classes, the measurement and the check in full.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import functools
+import random
 import re
 import unicodedata
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from mptok.cache.boundaries import Boundaries, CharClasses, ForcedPairs, UnspannedPairs, measure_pairs, pattern_sets
+from mptok.cache.seam import (
+    PREFIX_ALWAYS,
+    PREFIX_FIRST_UNLESS_SPACE,
+    PREFIX_NONE,
+    PREFIX_UNLESS_SPACE,
+    SPACE_MARKER,
+    UNKNOWN,
+    Boundaries,
+    ForcedPairs,
+    SeamRules,
+    UnspannedPairs,
+    code_points,
+)
 
-__all__ = ["SeamRules", "SegmentOpeners", "derive_rules", "prove_rules"]
+__all__ = ["CharClasses", "derive_rules", "measure_pairs", "pattern_sets", "prove_rules"]
 
-SPACE_MARKER = "\u2581"
-# A token whose length the ids do not tell (``<unk>``, whitespace-stripping added tokens).
-UNKNOWN = -1
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-# What a layout puts before a segment's first token.
-PREFIX_NONE = "none"
-PREFIX_UNLESS_SPACE = "unless-space"  # ByteLevel add_prefix_space, Metaspace "always"
-PREFIX_FIRST_UNLESS_SPACE = "first-unless-space"  # Metaspace "first": the text's first segment only
-PREFIX_ALWAYS = "always"  # a Prepend normalizer
-
-# Code points from which a character takes 2, 3 and 4 UTF-8 bytes.
-_UTF8_UNITS = np.array([0x80, 0x800, 0x10000], dtype=np.uint32)
 # What a claim of a forced boundary says: that a pre-token begins there, or
 # (a layout whose pre-tokenizer leaves a segment whole) that a token does.
 CLAIMS_PRE_TOKENS = "pre-tokens"
 CLAIMS_TOKENS = "tokens"
 # Tails tokenized from forced boundaries per text of the start-up check.
 TAILS_CHECKED_PER_TEXT = 2
-
-@dataclass(frozen=True)
-class TokenStarts:
-    """Where the kept tokens near the end of a text begin: ``positions[k]``
-    (characters, ascending) is where token ``indices[k]`` begins. Only tokens
-    that begin on a character boundary are listed (byte-level BPE can split
-    one character over several tokens)."""
-
-    positions: np.ndarray
-    indices: np.ndarray
-
-    def index_at(self, position: int) -> int | None:
-        """The index of the token that begins at ``position``, if located."""
-        k = int(np.searchsorted(self.positions, position))
-        if k < len(self.positions) and self.positions[k] == position:
-            return int(self.indices[k])
-        return None
-
-
-@dataclass(frozen=True)
-class SeamRules:
-    """A tokenizer's length table and forced-boundary rule (module docstring).
-
-    ``lengths[i]`` is the number of text bytes token ``i`` covers in the middle
-    of a segment (``UNKNOWN`` if the id does not tell); ``segment_ends[i]`` is
-    true for the added tokens that end a segment, whose contents
-    ``added_contents`` holds.
-    """
-
-    lengths: np.ndarray
-    segment_ends: np.ndarray
-    added_contents: dict[int, str]
-    forced: Boundaries
-    claims: str  # CLAIMS_PRE_TOKENS or CLAIMS_TOKENS
-    prefix: str
-    nfc: bool
-    space_marker: bool
-    layout: str
-
-    def forced_boundaries(self, text: str, low: int, high: int) -> np.ndarray:
-        """Forced boundaries ``x`` with ``low <= x < high``, ascending; each
-        decided by ``text[x - 1]`` and ``text[x]`` alone."""
-        return self.forced.between(text, low, high)
-
-    def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
-        """Where the last tokens of ``ids`` (the exact tokenization of
-        ``text``) begin, for those that begin in ``[lowest, upto)`` and after
-        any token of unknown length; None where the lengths do not tile the
-        text.
-
-        The walk counts the text in the units the lengths are in (UTF-8
-        bytes, ``▁`` one where a space becomes ``▁``); for an NFC normalizer,
-        the text from the first clean point at or after ``upto`` is counted
-        as NFC makes it, and tokens are located only where NFC leaves the
-        text as it is."""
-        if self.nfc:
-            rest = _nfc_clean_from(text, upto)
-            lowest = _nfc_stable_from(text, lowest, rest)
-            walked = text[lowest:rest] + unicodedata.normalize("NFC", text[rest:])
-            locatable = rest - lowest
-        else:
-            walked = text[lowest:]
-            locatable = len(walked)
-        if self.prefix == PREFIX_NONE:
-            return self._walk_back(ids, walked, lowest, locatable)
-        try:
-            points = np.frombuffer(walked.encode("utf-32-le"), dtype=np.uint32)
-        except UnicodeEncodeError:
-            return None
-        units = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
-        if self.space_marker:
-            units[points == ord(SPACE_MARKER)] = 1
-        char_units = np.cumsum(units) - units  # where each character begins, in units
-        total = int(char_units[-1] + units[-1]) if len(units) else 0
-        tail, lengths = self._last_tokens(ids, total)
-        if tail is None:
-            return None
-        count = len(tail)
-        lengths = self._without_prefixes(tail, lengths, walked, char_units, total, count == len(ids) and lowest == 0, lowest == 0)
-        if lengths is None:
-            return None
-        # starts[k]: the unit where tail[k] begins, counted back from the end;
-        # meaningful only after the last token of unknown length.
-        unknown = np.flatnonzero(lengths < 0)
-        known = int(unknown[-1]) + 1 if len(unknown) else 0
-        starts = total - np.cumsum(lengths[::-1])[::-1]
-        if known == 0 and count == len(ids) and (starts[0] > 0 or (lowest == 0 and starts[0] != 0)):
-            return None  # every token walked, and they do not tile the text
-        first = known + int(np.searchsorted(starts[known:], 0, side="left"))
-        begins = starts[first:]
-        chars = np.searchsorted(char_units, begins)
-        inside = chars < locatable
-        on_boundary = inside & (char_units[np.minimum(chars, len(char_units) - 1)] == begins) if len(char_units) else inside
-        positions = lowest + chars[on_boundary]
-        indices = len(ids) - count + first + np.flatnonzero(on_boundary)
-        return TokenStarts(positions.astype(np.int64), indices.astype(np.int64))
-
-    def _walk_back(self, ids: np.ndarray, walked: str, lowest: int, locatable: int) -> TokenStarts | None:
-        """``token_starts`` for a layout that adds nothing at a segment's
-        start: every token covers a unit at least, so the tokens to walk are
-        known at once."""
-        marked = walked.replace(SPACE_MARKER, " ") if self.space_marker else walked
-        try:
-            encoded = marked.encode("utf-8")
-        except UnicodeEncodeError:
-            return None
-        total = len(encoded)
-        count = min(len(ids), total + 1)
-        first = len(ids) - count
-        tail = np.asarray(ids[first:])
-        if count and (int(tail.min()) < 0 or int(tail.max()) >= len(self.lengths)):
-            return None
-        lengths = self.lengths[tail].astype(np.int64)
-        unknown = np.flatnonzero(lengths < 0)
-        # starts[k]: the unit where tail[k] begins, counted back from the end.
-        starts = total - np.cumsum(lengths[::-1])[::-1]
-        if not len(unknown) and count == len(ids) and count and starts[0] > 0:
-            return None  # every token walked, and they do not tile the text
-        known = int(unknown[-1]) + 1 if len(unknown) else 0
-        begin = known + int(np.searchsorted(starts[known:], 0, side="left"))
-        units = starts[begin:]
-        indices = np.arange(first + begin, first + count, dtype=np.int64)
-        if total == len(marked):  # ASCII: a unit is a character
-            keep = units < locatable
-            return TokenStarts(lowest + units[keep], indices[keep])
-        # Where each character begins, in units: not a continuation byte.
-        char_units = np.flatnonzero((np.frombuffer(encoded, dtype=np.uint8) & 0xC0) != 0x80)
-        chars = np.searchsorted(char_units, units)
-        ok = (chars < locatable) & (char_units[np.minimum(chars, len(char_units) - 1)] == units)
-        return TokenStarts(lowest + chars[ok], indices[ok])
-
-    def _last_tokens(self, ids: np.ndarray, total: int) -> tuple[np.ndarray | None, np.ndarray]:
-        """The last ids, enough of them to cover ``total`` units or all,
-        and their lengths; None for an id out of the table. Gathered a few
-        at a time from the end: a token covers several units on average,
-        and each gather reads the length table where the cache has it not."""
-        count = min(len(ids), total // 4 + 8)
-        while True:
-            tail = np.asarray(ids[len(ids) - count :]).astype(np.int64)
-            if len(tail) and (tail.min() < 0 or tail.max() >= len(self.lengths)):
-                return None, tail
-            lengths = self.lengths[tail].astype(np.int64)
-            # Enough once they cover the window even if every segment's first
-            # token turns out to hold a prefix (a unit of no text).
-            prefixes = int(self.segment_ends[tail].sum()) + 1
-            if count == len(ids) or lengths.sum() - prefixes >= total or (lengths < 0).any():
-                return tail, lengths
-            count = min(len(ids), 2 * count)
-
-    def _without_prefixes(
-        self,
-        tail: np.ndarray,
-        lengths: np.ndarray,
-        walked: str,
-        char_units: np.ndarray,
-        total: int,
-        covers_start: bool,
-        at_text_start: bool,
-    ) -> np.ndarray | None:
-        """``lengths`` with a segment prefix taken out of each segment's first
-        token where the layout added one; None where that cannot be told."""
-        after_added = np.zeros(len(tail), dtype=bool)
-        after_added[1:] = self.segment_ends[tail[:-1]] & ~self.segment_ends[tail[1:]]
-        firsts = list(np.flatnonzero(after_added))
-        if covers_start and len(tail) and not self.segment_ends[tail[0]]:
-            firsts.insert(0, 0)
-        if not firsts:
-            return lengths
-        if self.prefix == PREFIX_FIRST_UNLESS_SPACE:
-            firsts = [0] if firsts[0] == 0 and covers_start else []
-        lengths = lengths.copy()
-        end = total
-        done = len(tail)
-        for first in reversed(firsts):
-            if (lengths[first:done] < 0).any():
-                return lengths  # the walk stops at the unknown length before reaching this segment
-            end -= int(lengths[first + 1 : done].sum())
-            done = first
-            if end - int(lengths[first]) < 0 and not at_text_start:
-                # Its first token begins before the window, or at its start
-                # with a prefix: which, the text does not say. Not located.
-                lengths[first] = UNKNOWN
-                return lengths
-            if self.prefix == PREFIX_ALWAYS:
-                lengths[first] -= 1
-            else:
-                added = self.added_contents.get(int(tail[first - 1]), "") if first else ""
-                prefixed = _prefixed(walked, char_units, end, int(lengths[first]), added)
-                if prefixed is None:
-                    return None
-                lengths[first] -= prefixed
-            end -= int(lengths[first])
-        return lengths
-
-
-def _nfc_stable_from(text: str, lowest: int, end: int) -> int:
-    """The first position ``p >= lowest`` from which NFC leaves ``text`` as
-    it is up to ``end`` (a clean point): ``text[p:end]`` is NFC already and
-    ``p`` is a clean point itself."""
-    window = text[lowest:end]
-    low, high = 0, len(window)
-    if not unicodedata.is_normalized("NFC", window):
-        # A suffix of a normalized text is normalized: halve towards the shortest that is not.
-        while low < high:
-            middle = (low + high) // 2
-            if unicodedata.is_normalized("NFC", window[middle:]):
-                high = middle
-            else:
-                low = middle + 1
-    return _nfc_clean_from(text, lowest + low, end)
-
-
-def _nfc_clean_from(text: str, position: int, end: int | None = None) -> int:
-    """The first clean point at or after ``position`` (before ``end``, else
-    ``end``): a starter that neither decomposes into a mark nor composes
-    with what comes before it, so NFC treats the text on each side apart."""
-    end = len(text) if end is None else end
-    while position < end and not (starts_cleanly(text[position]) and _nfc_apart(text, position)):
-        position += 1
-    return position
-
-
-# Characters on each side of a position that NFC is run on to see whether it
-# joins them: composition chains through starters (Hangul L+V+T) and marks,
-# and a mark is never a clean start.
-NFC_CONTEXT = 4
-
-
-def _nfc_apart(text: str, position: int) -> bool:
-    """Whether NFC of the text around ``position`` equals NFC of each side apart."""
-    left = text[max(0, position - NFC_CONTEXT) : position]
-    right = text[position : position + NFC_CONTEXT]
-    return unicodedata.normalize("NFC", left + right) == unicodedata.normalize("NFC", left) + unicodedata.normalize("NFC", right)
-
-
-def starts_cleanly(char: str) -> bool:
-    """A starter under canonical ordering that does not decompose into a mark."""
-    return unicodedata.combining(char) == 0 and unicodedata.combining(unicodedata.normalize("NFD", char)[0]) == 0
-
-
-def _prefixed(walked: str, char_units: np.ndarray, end: int, length: int, added: str) -> int | None:
-    """Whether a segment's first token, ending at unit ``end`` and ``length``
-    long with a prefix space counted, got that space from the layout (1) or
-    from the text (0): the one of the two under which the text fits (it
-    begins with the space exactly when no prefix was added, right after the
-    added token's content); None if both or neither fit."""
-    fits = []
-    for prefixed in (0, 1):
-        start = end - length + prefixed
-        at = int(np.searchsorted(char_units, start))
-        if not 0 <= start <= end or (at < len(char_units) and char_units[at] != start):
-            continue
-        if (walked[at : at + 1] == " ") != (prefixed == 0):
-            continue
-        if added and walked[max(0, at - len(added)) : at] != added[max(0, len(added) - at) :]:
-            continue
-        fits.append(prefixed)
-    return fits[0] if len(fits) == 1 else None
+# Base classes: the whitespace characters that patterns name one by one, then general categories.
+_CR, _LF, _SPACE, _TAB, _OTHER_SPACE, _UPPER, _LOWER, _MODIFIER, _OTHER_LETTER = range(9)
+_MARK, _DIGIT, _OTHER_NUMBER, _PUNCTUATION, _SYMBOL, _OTHER, _UNASSIGNED = range(9, 16)
+_BY_CATEGORY = {
+    "Lu": _UPPER, "Lt": _UPPER, "Ll": _LOWER, "Lm": _MODIFIER, "Lo": _OTHER_LETTER,
+    "Mn": _MARK, "Mc": _MARK, "Me": _MARK, "Nd": _DIGIT, "Nl": _OTHER_NUMBER, "No": _OTHER_NUMBER,
+    "Pc": _PUNCTUATION, "Pd": _PUNCTUATION, "Ps": _PUNCTUATION, "Pe": _PUNCTUATION,
+    "Pi": _PUNCTUATION, "Pf": _PUNCTUATION, "Po": _PUNCTUATION,
+    "Sm": _SYMBOL, "Sc": _SYMBOL, "Sk": _SYMBOL, "So": _SYMBOL,
+    # A tokenizer's regex engine may know characters of a later Unicode version: never claimed.
+    "Cn": _UNASSIGNED,
+}  # fmt: skip
+# Past this code point, outside plane 14, everything is unassigned or private use.
+_ASSIGNED_END = 0x32400
+_PLANE_14 = range(0xE0000, 0xE0200)
+# Characters of a class that the random text draws from.
+SAMPLES_PER_CLASS = 24
+# Length of the random text, and how often a pair must be seen, always
+# split, to be claimed.
+PROBE_CHARS = 80_000
+MIN_SEEN = 3
+WHITESPACE_WEIGHT = 6
 
 
 def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> SeamRules | str:
@@ -573,127 +297,178 @@ def prove_rules(
         report += f" ({len(refuted)} refuted at start, first at {refuted[0]})"
     return rules, report
 
+# -- character classes ---------------------------------------------------------
 
-# -- segment openers ---------------------------------------------------------------
-
-# Candidate positions looked at before giving up, matching or not.
-MAX_SCANNED = 256
-
-
-class SegmentOpeners:
-    """The added tokens that open a segment, how far past its start each
-    reaches (module docstring), and a search for them in text."""
-
-    def __init__(self, added: Mapping[int, Any], *, has_normalizer: bool, split_special: bool):
-        matched = {i: t for i, t in added.items() if t.content and not (split_special and t.special)}
-        self.max_reach = max((len(t.content) for t in matched.values()), default=0)
-        openers = {
-            i: t
-            for i, t in matched.items()
-            if not t.lstrip
-            and not t.single_word
-            and not t.content[0].isspace()
-            and not (has_normalizer and t.normalized)
-        }
-        tokens = _Joined([t.content for t in matched.values()])
-        raw_tokens = _Joined([t.content for t in matched.values() if not t.normalized])
-        reach_of_content: dict[str, int] = {}
-        for t in openers.values():
-            reach = _reach_holding(tokens, t.content)
-            if t.normalized:
-                reach = max(reach, _reach_of_raw_inside(raw_tokens, t.content))
-            reach_of_content[t.content] = max(reach, reach_of_content.get(t.content, 0))
-        self._reach_of_id = {i: reach_of_content[t.content] for i, t in openers.items()}
-        self._reach_of_content = reach_of_content
-        self._lengths = sorted({len(c) for c in reach_of_content}, reverse=True)
-        self._first_chars = frozenset(c[0] for c in reach_of_content)
-        self._least_reach = min(reach_of_content.values(), default=0)
-
-    def reach_of(self, token_id: int) -> int | None:
-        """How far past its start added token ``token_id`` reaches, or None
-        if it is not an opener."""
-        return self._reach_of_id.get(token_id)
-
-    def starts_before(self, text: str, end: int, lowest: int) -> Iterator[int]:
-        """Positions ``p >= lowest`` where ``text[p:]`` begins with an opener's
-        content whose reach ends by ``end``, nearest to ``end`` first. (Of
-        the openers that begin there, the longest is the one the reach is
-        taken for: the caller checks the token it finds there with
-        ``reach_of``.)"""
-        highest = end - self._least_reach
-        if highest < lowest or not self._reach_of_content:
-            return
-        reach_of_content, lengths, first_chars = self._reach_of_content, self._lengths, self._first_chars
-        position = highest + 1
-        for _ in range(MAX_SCANNED):
-            position = _last_of(text, first_chars, lowest, position)
-            if position < 0:
-                return
-            reach = next((reach_of_content[c] for n in lengths if (c := text[position : position + n]) in reach_of_content), None)
-            if reach is not None and position + reach <= end:
-                yield position
+@functools.cache
+def _base_table() -> np.ndarray:
+    """Each code point's base class (built once per process)."""
+    table = np.full(0x110000, _UNASSIGNED, dtype=np.uint8)
+    table[0xF0000:] = _OTHER  # private use
+    points = list(range(_ASSIGNED_END)) + list(_PLANE_14)
+    table[points] = [_BY_CATEGORY.get(unicodedata.category(chr(c)), _OTHER) for c in points]
+    # Unicode's White_Space (str.isspace adds four separators of category Cc).
+    spaces = [c for c in points if chr(c).isspace() and not 0x1C <= c <= 0x1F]
+    table[spaces] = _OTHER_SPACE
+    table[[0x0D, 0x0A, 0x20, 0x09]] = [_CR, _LF, _SPACE, _TAB]
+    return table
 
 
-def _last_of(text: str, chars: frozenset[str], lowest: int, end: int) -> int:
-    """The last position in ``[lowest, end)`` that holds one of ``chars``, or -1.
+class CharClasses:
+    """A table from code point to class: the base classes, split into
+    ASCII and the rest and by each of ``sets`` (code point ranges)."""
 
-    Searches windows doubling back from ``end``: a seam is usually near the
-    end of a long prompt, and one search of the whole range per character
-    would cost what the prompt's length costs, for every turn.
-    """
-    window, high = 1024, end
-    while high > lowest:
-        low = max(lowest, high - window)
-        found = max(text.rfind(char, low, high) for char in chars)
-        if found >= 0:
-            return found
-        high, window = low, 2 * window
-    return -1
+    def __init__(self, sets: Iterable[Sequence[tuple[int, int]]]):
+        key = _base_table().astype(np.int64) * 2
+        key[:0x80] += 1
+        for bit, ranges in enumerate(sets):
+            for low, high in ranges:
+                key[low : high + 1] |= 1 << (bit + 5)
+        _, table = np.unique(key, return_inverse=True)
+        self.count = int(table.max()) + 1
+        self.table = table.astype(np.uint16)
+        self.unassigned = np.unique(self.table[_base_table() == _UNASSIGNED])
+
+    def of(self, text: str) -> np.ndarray:
+        return self.table[code_points(text)]
+
+    def samples(self, rng: random.Random) -> list[list[str]]:
+        """Up to ``SAMPLES_PER_CLASS`` characters of each class, none a surrogate."""
+        order = np.argsort(self.table, kind="stable")
+        ends = np.searchsorted(self.table[order], np.arange(self.count + 1))
+        samples = []
+        for c in range(self.count):
+            members = order[ends[c] : ends[c + 1]]
+            members = members[(members < 0xD800) | (members > 0xDFFF)]
+            picked = members if len(members) <= SAMPLES_PER_CLASS else members[rng.sample(range(len(members)), SAMPLES_PER_CLASS)]
+            samples.append([chr(int(p)) for p in picked])
+        return samples
 
 
-def _reach_holding(tokens: _Joined, content: str) -> int:
-    """The most characters that a token holding ``content`` at offset k has
-    from k on (at least ``len(content)``)."""
-    return max([len(content)] + [len(token) - offset for offset, token in tokens.occurrences(content)])
+def pattern_sets(pattern: str) -> list[list[tuple[int, int]]]:
+    """The character sets a regex names, as code point ranges: each bracket
+    expression's characters and ranges (the properties inside it are the
+    base classes already), and each literal character outside one (with its
+    other case under ``(?i``). A set named wrongly makes classes finer or
+    coarser than the pattern's, never a claim unchecked: the measurement
+    refutes a pair whose characters the pattern treats apart."""
+    fold = "(?i" in pattern
+    sets: list[list[tuple[int, int]]] = []
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "[":
+            ranges, i = _bracket(pattern, i + 1)
+            sets.append(ranges)
+            continue
+        if char == "\\":
+            literal, i = _escape(pattern, i)
+        else:
+            literal, i = (None if char in "()|?*+.^${}" else char), i + 1
+        if literal is not None:
+            cases = {literal, literal.swapcase()} if fold and len(literal.swapcase()) == 1 else {literal}
+            sets.append([(ord(c), ord(c)) for c in cases])
+    return sets
 
 
-def _reach_of_raw_inside(raw_tokens: _Joined, content: str) -> int:
-    """The furthest past the start of ``content`` that a raw token beginning
-    inside it with the rest of ``content`` ends (0 if none)."""
-    starts = ((j, token) for j in range(1, len(content)) for token in raw_tokens.starting_with(content[j:]))
-    return max((j + len(token) for j, token in starts), default=0)
+def _bracket(pattern: str, i: int) -> tuple[list[tuple[int, int]], int]:
+    """The ranges of the bracket expression whose body starts at ``i``, and where it ends."""
+    ranges: list[tuple[int, int]] = []
+    depth = 1
+    if pattern[i : i + 1] == "^":
+        i += 1
+    while i < len(pattern) and depth:
+        char = pattern[i]
+        if char == "[":
+            depth, i = depth + 1, i + 1
+            continue
+        if char == "]":
+            depth, i = depth - 1, i + 1
+            continue
+        if char == "\\":
+            literal, i = _escape(pattern, i)
+        else:
+            literal, i = char, i + 1
+        if literal is None:
+            continue
+        if pattern[i : i + 1] == "-" and pattern[i + 1 : i + 2] not in ("]", ""):
+            high, i = (_escape(pattern, i + 1) if pattern[i + 1] == "\\" else (pattern[i + 1], i + 2))
+            if high is not None and ord(high) >= ord(literal):
+                ranges.append((ord(literal), ord(high)))
+                continue
+        ranges.append((ord(literal), ord(literal)))
+    return ranges, i
 
 
-class _Joined:
-    """Strings joined into one by a character none of them holds, so that
-    finding every string that holds (or begins with) a needle is a few C
-    string searches, not one comparison per string."""
+_ESCAPED = {"r": "\r", "n": "\n", "t": "\t", "f": "\f", "v": "\v", "a": "\a", "e": "\x1b"}
 
-    def __init__(self, parts: list[str]):
-        used = set("".join(parts))
-        self._separator = next(chr(c) for c in range(0x110000) if chr(c) not in used)
-        self._parts = parts
-        self._starts: list[int] = []
-        position = 0
-        for part in parts:
-            position += 1
-            self._starts.append(position)
-            position += len(part)
-        self._text = "".join(self._separator + part for part in parts)
 
-    def occurrences(self, needle: str) -> Iterator[tuple[int, str]]:
-        """(offset of ``needle`` in the string, the string) for each
-        occurrence of ``needle`` (which never crosses a separator)."""
-        found = self._text.find(needle)
-        while found >= 0:
-            index = bisect.bisect_right(self._starts, found) - 1
-            yield found - self._starts[index], self._parts[index]
-            found = self._text.find(needle, found + 1)
+def _escape(pattern: str, i: int) -> tuple[str | None, int]:
+    """The literal character of the escape at ``i`` (None for a class or an
+    assertion such as ``\\p{L}`` or ``\\s``), and where it ends."""
+    char = pattern[i + 1 : i + 2]
+    if char in ("p", "P"):
+        end = pattern.find("}", i) if pattern[i + 2 : i + 3] == "{" else i + 2
+        return None, end + 1
+    if char in ("u", "x"):
+        if pattern[i + 2 : i + 3] == "{":
+            end = pattern.find("}", i)
+            return chr(int(pattern[i + 3 : end], 16)), end + 1
+        digits = 4 if char == "u" else 2
+        return chr(int(pattern[i + 2 : i + 2 + digits], 16)), i + 2 + digits
+    if char in _ESCAPED:
+        return _ESCAPED[char], i + 2
+    if char.isalnum():
+        return None, i + 2  # \s \d \w \b \A \z and the like
+    return char, i + 2
 
-    def starting_with(self, prefix: str) -> Iterator[str]:
-        """Each string that begins with ``prefix``."""
-        needle = self._separator + prefix
-        found = self._text.find(needle)
-        while found >= 0:
-            yield self._parts[bisect.bisect_left(self._starts, found + 1)]
-            found = self._text.find(needle, found + 1)
+
+def measure_pairs(
+    classes: CharClasses,
+    candidates: np.ndarray,
+    encode: Callable[[str], Any],
+    claims_pre_tokens: bool,
+    seed: int = 0,
+) -> np.ndarray:
+    """The ``candidates`` pairs that split every time they are seen (at
+    least ``MIN_SEEN`` times) in a random text tokenized by ``encode`` (the
+    reference, with offsets and word ids): a pre-token begins there (a token,
+    without ``claims_pre_tokens``)."""
+    rng = random.Random(seed)
+    samples = classes.samples(rng)
+    usable = [c for c in range(classes.count) if samples[c]]
+    # Whitespace runs are drawn more often: patterns look ahead over them
+    # (``\s+(?!\S)``, ``\s*[\r\n]+``), so what follows a run of them decides its pairs.
+    spaces = set(classes.of("\r\n \t\u00a0\u3000").tolist())
+    weights = [WHITESPACE_WEIGHT if c in spaces else 1 for c in usable]
+    parts: list[str] = []
+    length = 0
+    while length < PROBE_CHARS:
+        c = rng.choices(usable, weights)[0]
+        run = "".join(rng.choice(samples[c]) for _ in range(rng.choice((1, 1, 1, 2, 3, 5))))
+        parts.append(run)
+        length += len(run)
+    text = "".join(parts)
+    encoding = encode(text)
+    splits = np.zeros(len(text) + 1, dtype=bool)
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    starts = offsets[:, 0]
+    if claims_pre_tokens:
+        words = np.asarray([-1 if w is None else w for w in encoding.word_ids], dtype=np.int64)
+        new_word = np.ones(len(words), dtype=bool)
+        new_word[1:] = (words[1:] != words[:-1]) | (words[1:] < 0)
+        first_of_start = np.ones(len(starts), dtype=bool)
+        first_of_start[1:] = starts[1:] != starts[:-1]
+        splits[starts[new_word & first_of_start]] = True
+    else:
+        splits[starts] = True
+    # A character that one token ends inside and the next begins inside (byte-level) is no split.
+    inside = offsets[1:, 0] < offsets[:-1, 1]
+    splits[starts[1:][inside]] = False
+    points = classes.of(text)
+    left, right = points[:-1].astype(np.int64), points[1:].astype(np.int64)
+    split_here = splits[1 : len(text)]
+    seen = np.zeros((classes.count, classes.count), dtype=np.int64)
+    np.add.at(seen, (left, right), 1)
+    refuted = np.zeros_like(seen)
+    np.add.at(refuted, (left[~split_here], right[~split_here]), 1)
+    return candidates & (seen >= MIN_SEEN) & (refuted == 0)

@@ -2,7 +2,7 @@
 
 ``owners.TokenizationOwners`` holds both sides of routing for one frontend
 and their lifecycle, and answers peers (the owner's side: one cache call,
-``keep``, per request). The asker's side is ``router.Router``: a
+``extend_after``, per request). The asker's side is ``router.Router``: a
 conversation this frontend keeps is extended here; any other is asked of
 the first owner in its order that ``liveness`` does not find dead or
 stopped, within one deadline per prompt, and it returns the ids or None:

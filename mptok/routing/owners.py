@@ -1,29 +1,18 @@
 """Tokenize each conversation in the frontend process whose cache holds it.
 
-With several frontends behind one port, the kernel hands each connection to
-any of them, so consecutive turns of a conversation land in different
-processes, each with its own ``PrefixTokenCache``, and a turn finds its
-conversation cached only one time in F. Every frontend therefore serves its
-cache to the others (``mptok.transport``) and sends each keyed prompt whose
-conversation it keeps no copy of to the conversation's owner: the first
-live frontend in the conversation's rendezvous order, which every process
-computes alike. The owner's answer is kept here where there is room, so
-the conversation's next turn to land here is extended here. While an owner is
-down, every process sends its conversations to the same next frontend in
-their order, whose cache then holds them; when the owner is back, they go
-back to it. A prompt that no owner tokenizes in time is tokenized where it
-arrived: routing changes where the work is done, never the ids.
-
-Routing is a layer above the cache. ``TokenizationOwners`` holds both
-sides of it for one frontend and their lifecycle: the asker's ``Router``
-(``mptok.routing.router``), which gives the ids or None ("tokenize it
-here"), and the owner's side, here. ``PeerService`` answers a peer's
-``PeerRequest`` (a whole prompt, or the characters after those its
-fingerprint covers) in one cache call (``keep``): all the prompt's ids and
-whether it is kept here, or None when no prompt kept here has that
-fingerprint (the peer then sends the whole text). ``PeerWorkers`` runs
-those answers on a few threads warmed before peers can call. The transport
-decodes the request and encodes the reply; nothing below calls back up.
+With several frontends behind one port, consecutive turns of a
+conversation land in different processes, each with its own
+``PrefixTokenCache``. Every frontend therefore serves its cache to the
+others (``mptok.transport``) and sends each keyed prompt whose conversation
+it keeps no copy of to the conversation's owner, the first live frontend in
+the conversation's rendezvous order (``mptok.routing.router``); a prompt
+that no owner tokenizes in time is tokenized where it arrived: routing
+changes where the work is done, never the ids. ``TokenizationOwners`` holds
+both sides for one frontend and their lifecycle. The owner's side is here:
+``PeerService`` answers a peer's ``PeerRequest`` in one cache call
+(``extend_after``), on ``PeerWorkers``, a few threads warmed before peers
+can call. The transport decodes the request and encodes the reply;
+nothing below calls back up.
 """
 
 from __future__ import annotations
@@ -110,33 +99,24 @@ class PeerService:
             after = Fingerprint.from_wire(request.since, request.shared_chars)
             if after is None:
                 return None
-        kept = self._cache.keep(self._tokenizer, request.text, request.key, after=after)
+        kept = self._cache.extend_after(self._tokenizer, request.text, request.key, after)
         return None if kept is None else PeerReply(kept.kept, kept.ids)
 
 
 class PeerWorkers:
     """The threads that answer peers: a fixed few, each warmed once before peers can call.
 
-    The transport reads each peer connection on a thread of its own, one per
-    connection (a peer's every tokenizing thread has one to each owner, made
-    again after an idle timeout). A fast engine builds per-thread state on a
-    thread's first tokenizations: fastokens spends tens of milliseconds of
-    CPU on a new thread's first prompt, so answering on the connection
-    threads paid that on nearly every connection's first call, and where
-    routing is rare, on most routed prompts. These threads stay, and so do
-    their caches; a connection's thread hands its first requests over and
-    waits for each reply. The hand-over costs two more thread wake-ups, and
-    each one a wait for this process's GIL, long when its main thread is
-    busy in Python; so a connection that has handed over
-    ``HANDED_OVER_FIRST`` requests is a busy one, and its thread warms
-    itself while a worker answers the last of them (the cost a worker paid
-    once, now paid once per busy connection) and answers the rest itself.
-
-    Threads of their own, not the frontend's: an answer never routes, so
-    owners waiting on each other's workers can never wait in a cycle.
-    ``answer`` waits ``wait_s`` at most for a worker's reply (past it, the
-    peer has given up too), then raises ``TimeoutError``, which the
-    transport answers as an error: the peer tokenizes the prompt itself.
+    A fast engine builds per-thread state on a thread's first tokenizations,
+    and the transport reads each peer connection on a thread of its own, so
+    a connection's thread hands its first requests to these threads, which
+    stay, and waits for each reply; one that has handed over
+    ``HANDED_OVER_FIRST`` is a busy one and warms itself to answer the rest
+    (docs/ROUTING.md, "Peers are answered on a few warm threads"). Threads
+    of their own, not the frontend's: an answer never routes, so owners
+    waiting on each other's workers can never wait in a cycle. ``answer``
+    waits ``wait_s`` at most for a worker's reply (past it, the peer has
+    given up too), then raises ``TimeoutError``, which the transport answers
+    as an error: the peer tokenizes the prompt itself.
     """
 
     def __init__(

@@ -1,17 +1,9 @@
 """The asker's side of routing: for one prompt, its ids from where they are kept, or a plain "tokenize it here".
 
-``Router.decide`` is this frontend's whole part of a routed prompt, in
-order: the conversation's order of frontends (``owner_order``); when
-another frontend owns it, what this frontend keeps (one cache call: a
-conversation kept here is extended here, whatever its owner's state);
-else the first owner worth calling (``mptok.routing.liveness``), the
-request (``HeldFingerprints``: a delta when a fingerprint is held), one
-call through the transport within the route's deadline (``RouteDeadline``),
-the fingerprint of what the owner kept, and the owner's answer kept here
-where there is room. It returns the ids, or None: tokenize here. The
-layers below it are called, never calling back: the liveness check that
-runs while the owner works runs here, between sending the request and
-reading the reply.
+``Router.decide`` is this frontend's whole part of a routed prompt
+(docs/ROUTING.md, "Request path"). The layers below it are called, never
+calling back: the liveness check that runs while the owner works runs
+here, between sending the request and reading the reply.
 """
 
 from __future__ import annotations
@@ -275,13 +267,12 @@ class Router:
             self._counters.add("owned_here")
             return None
         if self._keep_copies:
-            # Kept here: extended here, before any look at its owner. The
-            # owner keeps the conversation too, so a copy is kept only where
-            # that evicts nothing.
-            here = self._cache.keep(tokenizer, text, key, if_kept=True, room_only=True)
+            # Kept here: extended here, before any look at its owner (a
+            # lookup, no tokenizing or lock, where nothing of it is kept).
+            here = self._cache.extend_if_kept(tokenizer, text, key)
             if here is not None:
                 self._counters.add("kept_here")
-                return here.ids
+                return here
         started = time.perf_counter()
         route_deadline = self._limits.deadline(len(text), deadline)
         for frontend in order:
@@ -296,9 +287,7 @@ class Router:
             if isinstance(outcome, _Answered):
                 self._route_seconds.observe(time.perf_counter() - started)
                 # Where there is room, the conversation's next prompt to land here is extended here.
-                copied = self._keep_copies and self._cache.keep(
-                    tokenizer, text, key, ids=outcome.ids, chain=outcome.chain, room_only=True
-                ).kept
+                copied = self._keep_copies and self._cache.adopt(tokenizer, text, key, outcome.ids, outcome.chain)
                 self._counters.add_each(
                     "routed", *(("routed_since",) if outcome.delta else ()), *(("copies_kept",) if copied else ())
                 )
