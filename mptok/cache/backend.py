@@ -1,30 +1,16 @@
 """The tokenizers that the cache drives, derived once from the caller's tokenizer.
 
-The cache must return exactly what ``tokenizer(text, add_special_tokens=False)``
-returns, but it cannot call that: transformers' ``__call__`` rewrites the
-tokenizer's truncation and padding state on every call and fails with
-"Already borrowed" when threads share it. A transformers fast tokenizer is a
-thin layer over a Rust ``tokenizers.Tokenizer`` whose ``encode`` is
-thread-safe, so the cache drives a private copy of that Rust tokenizer.
-
-The copy differs from the original only where the ids cannot change: no
-truncation, no padding (the caller's business) and no post-processor (with
-``add_special_tokens=False`` it adds no ids; it only trims offsets, and the
-seam rules' check needs untrimmed ones).
-
-A second copy, the *continuation* tokenizer, tokenizes text that continues a
-prompt from its middle. Some layouts add something at the start of every
-segment (the text between two added tokens): the legacy SentencePiece
-``Prepend("▁")`` normalizer, Metaspace's prepend schemes, ByteLevel's
-``add_prefix_space``. A tail cut from the middle of a segment must not get
-that prefix, so the continuation tokenizer has them switched off, and only
-the tail's first segment is tokenized with it.
-
-Full tokenizations (misses, and the tails of splices at a segment start) go
-through ``mptok.engines.choice.Engines``: a fast engine where one is
-trusted for the tokenizer, else this copy. It checks sampled results and
-splices in the background (``TokenizerBackend.verify``); one difference
-switches off both the engine and the seam rules for that tokenizer.
+The cache cannot call ``tokenizer(text, add_special_tokens=False)``:
+transformers' ``__call__`` rewrites the tokenizer's truncation and padding
+state on every call and fails with "Already borrowed" when threads share
+it. The Rust ``tokenizers.Tokenizer`` under a fast tokenizer is
+thread-safe, so the cache drives a private copy of it, without truncation,
+padding or post-processor (with ``add_special_tokens=False`` it adds no
+ids; it only trims offsets, which the seam rules' check needs untrimmed).
+A second copy, the *continuation* tokenizer, has every segment-start prefix
+switched off, for a tail cut from the middle of a segment (docs/CACHE.md).
+Full tokenizations go through ``mptok.engines.choice.Engines``: a fast
+engine while it is trusted, else this copy.
 """
 
 from __future__ import annotations

@@ -70,15 +70,11 @@ class Routing(Encoder, Protocol):
     """Routing above a cache (``TokenizationOwners``): it encodes, by a
     caller's deadline if given, and counts what it did."""
 
-    def encode(
-        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
-    ) -> list[int]:
+    def encode(self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None) -> list[int]:
         """``Encoder.encode``, waiting on no other frontend past ``deadline``."""
         ...
 
-    def encode_array(
-        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
-    ) -> np.ndarray:
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None) -> np.ndarray:
         """``Encoder.encode_array``, waiting on no other frontend past ``deadline``."""
         ...
 

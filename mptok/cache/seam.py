@@ -80,9 +80,7 @@ class Backend(Protocol):
     def normalizes_apart(self, left: str, right: str) -> bool: ...
 
 
-def extend_prompt(
-    backend: Backend, cached: CachedPrompt, text: str, shared: int, *, max_attempts: int
-) -> CachedPrompt | None:
+def extend_prompt(backend: Backend, cached: CachedPrompt, text: str, shared: int, *, max_attempts: int) -> CachedPrompt | None:
     """``text`` tokenized by splicing onto ``cached``, or None if no seam is proven.
 
     ``shared`` is ``common_prefix_length(cached.text, text)``. The returned
@@ -98,9 +96,7 @@ def extend_prompt(
     return _extend(backend, cached, text, shared, max_attempts)
 
 
-def _extend(
-    backend: Backend, cached: CachedPrompt, text: str, shared: int, max_attempts: int
-) -> CachedPrompt | None:
+def _extend(backend: Backend, cached: CachedPrompt, text: str, shared: int, max_attempts: int) -> CachedPrompt | None:
     rules = backend.seam_rules
     kept = cached.ids.array()
     openers = backend.segment_openers
@@ -183,9 +179,7 @@ def _lowest_tail_proof(cached: CachedPrompt, text: str) -> int:
     return max(1, (len(cached.text) + len(text) // 4 + 1) // 2)
 
 
-def _index_by_kept_tail(
-    backend: Backend, kept: np.ndarray, kept_text: str, seam: int
-) -> tuple[int, bool] | None:
+def _index_by_kept_tail(backend: Backend, kept: np.ndarray, kept_text: str, seam: int) -> tuple[int, bool] | None:
     """Where the kept ids from ``seam`` begin, and whether a segment starts
     there, if the kept text from ``seam`` tokenizes to exactly the kept
     prompt's last ids (as a continuation of a segment, or as the start of

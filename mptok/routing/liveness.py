@@ -4,34 +4,15 @@ A call to an owner that is dead, stopped or stuck costs a timeout, seconds,
 while tokenizing locally costs milliseconds. So each owner publishes who it
 is (``{pid, start_ticks, create_time, address}``) in the ipc dir once it
 listens, and before each call a peer checks that process with psutil: an
-owner that is gone, a zombie, stopped (SIGSTOP, a debugger), or whose pid
-now names another process is skipped at once.
-
-Which process a pid names is decided by its start time, and not by
-psutil's ``create_time()``: that one is derived from the wall clock (boot
-time = now - uptime), so a clock step (NTP, a VM resumed) shifts it for
-every process, and every live owner would look like a reused pid. On Linux
-the start time is ``/proc/<pid>/stat``'s field 22, clock ticks since boot,
-which no clock step moves; elsewhere ``create_time()`` is the fallback, and
-since a step can still fool it there, no verdict is final: a skipped owner
-is re-verified like a live one.
-
-psutil cannot see an owner that is alive but stuck (holding the GIL in a long
-native call, say): only a timeout can. An owner that timed out is therefore
-skipped for a back-off period, so a stuck owner costs one timeout, not one
-per call.
-
-The published record is cached: a check costs one ``stat`` of the record and
-one psutil status read, about 30 us idle and a few hundred under load (each
-syscall gives up and retakes the GIL). The record is re-read when the file
-changes (a restarted owner replaces it) or after a failed call, and the
-owner's identity (pid plus start time) is re-verified every
-``revalidate_s``, whatever the last verdict was.
-
-``recently_live`` lets a caller take that check off its critical path: it
-names an owner that a full check found live less than ``revalidate_s`` ago,
-without a syscall, and the caller runs the full check while the owner is
-already working on its request (``mptok.routing``).
+owner that is gone, a zombie, stopped, or whose pid now names another
+process is skipped at once. Which process a pid names is decided by its
+start in clock ticks since boot, which no clock step moves (elsewhere than
+Linux by ``create_time()``, so no verdict is final: each is re-verified
+after ``revalidate_s``). An owner alive but stuck is seen only by a
+timeout, after which it is backed off. The record is cached (a check costs
+a ``stat`` and a status read); ``recently_live`` names an owner found live
+within ``revalidate_s`` without a syscall, so that a caller can run the
+check while the owner works. docs/ROUTING.md has the whole account.
 """
 
 from __future__ import annotations

@@ -42,13 +42,7 @@ from mptok.routing.policy import KEPT, NEVER, PATIENCE_FACTOR, POLICIES, ROUTE_T
 from mptok.routing.router import RouteLimits, Router
 from mptok.transport import OwnerAlreadyServing, ServerLimits, is_served, serve_encode, socket_path
 
-__all__ = [
-    "OwnerAlreadyServing",
-    "ServerLimits",
-    "TokenizationOwners",
-    "lower_switch_interval",
-    "seat_taken",
-]
+__all__ = ["OwnerAlreadyServing", "ServerLimits", "TokenizationOwners", "lower_switch_interval", "seat_taken"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,32 +198,26 @@ class TokenizationOwners:
 
     ``encode(tokenizer, text, key)`` is the routed ``cache.encode`` (and
     ``encode_array`` the routed ``cache.encode_array``): the same ids,
-    tokenized here when this frontend keeps the conversation (or owns
-    it), else by the conversation's owner, another live frontend, whose
-    answer this frontend keeps where there is room. It never fails
-    because an owner did: a call that fails or runs past its deadline
-    (``timeout_s``, and for a delta call this frontend's patience,
-    ``RouteDeadline``) is given up and the prompt tokenized here;
-    an owner that timed out is skipped for ``backoff_s``. docs/ROUTING.md
-    has the whole protocol: liveness checks, deadlines, the GIL, close.
+    tokenized here when this frontend keeps the conversation (or owns it),
+    else by the conversation's owner, another live frontend, whose answer this
+    frontend keeps where there is room. It never fails because an owner did:
+    a call that fails or runs past its deadline (``timeout_s``, and for a
+    delta call this frontend's patience, ``RouteDeadline``) is given up and
+    the prompt tokenized here; an owner that timed out is skipped for
+    ``backoff_s``. docs/ROUTING.md has the whole protocol.
 
-    Starting builds the tokenizer's backend (1.5 s to 3 s for a large
-    vocabulary) and, with peers to ask, learns what a character costs here
-    at worst, for its patience (``mptok.routing.calibration``), then binds
-    ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
+    Starting builds the tokenizer's backend and, with peers to ask, learns
+    what a character costs here at worst (``mptok.routing.calibration``),
+    then binds ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
     ``OwnerAlreadyServing`` while a live process serves this frontend id,
     ``PermissionError`` for an ipc dir other users can enter) and publishes
     this process as the owner. ``close()`` (or leaving the ``with`` block)
     undoes it all within one time budget; it is idempotent. A process that
     serves peers should call ``lower_switch_interval()`` once at start.
-    ``routing`` is the policy (``mptok.routing.policy``): "kept" (the
-    default, or ``MPTOK_ROUTING``) extends here what this frontend keeps and
-    routes the rest, "always" routes every prompt another frontend owns,
-    "never" none. ``warm_thread`` (None for a
-    tokenizer the cache does not serve) runs the cache's fast engines once
-    on real text on the calling thread (``Engines.warm_this_thread``):
-    what a pool of the frontend's own threads can run on each before it
-    serves (``mptok.core.warm_threads``).
+    ``routing`` is the policy (``mptok.routing.policy``). ``warm_thread``
+    (None for a tokenizer the cache does not serve) runs the cache's fast
+    engines once on real text on the calling thread, what a pool of the
+    frontend's own threads can run on each before it serves.
     """
 
     def __init__(
@@ -298,9 +286,7 @@ class TokenizationOwners:
     def frontend_id(self) -> int:
         return self._frontend_id
 
-    def encode(
-        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
-    ) -> list[int]:
+    def encode(self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None) -> list[int]:
         """Exactly ``cache.encode(tokenizer, text, key)``'s ids, from the
         conversation's owner or from ``cache``: never fails because an owner
         did (see the class). No owner is waited on past ``deadline`` (the
@@ -309,47 +295,23 @@ class TokenizationOwners:
         ``cache.encode`` raises for bad input."""
         return self.encode_array(tokenizer, text, key, deadline).tolist()
 
-    def encode_array(
-        self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None
-    ) -> np.ndarray:
+    def encode_array(self, tokenizer: Any, text: str, key: str | None = None, deadline: Deadline | None = None) -> np.ndarray:
         """``encode``'s ids as a 1-D int32 numpy array (``cache.encode_array``),
         for a caller that writes JSON or sends them on: no list is made."""
         ids = self._router.decide(tokenizer, text, key, deadline)
         return ids if ids is not None else self._cache.encode_array(tokenizer, text, key)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start, for /metrics.
-
-        routed: prompts a peer tokenized. copies_kept: routed prompts whose
-        ids this frontend also kept as its own copy (the kept policy, where
-        that evicted nothing). kept_here: prompts another frontend owns,
-        extended here because this frontend keeps a copy of their
-        conversation (the kept policy). owned_here: prompts whose owner is
-        this frontend. taken_over_here: prompts tokenized here because every
-        frontend before this one in their order was skipped.
-        route_failures: calls that failed (each also counts as
-        fallback_timeout, fallback_patience or fallback_error; a call that
-        failed to reach an owner the check then found gone counts as that
-        skip instead). fallback_<reason>: owners skipped or failed, by reason.
-        served, serve_errors,
-        active_connections, accepted, refused, handshake_failures,
-        refused_requests: this frontend as an owner. held_entries,
-        held_bytes, held_max_bytes: the fingerprints of routed prompts held here.
-        policy_<name>: 1 for the routing policy in force (``self.policy``), else 0.
-        """
+        """Counters since start, for /metrics (``mptok.front.catalogue`` says what
+        each means): the router's, the owner's (``served``, ``serve_errors``, the
+        connections) and ``policy_<name>``, 1 for the policy in force."""
         policy = {f"policy_{name}": int(name == self.policy) for name in POLICIES}
         return {**self._router.stats(), **self._manager.stats(), **policy}
 
     def timings(self) -> dict[str, dict[str, Any]]:
-        """Histogram snapshots since start, for /metrics.
-
-        route_seconds: for each prompt a peer tokenized, from choosing its
-        owner to holding its ids here (liveness check, transport, the
-        owner's work); failed calls are not counted. serve_seconds: the
-        owner's own work (its waits for a peer worker and for its GIL
-        included, the transport not)
-        for each call this frontend answered with ids or with None.
-        """
+        """Histogram snapshots since start, for /metrics (``mptok.front.catalogue``):
+        ``route_seconds``, the routed prompts' (failed calls not counted), and
+        ``serve_seconds``, the owner's own work per call it answered."""
         return {"route_seconds": self._router.route_seconds(), **self._manager.timings()}
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -373,10 +335,5 @@ class TokenizationOwners:
     def __enter__(self) -> TokenizationOwners:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()

@@ -125,14 +125,8 @@ HELD_OVERHEAD_BYTES = 256
 class HeldFingerprints:
     """A fingerprint of the last prompt this frontend routed per (owner,
     conversation): about 440 bytes with a 36-character key, whatever the
-    conversation's length, not its text or ids. LRU, bounded by entries and
-    by bytes (``CacheConfig.max_held_bytes``). Thread-safe.
-
-    ``request`` makes the next turn's ``PeerRequest``, a delta when the text
-    still starts with what the fingerprint covers; ``remember`` holds the
-    fingerprint of what the owner kept. An owner answers a delta it cannot
-    match with None, and the asker then sends the whole text.
-    """
+    conversation's length. LRU, bounded by entries and by bytes
+    (``CacheConfig.max_held_bytes``). Thread-safe."""
 
     def __init__(self, max_entries: int = 16384, max_bytes: int = DEFAULT_MAX_HELD_BYTES):
         self._max_entries = max_entries
@@ -218,16 +212,12 @@ class _Answered:
 class Router:
     """Decides, for each keyed prompt, where it is tokenized: here, or by its owner, which it asks.
 
-    ``routing`` False decides "here" for every prompt (the ``never``
-    policy). ``keep_copies`` (the ``kept`` policy) extends here every
-    conversation this frontend keeps and keeps owners' answers where there
-    is room; without it (``always``) every prompt another frontend owns
-    goes to it. ``decide`` never raises because an owner failed: a call
-    that fails or runs past its deadline (``limits``: the timeout, and for
-    a delta call the patience) is given up and the decision is to tokenize
+    ``routing`` False decides "here" for every prompt (the ``never`` policy);
+    ``keep_copies`` is the ``kept`` policy (``mptok.routing.policy``).
+    ``decide`` never raises because an owner failed: a call that fails or runs
+    past its deadline (``limits``) is given up and the decision is to tokenize
     here; an owner that timed out is skipped for ``limits.backoff_s``. It
     raises what the cache raises for bad input.
-    ``close(deadline)`` stops routing and closes every connection.
     """
 
     def __init__(
@@ -248,9 +238,7 @@ class Router:
         self._counters = Counters(ROUTE_COUNTERS)
         self._route_seconds = Histogram()
 
-    def decide(
-        self, tokenizer: Any, text: str, key: str | None, deadline: Deadline | None = None
-    ) -> np.ndarray | None:
+    def decide(self, tokenizer: Any, text: str, key: str | None, deadline: Deadline | None = None) -> np.ndarray | None:
         """The ids of ``text`` from where its conversation is kept, or None:
         tokenize it here. No owner is waited on past ``deadline`` (the
         caller's, if any) nor past this frontend's own limits; once it has

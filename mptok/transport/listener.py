@@ -1,15 +1,9 @@
 """The owner's listener: its Unix socket file, the accept loop, and the cap on connections.
 
-An owner accepts its peers' connections on a Unix socket and serves each on
-a thread of the frontend. This module holds everything about that socket
-and those threads, and nothing about the manager protocol spoken on them.
-Its public surface is ``Listener``, bounded by ``ServerLimits``;
-``mptok.transport.owner`` plugs the manager server into it.
-
-``Listener`` replaces ``Server.serve_forever`` and its accept loop, which
-reset sys.stdout, call ``sys.exit()``, spin at 100% CPU once the listener
-is shut down, listen with a backlog of 16, and start one thread per
-connection without limit.
+Everything about the socket and the threads that serve its connections,
+and nothing about the manager protocol spoken on them
+(``mptok.transport.owner`` plugs it in). ``Listener`` replaces
+``Server.serve_forever`` and its accept loop (docs/ROUTING.md, "The manager").
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The owner's side: serve this frontend's cache to its peers from this process's threads.
 
-``serve_encode`` starts a ``TokenizeManager`` (a ``BaseManager`` subclass)
-that binds the owner's Unix socket and answers the peers' ``encode`` calls
-on threads of the serving frontend. It joins two parts:
-
-* the manager, from ``mptok.transport.mp_private``: the registry, a
-  registry per owner (``for_owner()``), and the server that authenticates a
-  peer within a bound, then dispatches only the exposed ``encode``
-  (``Server.serve_client``; none of the ``#GETVALUE``, ``__repr__``
-  fallbacks, no ``create``, ``shutdown`` or ``debug_info``);
-* the ``Listener``, from ``mptok.transport.listener``: the socket file, the
-  accept loop, the connection cap and the time limits.
-
-The object served is ``_EncodeService``: ``encode`` and nothing else.
+``serve_encode`` starts a ``TokenizeManager``, which joins the manager of
+``mptok.transport.mp_private`` (a registry per owner, and a server that
+authenticates a peer within a bound, then dispatches only ``encode``) to the
+``Listener`` of ``mptok.transport.listener`` (the socket file, the accept
+loop, the connection cap and the time limits). The object served is
+``_EncodeService``: ``encode`` and nothing else.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The peer's side: call an owner's ``encode`` through an authenticated proxy.
 
-``EncodeProxy`` replaces ``BaseProxy``, which makes three handshakes per
-proxy (create, incref, decref), has finalizers that hang against a stopped
-owner, and shares one connection per thread among every proxy: here each
-thread keeps one persistent connection per owner, nothing is reference
-counted, every step is bounded by the call's ``Deadline``, and a connection
-that timed out is dropped.
-
-A call is two steps the caller drives: ``send`` a ``PeerRequest`` (which
-connects first if this thread has no connection), then read the
-``PeerReply`` from the ``SentRequest`` it returns. Between them the caller
-may do its own work while the owner does its own (routing checks the
-owner's liveness there); nothing here calls back up.
+``EncodeProxy`` replaces ``BaseProxy`` (docs/ROUTING.md, "The manager"):
+one persistent connection per thread per owner, nothing reference counted,
+every step bounded by the call's ``Deadline``. A call is two steps the
+caller drives, ``send`` and then ``SentRequest.reply``; between them the
+caller may do its own work while the owner does its own (routing checks
+the owner's liveness there); nothing here calls back up.
 """
 
 from __future__ import annotations
@@ -299,9 +293,7 @@ class SentRequest:
     def __enter__(self) -> SentRequest:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._link is not None and not self._answered:
             self._link.close()  # the reply, if it comes, is never read
         self._release()

@@ -1,21 +1,12 @@
 """The wire both ends of a routed call speak: where, how framed, within what time.
 
-An owner (``mptok.transport.owner``) and its peers
-(``mptok.transport.proxy``) speak the ``multiprocessing.managers`` protocol
-over a Unix socket in the ipc directory. This module holds what both ends
-share: the socket's path, the errors a call can end in, the bounds both
-ends keep (``ServerLimits``: what a peer may cost an owner), and
-``TimedConnection``, which speaks the framing of
-``multiprocessing.connection.Connection`` (enough of its surface for the
-stdlib's authkey handshake and ``Server.serve_client``) with a deadline on
-every message, a cap on its size, and an unpickler that refuses globals, so
-a request cannot run code in the owner (nor a reply in the peer);
-``PeerConnection`` is the owner's end, with its handshake, idle and
-message timeouts.
-
-What crosses is ``mptok.core.protocol``'s two records, which encode and
-decode themselves; this module moves their bytes and nothing else. Every
-message ends by the ``mptok.core.deadline.Deadline`` its call was given.
+An owner (``mptok.transport.owner``) and its peers (``mptok.transport.proxy``)
+speak the ``multiprocessing.managers`` protocol over a Unix socket in the ipc
+directory. This module holds what both ends share: the socket's path, the
+errors a call can end in, ``ServerLimits`` (what a peer may cost an owner),
+and ``TimedConnection`` (the owner's end: ``PeerConnection``), which moves
+the bytes of ``mptok.core.protocol``'s two records and nothing else, every
+message by the ``mptok.core.deadline.Deadline`` its call was given.
 """
 
 from __future__ import annotations
@@ -87,25 +78,17 @@ class MessageTooLarge(OSError):
 
 
 class _NoGlobalsUnpickler(pickle.Unpickler):
-    """Unpickles plain data only; a reference to any class or function is refused.
-
-    Requests and replies are tuples of str, bytes, None and dicts, which need
-    no globals. Refusing them is what keeps an authenticated peer from running
-    code by sending a pickle that calls something on load.
-    """
+    """Unpickles plain data only: requests and replies need no globals, and
+    refusing them keeps an authenticated peer from running code on load."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"refused to load global {module}.{name}")
 
 
 class _MessageReader:
-    """A message's bytes, where they arrived, as the file the unpickler reads.
-
-    ``read`` hands the unpickler views of them, never copies (it reads
-    through any buffer), and ``readinto`` fills a large bytes object (a
-    reply's ids) from them: each object unpickled is copied once, from the
-    message into itself.
-    """
+    """A message's bytes, where they arrived, as the file the unpickler reads:
+    views, never copies, so each object unpickled is copied once, from the
+    message into itself (``readinto`` fills a large bytes object, a reply's ids)."""
 
     def __init__(self, view: memoryview):
         self._view = view
@@ -130,13 +113,9 @@ class _MessageReader:
 
 
 class _MessagePieces:
-    """A message as the pickler writes it: the pieces, none copied.
-
-    Pickling to a file, the pickler hands a buffer of 64 KiB or more (a
-    reply's ids, the ``PickleBuffer`` of ``PeerReply.to_wire``) to ``write``
-    as it is, instead of copying it into its own growing buffer; the bytes
-    are those ``pickle.dumps`` makes, so any ``Connection`` reads them.
-    """
+    """A message as the pickler writes it, the pieces not copied: a buffer of 64
+    KiB or more (a reply's ids, ``PeerReply.to_wire``'s ``PickleBuffer``)
+    comes to ``write`` as it is; the bytes are those ``pickle.dumps`` makes."""
 
     def __init__(self) -> None:
         self.pieces: list[memoryview] = []
@@ -154,36 +133,24 @@ class TimedConnection:
 
     It frames messages as ``Connection`` does (a "!i" length, or -1 and a
     "!Q" length) and has the part of its surface that the stdlib's
-    handshake and ``Server.serve_client`` use: ``send``/``recv`` (pickles),
-    ``send_bytes``/``recv_bytes``, ``close``. ``recv`` refuses messages
+    handshake and ``Server.serve_client`` use. ``recv`` refuses messages
     longer than ``max_message_bytes`` (``MessageTooLarge``), length headers
-    that no sender writes (``OSError``: a negative length would otherwise
-    be read as a message of bytes taken from the next one), and pickles
-    that reference globals (``pickle.UnpicklingError``). After a refused
-    frame the stream is useless and the connection is shut down. No buffer
-    larger than ``_FIRST_READ_BYTES`` is allocated on the word of a header
-    alone.
+    that no sender writes (``OSError``), and pickles that reference globals
+    (``pickle.UnpicklingError``: a request cannot run code in the owner, nor
+    a reply in the peer); after a refused frame the connection is shut
+    down. No buffer larger than ``_FIRST_READ_BYTES`` is allocated on the
+    word of a header alone.
 
-    ``deadline`` (a ``Deadline``; ``Deadline.never()``: no limit) bounds
-    every read and write: each message checks the time left, and the
-    kernel's SO_RCVTIMEO/SO_SNDTIMEO are set to it once per deadline (again
-    only for a message still in flight ``_REARM_AFTER_S`` later), so a call
-    costs one ``setsockopt`` per direction, however its messages are split,
-    and a peer that trickles a message still cannot hold it past the
-    deadline. Kernel timeouts rather than ``settimeout()``: a socket with a
-    Python timeout polls before every read and write.
-
-    Every socket call releases the GIL, and in a process whose main thread
-    runs Python it may take a switch interval or far longer to get it back
-    (see ``mptok.routing``), so a message costs as few calls as possible:
-    one ``sendmsg`` out, with send and receive buffers large enough to hold
-    it whole, and usually one ``recv_into`` in, into a buffer kept from
-    message to message (grown to twice the largest message, up to
-    ``_MAX_INBOX_BYTES``) that takes the length header and the body
-    together; whatever is missing then comes in one ``MSG_WAITALL`` read.
-    A large buffer in a message sent (a reply's ids) goes out from where it
-    is (``_MessagePieces``), and one received is copied once, into its
-    object (``_MessageReader``).
+    ``deadline`` (``Deadline.never()``: no limit) bounds every read and
+    write: the kernel's SO_RCVTIMEO/SO_SNDTIMEO are set to it once per
+    deadline (again only for a message still in flight ``_REARM_AFTER_S``
+    later), not ``settimeout()``, which polls before every call. Every
+    socket call releases the GIL, which a busy process may take long to give
+    back (docs/ROUTING.md, "The GIL"), so a message costs as few calls as
+    possible: one ``sendmsg`` out, a large buffer in it (a reply's ids) sent
+    from where it is (``_MessagePieces``), and usually one ``recv_into`` in,
+    into a buffer kept from message to message, a large object copied once,
+    into itself (``_MessageReader``).
     """
 
     def __init__(self, sock: socket.socket, max_message_bytes: int):
