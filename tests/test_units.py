@@ -24,8 +24,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from mptok.cache.prefix_index import BLOCK_CHARS as INDEX_BLOCK_CHARS
-from mptok.cache.prefix_index import SAMPLE_CHARS, PrefixIndex
+from mptok.cache.prefix_cache import INDEX_BLOCK_CHARS, PrefixIndex
+from mptok.cache.prefix_cache import INDEX_SAMPLE_CHARS as SAMPLE_CHARS
 from mptok.core.deadline import Deadline
 from mptok.core.file_locks import lock_by, try_lock
 from mptok.core.protocol import BLOCK_CHARS, DIGEST_BYTES, SLACK_CHARS, Fingerprint, PeerReply, PeerRequest, extend_chain

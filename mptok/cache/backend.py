@@ -70,11 +70,9 @@ def default_choice() -> str:
 
 def backend_for(tokenizer: Any, choice: str) -> TokenizerBackend:
     """The process-wide ``TokenizerBackend`` of ``tokenizer`` and ``choice``
-    (one of ``CHOICES``), built on first use.
-
-    Holds ``tokenizer`` (so its id cannot be reused) until ``MAX_BACKENDS``
-    newer ones have been built. Raises ``SlowTokenizerError``.
-    """
+    (one of ``CHOICES``), built on first use; it holds ``tokenizer`` (so its
+    id cannot be reused) until ``MAX_BACKENDS`` newer ones have been built.
+    Raises ``SlowTokenizerError``."""
     if choice not in CHOICES:
         raise ValueError(f"tokenizer backend {choice!r} is not one of {', '.join(CHOICES)}")
     slot = (id(tokenizer), choice)
@@ -138,12 +136,10 @@ def backend_stats() -> dict[str, float]:
 
 
 class TokenizerBackend:
-    """Full and continuation encodings of one caller's tokenizer.
-
-    Thread-safe: it only calls the Rust tokenizer's and the fast engines'
-    encode. Text the Rust tokenizer rejects raises ``TokenizerRefused``.
-    ``choice`` and ``engine`` choose the engines (``engines``).
-    """
+    """Full and continuation encodings of one caller's tokenizer; thread-safe
+    (it only calls the Rust tokenizer's and the fast engines' encode). Text the
+    Rust tokenizer rejects raises ``TokenizerRefused``. ``choice`` and
+    ``engine`` choose the engines."""
 
     _serials = itertools.count()
 
@@ -249,10 +245,8 @@ class TokenizerBackend:
         return self._continuation_ids(text) or []
 
     def encode(self, text: str) -> Encoding:
-        """Full tokenization of ``text`` (what the caller's tokenizer returns).
-
-        Raises ``TokenizerRefused`` for text the Rust tokenizer rejects.
-        """
+        """Full tokenization of ``text`` (what the caller's tokenizer returns);
+        ``TokenizerRefused`` for text the Rust tokenizer rejects."""
         return _encode(self._full, text)
 
     def encode_tail(self, text: str, at_segment_start: bool) -> Any:
@@ -298,12 +292,10 @@ class TokenizerBackend:
         return cont_ids[:first_added] + full.ids[match:]
 
     def normalizes_apart(self, left: str, right: str) -> bool:
-        """Whether normalizing ``left + right`` equals normalizing each apart.
-
-        ``right`` is normalized as a continuation. A normalizer that combines
-        characters across the boundary (NFC composing a mark with its base,
-        a multi-character Replace) makes this false.
-        """
+        """Whether normalizing ``left + right`` equals normalizing each apart
+        (``right`` as a continuation): false for a normalizer that combines
+        characters across the boundary (NFC composing a mark with its base, a
+        multi-character Replace)."""
         if self._full_normalizer is None:
             return True
         whole = self._full_normalizer.normalize_str(left + right)

@@ -81,14 +81,10 @@ class CacheConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int | str) -> CacheConfig:
-        """Defaults, then ``MPTOK_CACHE_<FIELD>`` variables, then ``overrides``.
-
-        ``MPTOK_CACHE_MAX_ENTRIES=64`` sets ``max_entries``;
-        ``MPTOK_CACHE_MAX_BYTES=1G`` sets ``max_bytes`` (sizes take K, M, G
-        suffixes). A variable whose value cannot be its setting raises
-        ``ValueError`` with one line naming the variable and the value, what
-        an operator reads (``mptok serve`` refuses to start with it).
-        """
+        """Defaults, then ``MPTOK_CACHE_<FIELD>`` variables (``MPTOK_CACHE_MAX_BYTES=1G``;
+        sizes take K, M, G suffixes), then ``overrides``. A variable whose value
+        cannot be its setting raises ``ValueError`` with one line naming the
+        variable and the value (``mptok serve`` refuses to start with it)."""
         environ = os.environ if environ is None else environ
         values: dict[str, int | str] = {}
         for field in dataclasses.fields(cls):

@@ -66,12 +66,10 @@ _ADVISORY_SWITCH = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
 
 
 def _import_transformers_quietly() -> None:
-    """Import transformers without its "PyTorch was not found" advice.
-
-    transformers logs it at import time; mptok uses only its tokenizers, which
-    need no PyTorch, so the line would only alarm a library user on every
-    start. The switch is set for the import alone, unless the user set it.
-    """
+    """Import transformers without its "PyTorch was not found" advice, logged at
+    import time: mptok needs no PyTorch, so the line would only alarm a library
+    user on every start. The switch is set for the import alone, unless the
+    user set it."""
     if "transformers" in sys.modules or _ADVISORY_SWITCH in os.environ:
         return
     os.environ[_ADVISORY_SWITCH] = "1"

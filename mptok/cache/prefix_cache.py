@@ -21,7 +21,7 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,6 @@ import numpy as np
 
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for, backend_stats
 from mptok.cache.config import MAX_KEY_BYTES, CacheConfig, check_key
-from mptok.cache.prefix_index import PrefixIndex
 from mptok.cache.protocols import Kept
 from mptok.cache.seam import CachedPrompt, extend_prompt
 from mptok.core.counting import Counters
@@ -79,6 +78,79 @@ def entry_bytes(holder: Hashable, prompt: CachedPrompt, chain: bytes) -> int:
 # prompt of a conversation, (backend serial, None, n) for a keyless prompt,
 # which is filed by content instead.
 _Extension = tuple[Hashable, "_Entry | None", int]
+
+
+INDEX_BLOCK_CHARS = 4096
+
+# Characters of each block that go into its fingerprint. The chain is only a
+# filter (startswith confirms), so sampling the end of each block keeps the
+# cost per block constant instead of hashing the whole text every request.
+INDEX_SAMPLE_CHARS = 64
+
+
+def _fingerprints(text: str, blocks: int) -> Iterator[int]:
+    """Fingerprints of ``text``'s first 0, 1, ..., ``blocks`` full blocks."""
+    chain = hash(("mptok", 0))
+    yield chain
+    for block in range(1, blocks + 1):
+        end = block * INDEX_BLOCK_CHARS
+        chain = hash((chain, text[end - INDEX_SAMPLE_CHARS : end]))
+        yield chain
+
+
+class PrefixIndex:
+    """Finds the longest kept prompt that a keyless prompt starts with, without a scan.
+
+    Comparing against every kept prompt would cost O(entries x length) per
+    request, so each prompt is filed under a fingerprint of its first ``n``
+    blocks of ``INDEX_BLOCK_CHARS`` characters, chained block by block. A
+    lookup computes the same chain over the new prompt and visits one bucket
+    per block boundary, deepest first; every candidate is confirmed with
+    ``str.startswith``, so a fingerprint collision costs a compare, never a
+    wrong answer. Not thread-safe: the store calls it under its own lock.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[int, int], dict[Hashable, str]] = {}
+        self._filed: dict[Hashable, tuple[int, int]] = {}
+
+    def add(self, holder: Hashable, text: str) -> None:
+        """File ``text`` for ``holder``, replacing what ``holder`` had filed."""
+        self.discard(holder)
+        blocks = len(text) // INDEX_BLOCK_CHARS
+        *_, fingerprint = _fingerprints(text, blocks)
+        bucket_key = (blocks, fingerprint)
+        self._buckets.setdefault(bucket_key, {})[holder] = text
+        self._filed[holder] = bucket_key
+
+    def discard(self, holder: Hashable) -> None:
+        bucket_key = self._filed.pop(holder, None)
+        if bucket_key is None:
+            return
+        bucket = self._buckets[bucket_key]
+        del bucket[holder]
+        if not bucket:
+            del self._buckets[bucket_key]
+
+    def longest_prefix_of(self, text: str) -> Hashable | None:
+        """The holder of the longest filed text that ``text`` starts with."""
+        blocks = len(text) // INDEX_BLOCK_CHARS
+        chain = list(_fingerprints(text, blocks))
+        for depth in range(blocks, -1, -1):
+            bucket = self._buckets.get((depth, chain[depth]))
+            if not bucket:
+                continue
+            best = max(
+                (h for h, filed in bucket.items() if text.startswith(filed)),
+                key=lambda h: len(bucket[h]),
+                default=None,
+            )
+            if best is not None:
+                return best
+        return None
+
+    def __len__(self) -> int:
+        return len(self._filed)
 
 
 class KeptPrompts:
@@ -231,9 +303,8 @@ class PrefixTokenCache:
     transformers fast tokenizer or to ``tokenizer.encode(text,
     add_special_tokens=False).ids`` for a ``tokenizers.Tokenizer``;
     ``encode_array`` the same ids as a read-only int32 numpy array, without
-    building a list (for a caller that writes JSON or sends ids on).
-    ``extend_if_kept``, ``extend_after`` and ``adopt`` are what routing asks
-    of a cache beyond them (``mptok.cache.protocols.TokenCache``).
+    building a list. ``extend_if_kept``, ``extend_after`` and ``adopt`` are
+    what routing asks of a cache beyond them.
     """
 
     def __init__(self, config: CacheConfig | None = None):
@@ -281,13 +352,11 @@ class PrefixTokenCache:
         return _kept(self._entry_or_ids(tokenizer, text, key, room_only=True) if text else []).ids
 
     def extend_after(self, tokenizer: Any, text: str, key: str, after: Fingerprint | None = None) -> Kept | None:
-        """Conversation ``key``'s prompt, tokenized here and kept as its
-        latest: all its ids, and whether it is kept. The prompt is ``text``
-        after the first ``after.chars`` characters of the kept prompt of
-        ``key`` whose fingerprint chain has ``after`` (``mptok.core.protocol``),
-        or ``text`` itself without ``after``. None when no kept prompt has
-        ``after`` (a wrong or stale fingerprint, an evicted conversation, a
-        tokenizer the cache cannot serve). Raises what ``encode`` raises."""
+        """Conversation ``key``'s prompt, tokenized here and kept as its latest: all
+        its ids, and whether it is kept. The prompt is ``text`` after the first
+        ``after.chars`` characters of the kept prompt of ``key`` whose fingerprint
+        chain has ``after`` (``mptok.core.protocol``), or ``text`` itself without
+        ``after``; None when no kept prompt has ``after``. Raises what ``encode`` raises."""
         _check_input(text, key, keyed=True)
         extending = None
         if after is not None:
@@ -300,10 +369,9 @@ class PrefixTokenCache:
 
     def adopt(self, tokenizer: Any, text: str, key: str, ids: np.ndarray, chain: bytes = b"") -> bool:
         """Keep ``ids``, the exact ids of ``text`` from elsewhere (its owner's
-        answer), as conversation ``key``'s copy here, without tokenizing, and
-        only where that evicts nothing; ``chain`` holds digests of ``text``'s
-        first blocks computed already (continued, not hashed again). Returns
-        whether it is kept. Raises what ``encode`` raises for bad input."""
+        answer), as conversation ``key``'s copy here where that evicts nothing,
+        without tokenizing; ``chain``: digests of ``text``'s first blocks computed
+        already. Returns whether it is kept. Raises what ``encode`` raises."""
         _check_input(text, key, keyed=True)
         backend = self._backend_or_none(tokenizer)
         if backend is None or not self._keeps(text):
@@ -312,15 +380,11 @@ class PrefixTokenCache:
         return self._kept.keep(holder, _new_entry(holder, CachedPrompt(text, IdPieces.of(ids)), key, chain), room_only=True)
 
     def stats(self) -> dict[str, float]:
-        """Counters since creation, and the current size of the cache.
-
-        ``cached_bytes`` is everything the kept conversations hold, never
-        more than ``max_bytes``. ``allocation_failures`` counts
-        ``MemoryError``s while caching (each emptied the cache).
-        ``tokens_reused`` counts the ids answered from kept prompts,
-        ``tokens_tokenized`` those the backend tokenized: their ratio is what
-        the cache saved. ``backend_*``: ``mptok.cache.backend.backend_stats``.
-        """
+        """Counters since creation, and the current size of the cache: ``cached_bytes``
+        (never more than ``max_bytes``), ``allocation_failures`` (``MemoryError``s
+        while caching, each emptied the cache), ``tokens_reused`` (ids answered
+        from kept prompts) against ``tokens_tokenized``; ``backend_*``:
+        ``mptok.cache.backend.backend_stats``."""
         return dict(
             self._counters.snapshot(),
             **backend_stats(),

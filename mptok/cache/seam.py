@@ -383,13 +383,7 @@ class SeamRules:
             count = min(len(ids), 2 * count)
 
     def _without_prefixes(
-        self,
-        tail: np.ndarray,
-        lengths: np.ndarray,
-        walked: str,
-        char_units: np.ndarray,
-        total: int,
-        covers_start: bool,
+        self, tail: np.ndarray, lengths: np.ndarray, walked: str, char_units: np.ndarray, total: int, covers_start: bool,
         at_text_start: bool,
     ) -> np.ndarray | None:
         """``lengths`` with a segment prefix taken out of each segment's first
@@ -611,21 +605,19 @@ class SegmentOpeners:
     """The added tokens that open a segment, how far past its start each
     reaches, and a search for them in text.
 
-    Added tokens are split out first, so where one is matched at ``s`` in a
-    kept prompt and in a new one sharing its first characters, the new
-    prompt's ids from ``s`` on are those of ``text[s:]`` tokenized whole.
-    They are found left to right, each match the longest at its position,
-    raw (``normalized=False``) tokens in a first pass and normalized ones in
-    the gaps it leaves; so the prompts can decide differently up to ``s``
-    only through a match that the new text completes past the shared
-    prefix: one holding the opener's text, or (for a normalized opener) a
-    raw token that starts inside it and begins with the rest of it. An
-    opener's *reach* is the furthest past ``s`` such a token can end;
-    ``max_reach``, the longest added token, bounds every opener's. Tokens
-    that look at their surroundings open nothing: ``lstrip``,
-    ``single_word``, contents that begin with whitespace (a token before
-    them with ``rstrip`` could take it), ``normalized`` tokens when there is
-    a normalizer, and special tokens when special tokens are not split out.
+    Added tokens are split out first, left to right, the longest match at each
+    position, raw (``normalized=False``) tokens in a first pass and normalized
+    ones in the gaps it leaves: where one is matched at ``s`` in a kept prompt
+    and in a new one sharing its first characters, the new prompt's ids from
+    ``s`` on are those of ``text[s:]`` tokenized whole, unless the new text
+    completes past the shared prefix a match that holds the opener's text, or
+    (for a normalized opener) a raw token that starts inside it with the rest
+    of it. An opener's *reach* is the furthest past ``s`` such a token can end
+    (``max_reach``, the longest added token, bounds every opener's). Tokens
+    that look at their surroundings open nothing: ``lstrip``, ``single_word``,
+    contents that begin with whitespace (a token before them with ``rstrip``
+    could take it), ``normalized`` tokens when there is a normalizer, and
+    special tokens when special tokens are not split out.
     """
 
     def __init__(self, added: Mapping[int, Any], *, has_normalizer: bool, split_special: bool):

@@ -65,11 +65,9 @@ _STARTTIME_AFTER_COMM = 22 - 3
 
 
 def start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot; None where /proc cannot tell.
-
-    A clock step does not move it, unlike psutil's ``create_time()``.
-    Raises ``psutil.NoSuchProcess`` if there is no such process.
-    """
+    """When process ``pid`` started, in clock ticks since boot (no clock step
+    moves it, unlike ``create_time()``); None where /proc cannot tell. Raises
+    ``psutil.NoSuchProcess`` if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -88,12 +86,9 @@ def start_ticks(pid: int) -> int | None:
 
 @dataclass(frozen=True)
 class OwnerRecord:
-    """Who serves a frontend id: its process, and where it listens.
-
-    ``nonce`` tells apart two owners that one process ran one after another.
-    ``start_ticks`` (see ``start_ticks()``) identifies the process where
-    the platform tells it, else ``create_time`` does.
-    """
+    """Who serves a frontend id: its process, and where it listens. ``nonce``
+    tells apart two owners one process ran one after another; ``start_ticks``
+    identifies the process where the platform tells it, else ``create_time`` does."""
 
     pid: int
     create_time: float
@@ -112,10 +107,8 @@ def record_path(ipc_dir: str, frontend_id: int) -> str:
 
 
 def publish(ipc_dir: str, frontend_id: int, address: str) -> OwnerRecord:
-    """Publish this process as ``frontend_id``'s owner, listening at ``address``.
-
-    Atomic: a reader sees the previous record or this one, never part of one.
-    """
+    """Publish this process as ``frontend_id``'s owner, listening at ``address``;
+    atomic: a reader sees the previous record or this one, never part of one."""
     pid = os.getpid()
     record = OwnerRecord(pid, psutil.Process().create_time(), address, secrets.token_hex(8), start_ticks(pid))
     replace_private_file(record_path(ipc_dir, frontend_id), json.dumps(asdict(record)).encode())
@@ -123,12 +116,10 @@ def publish(ipc_dir: str, frontend_id: int, address: str) -> OwnerRecord:
 
 
 def unpublish(ipc_dir: str, frontend_id: int, record: OwnerRecord) -> None:
-    """Remove ``frontend_id``'s record if it is still ``record``.
-
-    Only one owner of a frontend id serves at a time (``mptok.transport``
-    holds a lock while it does), and it unpublishes before it stops serving,
-    so the check and the unlink cannot race with a successor's publish.
-    """
+    """Remove ``frontend_id``'s record if it is still ``record``: only one owner
+    of an id serves at a time (``mptok.transport`` holds a lock while it does)
+    and it unpublishes before it stops serving, so this cannot race with a
+    successor's publish."""
     path = record_path(ipc_dir, frontend_id)
     current = read_record(path)
     if current is not None and current.incarnation == record.incarnation:
@@ -172,11 +163,10 @@ class OwnerWatch:
 
     ``check()`` returns ``(record, None)`` when the owner is worth calling,
     else ``(record or None, reason)`` with a reason from ``SKIP_REASONS``.
-    Report a timed-out call with ``timed_out(record)`` (the owner is then
-    skipped for ``backoff_s``, unless it is replaced meanwhile) and any
-    other failed call with ``forget()``. The fast path reads only immutable
-    ``_Verdict`` snapshots and the ``_live`` tuple; re-reading a record
-    takes a lock so that concurrent callers do it once.
+    Report a timed-out call with ``timed_out(record)`` (the owner is skipped
+    for ``backoff_s`` unless replaced meanwhile), any other failed call with
+    ``forget()``. Only re-reading a record takes a lock (concurrent callers do
+    it once); the fast path reads immutable snapshots.
     """
 
     def __init__(self, ipc_dir: str, frontend_id: int, *, backoff_s: float = 10.0, revalidate_s: float = 1.0):

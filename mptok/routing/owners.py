@@ -101,16 +101,12 @@ class PeerWorkers:
     """The threads that answer peers: a fixed few, each warmed once before peers can call.
 
     A fast engine builds per-thread state on a thread's first tokenizations,
-    and the transport reads each peer connection on a thread of its own, so
-    a connection's thread hands its first requests to these threads, which
-    stay, and waits for each reply; one that has handed over
-    ``HANDED_OVER_FIRST`` is a busy one and warms itself to answer the rest
-    (docs/ROUTING.md, "Peers are answered on a few warm threads"). Threads
-    of their own, not the frontend's: an answer never routes, so owners
-    waiting on each other's workers can never wait in a cycle. ``answer``
-    waits ``wait_s`` at most for a worker's reply (past it, the peer has
-    given up too), then raises ``TimeoutError``, which the transport answers
-    as an error: the peer tokenizes the prompt itself.
+    so a connection's thread hands its first requests to these and waits for
+    each reply, until it has handed over ``HANDED_OVER_FIRST`` and warms itself
+    (docs/ROUTING.md, "Peers are answered on a few warm threads"). An answer
+    never routes, so owners waiting on each other's workers can never wait in
+    a cycle. ``answer`` waits ``wait_s`` at most for a worker (past it, the peer
+    has given up too), then raises ``TimeoutError``: the peer tokenizes itself.
     """
 
     def __init__(
@@ -221,19 +217,9 @@ class TokenizationOwners:
     """
 
     def __init__(
-        self,
-        ipc_dir: str,
-        frontend_id: int,
-        num_frontends: int,
-        cache: TokenCache,
-        tokenizer: Any,
-        *,
-        authkey: bytes,
-        timeout_s: float = ROUTE_TIMEOUT_S,
-        backoff_s: float = 10.0,
-        limits: ServerLimits | None = None,
-        patience_factor: float = PATIENCE_FACTOR,
-        routing: str | None = None,
+        self, ipc_dir: str, frontend_id: int, num_frontends: int, cache: TokenCache, tokenizer: Any, *, authkey: bytes,
+        timeout_s: float = ROUTE_TIMEOUT_S, backoff_s: float = 10.0, limits: ServerLimits | None = None,
+        patience_factor: float = PATIENCE_FACTOR, routing: str | None = None,
     ):
         if not 0 <= frontend_id < num_frontends:
             raise ValueError(f"frontend_id {frontend_id} is not in range({num_frontends})")
@@ -253,8 +239,7 @@ class TokenizationOwners:
         # Patience is for asking peers: a lone frontend never does.
         worst_s_per_char = seconds_per_char(backend) if num_frontends > 1 and backend is not None else None
         route_limits = RouteLimits(
-            timeout_s,
-            backoff_s,
+            timeout_s, backoff_s,
             patience_factor * worst_s_per_char if worst_s_per_char is not None and patience_factor > 0 else None,
         )
         self._router = Router(

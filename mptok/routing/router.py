@@ -26,7 +26,7 @@ from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.ids import key_bytes
 from mptok.core.protocol import Fingerprint, PeerRequest, checkpoint_blocks, extend_chain
-from mptok.routing.liveness import ERROR, FALLBACK_REASONS, PATIENCE, TIMEOUT, OwnerRecord, OwnerWatch
+from mptok.routing.liveness import ERROR, FALLBACK_REASONS, PATIENCE, TIMEOUT, OwnerWatch
 from mptok.routing.policy import PATIENCE_FLOOR_S
 from mptok.transport import EncodeProxy, OwnerError, OwnerTimeout, OwnerUnreachable, socket_path
 
@@ -44,11 +44,10 @@ _HASH_PERSON = b"mptok-route-v1"
 def owner_order(key: str, num_frontends: int) -> list[int]:
     """Frontend ids in the order they serve conversation ``key``; the first is its owner.
 
-    Rendezvous (highest random weight) hashing over blake2b: the same in
-    every process and every run, whatever PYTHONHASHSEED is. While a
-    frontend is down, each of its conversations moves to the next frontend in
-    that conversation's own order, so the load of a dead frontend spreads
-    over the others and nothing else moves.
+    Rendezvous hashing over blake2b: the same in every process and run,
+    whatever PYTHONHASHSEED is. While a frontend is down, each of its
+    conversations moves to the next frontend in its own order, so the load
+    spreads over the others and nothing else moves.
     """
     if num_frontends < 1:
         raise ValueError(f"num_frontends must be >= 1, got {num_frontends}")
@@ -69,13 +68,9 @@ def owner_of(key: str, num_frontends: int) -> int:
 
 @dataclass(frozen=True)
 class RouteDeadline:
-    """``timeout`` for every call of a route, and ``patience`` (if earlier) for a delta call.
-
-    Every blocking step of a route obeys one of them, so a slow step never
-    leaves the next its whole timeout again. Past the patience, waiting for
-    an owner asked only for what changed costs more than tokenizing the
-    whole prompt here.
-    """
+    """``timeout`` for every call of a route, and ``patience`` (if earlier) for a
+    delta call: every blocking step obeys one of them, so a slow step never
+    leaves the next its whole timeout again."""
 
     timeout: Deadline
     patience: Deadline
@@ -268,7 +263,7 @@ class Router:
                 self._counters.add("taken_over_here")
                 return None
             try:
-                outcome = self._try_owner(frontend, key, text, route_deadline)
+                outcome = self._ask(frontend, key, text, route_deadline)
             except Exception:
                 logger.warning("routing to frontend %d raised; tokenizing locally", frontend, exc_info=True)
                 outcome = _Fallback(ERROR, skip=False)
@@ -306,37 +301,31 @@ class Router:
         for proxy in self._proxies.values():
             proxy.close(deadline)
 
-    def _try_owner(self, frontend: int, key: str, text: str, deadline: RouteDeadline) -> _Answered | _Fallback:
-        # An owner found live (or that answered) within revalidate_s is
-        # called at once and checked while it works.
-        record, checked = self._watches[frontend].recently_live(), False
+    def _ask(self, frontend: int, key: str, text: str, deadline: RouteDeadline) -> _Answered | _Fallback:
+        """Ask ``frontend`` for ``text``'s ids: a delta when a fingerprint
+        matches, then the whole text if the owner matched nothing. The
+        liveness check runs once: before anything unless the owner was found
+        live (or answered) within ``revalidate_s``; then while the owner works
+        on a delta on a connection this thread holds, else before sending (a
+        handshake waits on the owner too, and a stopped owner never reads a
+        whole text larger than the socket's buffer)."""
+        watch = self._watches[frontend]
+        record, checked = watch.recently_live(), False
         if record is None:
-            record, reason = self._watches[frontend].check()
+            record, reason = watch.check()
             if reason is not None:
                 return _Fallback(reason, skip=True)
-            assert record is not None
             checked = True
-        return self._ask(frontend, record, key, text, deadline, checked)
-
-    def _ask(
-        self, frontend: int, record: OwnerRecord, key: str, text: str, deadline: RouteDeadline, checked: bool
-    ) -> _Answered | _Fallback:
-        """Ask ``frontend`` for ``text``'s ids: a delta when a fingerprint
-        matches, then the whole text if the owner matched nothing. Unless
-        ``checked``, the liveness check runs once: while the owner works on
-        a delta on a connection it holds; else before sending (a handshake
-        waits on the owner too, and a stopped owner never reads a whole
-        text larger than the socket's buffer)."""
         proxy = self._proxies[frontend]
         owner = (frontend, record.incarnation)
         request, chain = self._held.request(owner, key, text)
         call_deadline, patience_ended = deadline.for_call(delta=request.delta)
         check_while_waiting = not checked and request.delta and proxy.connected(record.incarnation)
         try:
-            if not checked and not check_while_waiting and (reason := self._skip_reason(frontend)):
+            if not checked and not check_while_waiting and (reason := watch.check()[1]):
                 return _Fallback(reason, skip=True)
             with proxy.send(request, call_deadline, record.incarnation) as sent:
-                if check_while_waiting and (reason := self._skip_reason(frontend)):
+                if check_while_waiting and (reason := watch.check()[1]):
                     return _Fallback(reason, skip=True)
                 reply = sent.reply()
             answered_delta = reply is not None and request.delta
@@ -346,13 +335,13 @@ class Router:
                 reply = proxy.ask(PeerRequest(text, key), deadline.timeout, record.incarnation)
         except OwnerTimeout:
             if not deadline.callers_passed:
-                self._watches[frontend].timed_out(record)
+                watch.timed_out(record)
             return _Fallback(PATIENCE if patience_ended else TIMEOUT, skip=False)
         except OwnerUnreachable:
             # An owner that died (or went) since its last check is skipped,
             # as that check would have; any other failure is one.
-            self._watches[frontend].forget()
-            reason = self._skip_reason(frontend)
+            watch.forget()
+            reason = watch.check()[1]
             return _Fallback(reason, skip=True) if reason else _Fallback(ERROR, skip=False)
         except OwnerError:
             return _Fallback(ERROR, skip=False)
@@ -360,9 +349,5 @@ class Router:
             self._held.remember(owner, key, text, chain, kept=False)
             return _Fallback(ERROR, skip=False)
         chain = self._held.remember(owner, key, text, chain, reply.kept)
-        self._watches[frontend].answered(record)
+        watch.answered(record)
         return _Answered(reply.ids, chain, answered_delta)
-
-    def _skip_reason(self, frontend: int) -> str | None:
-        """Why the liveness check says to skip ``frontend`` now; None: call it."""
-        return self._watches[frontend].check()[1]

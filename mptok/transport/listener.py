@@ -65,11 +65,9 @@ class Listener:
         return {**self.counters.snapshot(), "active_connections": active}
 
     def close(self, timeout_s: float) -> bool:
-        """Stop accepting, end every connection, join every thread within ``timeout_s``, free the path.
-
-        Returns whether every thread ended in time (threads still busy in a
-        tokenization end when it does, without touching the connection).
-        """
+        """Stop accepting, end every connection, join every thread within
+        ``timeout_s``, free the path; returns whether every thread ended in time
+        (one still in a tokenization ends when it does, touching nothing)."""
         deadline = Deadline.after(timeout_s)
         self._closing.set()
         # close() alone does not wake a thread blocked in accept() on Linux.
@@ -146,18 +144,13 @@ class Listener:
 class _SocketFile:
     """The owner's listening Unix socket, claimed for as long as it is open.
 
-    A lock file beside the socket, held with ``flock`` (which the kernel
-    releases when its holder exits, however it exits), says whether a live
-    owner holds the path. If one does, opening raises ``OwnerAlreadyServing``
-    instead of unlinking a live owner's socket; if none does, a socket file
-    left at the path is stale and is replaced. ``close()`` removes the lock
-    file too, while still holding it: whoever opened the file before it was
-    removed sees, once it holds the lock, that the path no longer names its
-    file, and starts over on the path's new file. Only a process killed
-    while serving leaves its lock file (harmless: the next owner takes it).
-    The lock file is never followed through a symbolic link. A child forked
-    without exec inherits the lock; it is released only when both have
-    exited.
+    A lock file beside the socket, held with ``flock`` (released by the kernel
+    however its holder exits), says whether a live owner holds the path: if
+    one does, opening raises ``OwnerAlreadyServing`` instead of unlinking a live
+    owner's socket; else a socket file left at the path is stale and replaced.
+    ``close()`` removes the lock file while still holding it, so whoever opened
+    it before sees, once it holds the lock, that the path no longer names its
+    file, and starts over. The lock file is never followed through a link.
     """
 
     def __init__(self, path: str):

@@ -125,15 +125,10 @@ def authenticate_to_owner(conn: TimedConnection, authkey: bytes) -> None:
 
 
 class OwnerServer(Server):
-    """The manager ``Server`` of one owner: authenticates peers, dispatches their calls.
-
-    Reuses ``Server.serve_client``, the per-request dispatch with its check
-    of exposed methods. Replaces ``__init__``, which binds a ``Listener``
-    with a fixed backlog (the caller listens), and
-    ``handle_request``/``accept_connection``. Every registered typeid is
-    instantiated once, when the server is built, and published under its
-    typeid as ident: peers need no ``create`` and hold no references.
-    """
+    """The manager ``Server`` of one owner: authenticates peers, dispatches their
+    calls (``serve_client``) to objects built once, when the server is, and
+    published under their typeid as ident: peers need no ``create`` and hold
+    no references."""
 
     public = (ACCEPT_CONNECTION,)
     # Server answers '#GETVALUE' (the pickled object itself), '__str__' and
@@ -186,11 +181,8 @@ class OwnerServer(Server):
         self.accept_connection(conn)
 
     def accept_connection(self, c: PeerConnection, name: str | None = None) -> None:
-        """Serve ``c``'s calls until EOF, an I/O timeout or ``stop()``.
-
-        Unlike ``Server.accept_connection``, the thread is not renamed after
-        the name the peer sent.
-        """
+        """Serve ``c``'s calls until EOF, an I/O timeout or ``stop()``, without
+        renaming the thread after the name the peer sent."""
         c.start_serving()
         c.send(("#RETURN", None))
         # serve_client ends its thread with sys.exit() on EOF or a failed send.

@@ -32,12 +32,10 @@ PeerAnswer = Callable[[PeerRequest], PeerReply | None]
 class _EncodeService:
     """The object an owner serves: ``encode`` and nothing else.
 
-    ``encode(*PeerRequest.to_wire())`` returns ``PeerReply.to_wire()``;
-    None when the request's fingerprint matches no prompt the owner keeps
-    (the peer then sends the whole text); or a str saying why the owner
-    could not tokenize the text (the peer then tokenizes it itself and
-    reports its own error). It never raises, so a reply never carries an
-    exception object, which the peer would refuse to unpickle.
+    ``encode(*PeerRequest.to_wire())`` returns ``PeerReply.to_wire()``; None
+    when the request's fingerprint matches no prompt the owner keeps; or a str
+    saying why the owner could not tokenize the text (the peer then tokenizes
+    it itself). It never raises: the peer would refuse to unpickle an exception.
     """
 
     def __init__(self, answer: PeerAnswer):
@@ -67,14 +65,10 @@ class TokenizeManager(InProcessManager):
 
     ``start()`` binds the Unix socket at ``address`` (0600; raises
     ``OwnerAlreadyServing`` if a live process serves it) and returns once it
-    listens; unlike ``BaseManager.start()`` it spawns no process: the objects
-    served live here. ``shutdown()`` stops accepting, ends every connection,
-    joins every thread within ``limits.close_timeout_s`` and removes the
-    socket file. ``with manager:`` does both.
-
-    ``register()`` writes a registry shared by every manager of the class in
-    the process: register on a class from ``for_owner()``, one per owner.
-    Peers reach the objects with ``EncodeProxy``, not with ``connect()``.
+    listens, spawning no process; ``shutdown()`` stops accepting, ends every
+    connection, joins every thread within ``limits.close_timeout_s`` and
+    removes the socket file. Register on a class from ``for_owner()``, one per
+    owner (the registry is the class's). Peers call with ``EncodeProxy``.
     """
 
     def __init__(self, address: str, authkey: bytes, limits: ServerLimits | None = None, *, name: str = "mptok-owner"):
@@ -111,18 +105,11 @@ class TokenizeManager(InProcessManager):
 
 
 def serve_encode(
-    address: str,
-    answer: PeerAnswer,
-    authkey: bytes,
-    limits: ServerLimits | None = None,
-    *,
-    name: str = "mptok-owner",
+    address: str, answer: PeerAnswer, authkey: bytes, limits: ServerLimits | None = None, *, name: str = "mptok-owner",
 ) -> TokenizeManager:
-    """Serve ``answer`` as ``encode`` at ``address`` to peers that know ``authkey``.
-
-    Returns the started manager; ``shutdown()`` it when done. ``answer`` is
-    called on the manager's threads, concurrently.
-    """
+    """Serve ``answer`` as ``encode`` at ``address`` to peers that know
+    ``authkey``, on the manager's threads, concurrently; returns the started
+    manager (``shutdown()`` it when done)."""
     manager_class = TokenizeManager.for_owner()
     service = _EncodeService(answer)
     manager_class.register(ENCODE_TYPEID, callable=lambda: service, exposed=("encode",), create_method=False)

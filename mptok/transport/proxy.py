@@ -73,18 +73,14 @@ class _Link:
 class EncodeProxy:
     """Calls one owner's ``encode`` over the manager protocol, from any number of threads.
 
-    Each thread keeps one authenticated connection to the owner and reuses
-    it. Every step (connect, authkey handshake, request, reply) ends by the
-    call's deadline; a call that times out drops its connection, so a late
-    reply is never read as the answer to a later call. A reused connection
-    that turns out dead (the owner restarted, or closed it idle) is replaced
-    once, transparently, by the same deadline. ``incarnation``, any hashable
-    naming the owner process the caller expects, drops connections made to
-    an owner since replaced.
-
-    ``send``, ``SentRequest.reply`` and ``ask`` raise ``OwnerTimeout``,
-    ``OwnerUnreachable`` or ``OwnerError`` and nothing else, whatever the
-    owner does.
+    Each thread keeps one authenticated connection to the owner. Every step
+    ends by the call's deadline; a call that times out drops its connection,
+    so a late reply is never read as the answer to a later call. A reused
+    connection that turns out dead (the owner restarted, or closed it idle) is
+    replaced once, by the same deadline; ``incarnation`` (any hashable naming
+    the owner process the caller expects) drops connections made to an owner
+    since replaced. ``send``, ``SentRequest.reply`` and ``ask`` raise
+    ``OwnerTimeout``, ``OwnerUnreachable`` or ``OwnerError`` and nothing else.
     """
 
     def __init__(self, address: str, authkey: bytes, timeout_s: float = CALL_TIMEOUT_S):
@@ -135,10 +131,8 @@ class EncodeProxy:
         return link is not None and link.conn is not None and link.incarnation == incarnation
 
     def abort(self) -> list[_Link]:
-        """Fail calls in flight and later calls at once, without waiting; ``close()`` then frees the connections.
-
-        Returns the connections to free (for ``close()``).
-        """
+        """Fail calls in flight and later calls at once, without waiting; returns
+        the connections for ``close()`` to free."""
         with self._links_lock:
             self._closed = True
             links = list(self._links)
@@ -147,11 +141,9 @@ class EncodeProxy:
         return links
 
     def close(self, deadline: Deadline | None = None) -> None:
-        """Close every thread's connection; calls in flight and later calls fail at once.
-
-        Waits until ``deadline`` (default: ``CLOSE_TIMEOUT_S`` from now) at
-        most, in all, for the calls in flight to let go of their connections.
-        """
+        """Close every thread's connection; calls in flight and later calls fail at
+        once. Waits until ``deadline`` (default: ``CLOSE_TIMEOUT_S`` from now) at
+        most, in all, for the calls in flight to let go of their connections."""
         links = self.abort()
         if deadline is None:
             deadline = Deadline.after(CLOSE_TIMEOUT_S)
@@ -258,12 +250,9 @@ class EncodeProxy:
 
 
 class SentRequest:
-    """A request on its way to an owner; ``reply()`` reads the answer.
-
-    Holds its connection until the ``with`` block ends; leaving the block
-    without ``reply()`` (the caller gave up on the owner) drops the
-    connection, so the late reply is never read.
-    """
+    """A request on its way to an owner; ``reply()`` reads the answer. Leaving
+    the ``with`` block without it (the caller gave up) drops the connection,
+    so the late reply is never read."""
 
     def __init__(
         self, proxy: EncodeProxy, link: _Link, request: PeerRequest, deadline: Deadline, incarnation: Hashable, *, reused: bool

@@ -131,26 +131,21 @@ class _MessagePieces:
 class TimedConnection:
     """A manager connection on a Unix socket whose every message ends by ``deadline``.
 
-    It frames messages as ``Connection`` does (a "!i" length, or -1 and a
-    "!Q" length) and has the part of its surface that the stdlib's
-    handshake and ``Server.serve_client`` use. ``recv`` refuses messages
-    longer than ``max_message_bytes`` (``MessageTooLarge``), length headers
-    that no sender writes (``OSError``), and pickles that reference globals
-    (``pickle.UnpicklingError``: a request cannot run code in the owner, nor
-    a reply in the peer); after a refused frame the connection is shut
-    down. No buffer larger than ``_FIRST_READ_BYTES`` is allocated on the
+    It frames messages as ``Connection`` does and has the part of its surface
+    that the stdlib's handshake and ``Server.serve_client`` use. ``recv``
+    refuses messages longer than ``max_message_bytes`` (``MessageTooLarge``),
+    length headers no sender writes (``OSError``) and pickles that reference
+    globals (``pickle.UnpicklingError``), shutting the connection down after a
+    refused frame; no buffer beyond ``_FIRST_READ_BYTES`` is allocated on the
     word of a header alone.
 
-    ``deadline`` (``Deadline.never()``: no limit) bounds every read and
-    write: the kernel's SO_RCVTIMEO/SO_SNDTIMEO are set to it once per
-    deadline (again only for a message still in flight ``_REARM_AFTER_S``
-    later), not ``settimeout()``, which polls before every call. Every
-    socket call releases the GIL, which a busy process may take long to give
-    back (docs/ROUTING.md, "The GIL"), so a message costs as few calls as
-    possible: one ``sendmsg`` out, a large buffer in it (a reply's ids) sent
-    from where it is (``_MessagePieces``), and usually one ``recv_into`` in,
-    into a buffer kept from message to message, a large object copied once,
-    into itself (``_MessageReader``).
+    ``deadline`` (``Deadline.never()``: no limit) bounds every read and write
+    through the kernel's SO_RCVTIMEO/SO_SNDTIMEO, set once per deadline (not
+    ``settimeout()``, which polls before every call). Every socket call
+    releases the GIL, which a busy process may take long to give back
+    (docs/ROUTING.md, "The GIL"), so a message costs as few calls as possible:
+    one ``sendmsg`` out, a large buffer in it sent from where it is, and
+    usually one ``recv_into`` in, into a buffer kept from message to message.
     """
 
     def __init__(self, sock: socket.socket, max_message_bytes: int):
@@ -354,17 +349,14 @@ class ServerLimits:
 class PeerConnection(TimedConnection):
     """The owner's end of a peer's connection.
 
-    During the handshake one deadline bounds everything. Once serving, the
-    wait for the first byte of the next request is bounded by the idle
-    timeout, and reading the rest of a request (its length header included)
-    and writing a reply each get their own message timeout. A failure inside
-    a request ends the connection with ``EOFError`` (the stream cannot be
-    resynchronised), which ends the manager's serve loop.
-
-    ``close()`` only shuts the socket down: the manager's serve loop closes
-    connections itself, and the descriptor must stay open until the listener
-    has forgotten the connection, or its ``shutdown()`` could hit a
-    descriptor number that something else has reused. ``release()`` closes.
+    One deadline bounds the handshake. Once serving, the wait for the first
+    byte of the next request has the idle timeout, and the rest of a request
+    (its header included) and a reply each the message timeout; a failure
+    inside a request ends the connection with ``EOFError`` (the stream cannot
+    be resynchronised), which ends the manager's serve loop. ``close()`` only
+    shuts the socket down: the descriptor stays open until the listener has
+    forgotten the connection (its ``shutdown()`` could otherwise hit a reused
+    descriptor number); ``release()`` closes.
     """
 
     def __init__(self, sock: socket.socket, limits: ServerLimits):
