@@ -1,16 +1,13 @@
 """A prefix-tokenization cache: tokenize each prompt's new tail, not its whole history.
 
 In chat and agentic serving every prompt is the previous prompt of its
-conversation plus a little, often with the chat template's generation prompt
-rewritten. ``PrefixTokenCache`` tokenizes only from a proven seam near the
-point where a new prompt departs from a kept one (``mptok.cache.seam``, the
-seam encoder), so a 200k-token prompt costs about what its last few hundred
-tokens cost; its store, ``KeptPrompts``, keeps the ids of each
-conversation's last prompt (int32 arrays, ``mptok.core.ids``) within the
-cache's limits. It only ever tokenizes here. A prompt kept under a
-conversation key also keeps the fingerprint chain of its text
-(``mptok.core.protocol``), so that routing, a layer above, can name it by
-the fingerprint of its first characters (``extend_after``).
+conversation plus a little. ``PrefixTokenCache`` tokenizes only from a
+proven seam near where a new prompt departs from a kept one (the seam
+encoder, ``mptok.cache.seam``), so a 200k-token prompt costs about what its
+last few hundred tokens cost; its store, ``KeptPrompts``, keeps each
+conversation's last prompt, its ids (``mptok.core.ids``) and, under a key,
+the fingerprint chain of its text (``mptok.core.protocol``), by which
+routing names it (``extend_after``). It only ever tokenizes here.
 """
 
 from __future__ import annotations

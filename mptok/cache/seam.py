@@ -81,12 +81,10 @@ class Backend(Protocol):
 
 
 def extend_prompt(backend: Backend, cached: CachedPrompt, text: str, shared: int, *, max_attempts: int) -> CachedPrompt | None:
-    """``text`` tokenized by splicing onto ``cached``, or None if no seam is proven.
-
-    ``shared`` is ``common_prefix_length(cached.text, text)``. The returned
-    prompt's ids equal the full tokenization of ``text``; at most
-    ``max_attempts`` tails are tokenized.
-    """
+    """``text`` tokenized by splicing onto ``cached`` (``shared`` is
+    ``common_prefix_length(cached.text, text)``): ids equal to the full
+    tokenization of ``text``, or None if no seam is proven within
+    ``max_attempts`` tails tokenized."""
     if shared == len(text) == len(cached.text):
         return cached
     if len(cached.text) - shared > MAX_WALK_CHARS:
@@ -254,13 +252,10 @@ _NONE_LOCATED = TokenStarts(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.in
 
 @dataclass(frozen=True)
 class SeamRules:
-    """A tokenizer's length table and forced-boundary rule (``mptok.cache.seam_rules``).
-
-    ``lengths[i]`` is the number of text bytes token ``i`` covers in the middle
-    of a segment (``UNKNOWN`` if the id does not tell); ``segment_ends[i]`` is
-    true for the added tokens that end a segment, whose contents
-    ``added_contents`` holds.
-    """
+    """A tokenizer's rules (``mptok.cache.seam_rules``): ``lengths[i]``, the text
+    bytes token ``i`` covers in the middle of a segment (``UNKNOWN`` if the id
+    does not tell); ``segment_ends[i]``, true for the added tokens that end a
+    segment, whose contents ``added_contents`` holds; the ``forced`` boundaries."""
 
     lengths: np.ndarray
     segment_ends: np.ndarray
@@ -278,16 +273,13 @@ class SeamRules:
         return self.forced.between(text, low, high)
 
     def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
-        """Where the last tokens of ``ids`` (the exact tokenization of
-        ``text``) begin, for those that begin in ``[lowest, upto)`` and after
-        any token of unknown length; None where the lengths do not tile the
-        text.
-
-        The walk counts the text in the units the lengths are in (UTF-8
-        bytes, ``▁`` one where a space becomes ``▁``); for an NFC normalizer,
-        the text from the first clean point at or after ``upto`` is counted
-        as NFC makes it, and tokens are located only where NFC leaves the
-        text as it is."""
+        """Where the last tokens of ``ids`` (the exact tokenization of ``text``)
+        begin, for those that begin in ``[lowest, upto)`` and after any token of
+        unknown length; None where the lengths do not tile the text. The walk
+        counts the text in the lengths' units (UTF-8 bytes, ``▁`` one where a space
+        becomes ``▁``); for an NFC normalizer, the text from the first clean point
+        at or after ``upto`` is counted as NFC makes it, and tokens are located
+        only where NFC leaves the text as it is."""
         if self.nfc:
             rest = _nfc_clean_from(text, upto)
             lowest = _nfc_stable_from(text, lowest, rest)
@@ -671,12 +663,10 @@ class SegmentOpeners:
 
 
 def _last_of(text: str, chars: frozenset[str], lowest: int, end: int) -> int:
-    """The last position in ``[lowest, end)`` that holds one of ``chars``, or -1.
-
-    Searches windows doubling back from ``end``: a seam is usually near the
-    end of a long prompt, and one search of the whole range per character
-    would cost what the prompt's length costs, for every turn.
-    """
+    """The last position in ``[lowest, end)`` that holds one of ``chars``, or -1,
+    searched in windows doubling back from ``end``: a seam is usually near the
+    end of a long prompt, and searching the whole range per character would
+    cost the prompt's length every turn."""
     window, high = 1024, end
     while high > lowest:
         low = max(lowest, high - window)

@@ -234,13 +234,11 @@ def prove_rules(
     tail_ids: Callable[[str, bool], Sequence[int]],
     texts: Sequence[str],
 ) -> tuple[SeamRules | None, str]:
-    """``rules`` with only the claimed pairs that `tokenizers` never
-    contradicts (measured on a random text over the classes, then checked
-    on ``texts``), and a line for the start log; None if the lengths are
-    contradicted. ``encode`` is the reference full
-    encoding (an ``Encoding`` with offsets and word ids); ``tail_ids(text,
-    at_segment_start)`` what a splice tokenizes a tail cut at a forced
-    boundary with (a boundary right after an added token starts a segment)."""
+    """``rules`` with only the claimed pairs that `tokenizers` never contradicts
+    (measured on a random text over the classes, then checked on ``texts``),
+    and a line for the start log; None if the lengths are contradicted.
+    ``encode`` is the reference (an ``Encoding`` with offsets and word ids);
+    ``tail_ids(text, at_segment_start)`` what a splice tokenizes a tail with."""
     claims_pre_tokens = rules.claims == CLAIMS_PRE_TOKENS
     if isinstance(rules.forced, ForcedPairs):
         try:

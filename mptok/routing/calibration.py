@@ -1,10 +1,9 @@
 """What tokenizing a character costs in this process at worst, learned once at start; and the text threads warm on.
 
 Routing bounds its patience with an owner by what a prompt would cost here
-at worst (``mptok.routing.router.RouteDeadline``): made-up words, which no engine has
-cached (the fast engines cache words: made-up words cost them tens of
-times what text does). The threads that answer peers warm their engines
-on real text instead (``typical_text``), whose words repeat as a prompt's do.
+at worst: made-up words, which no engine has cached (the fast engines cache
+words, so made-up words cost them tens of times what text does). The
+threads that answer peers warm on real text instead (``typical_text``).
 """
 
 from __future__ import annotations

@@ -192,28 +192,25 @@ class PeerWorkers:
 class TokenizationOwners:
     """Serve this frontend's cache to its peers and route keyed prompts to their owners.
 
-    ``encode(tokenizer, text, key)`` is the routed ``cache.encode`` (and
-    ``encode_array`` the routed ``cache.encode_array``): the same ids,
-    tokenized here when this frontend keeps the conversation (or owns it),
-    else by the conversation's owner, another live frontend, whose answer this
-    frontend keeps where there is room. It never fails because an owner did:
-    a call that fails or runs past its deadline (``timeout_s``, and for a
-    delta call this frontend's patience, ``RouteDeadline``) is given up and
-    the prompt tokenized here; an owner that timed out is skipped for
-    ``backoff_s``. docs/ROUTING.md has the whole protocol.
+    ``encode`` and ``encode_array`` are the routed ``cache.encode`` and
+    ``cache.encode_array``: the same ids, tokenized here when this frontend
+    keeps the conversation (or owns it), else by its owner, whose answer this
+    frontend keeps where there is room. They never fail because an owner did:
+    a call that fails or runs past its deadline (``timeout_s``, and for a delta
+    call this frontend's patience) is given up and the prompt tokenized here;
+    an owner that timed out is skipped for ``backoff_s`` (docs/ROUTING.md).
 
-    Starting builds the tokenizer's backend and, with peers to ask, learns
-    what a character costs here at worst (``mptok.routing.calibration``),
-    then binds ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises
-    ``OwnerAlreadyServing`` while a live process serves this frontend id,
-    ``PermissionError`` for an ipc dir other users can enter) and publishes
-    this process as the owner. ``close()`` (or leaving the ``with`` block)
-    undoes it all within one time budget; it is idempotent. A process that
-    serves peers should call ``lower_switch_interval()`` once at start.
-    ``routing`` is the policy (``mptok.routing.policy``). ``warm_thread``
-    (None for a tokenizer the cache does not serve) runs the cache's fast
-    engines once on real text on the calling thread, what a pool of the
-    frontend's own threads can run on each before it serves.
+    Starting builds the tokenizer's backend, learns what a character costs
+    here at worst (``mptok.routing.calibration``), binds
+    ``<ipc_dir>/tokenize-<frontend_id>.sock`` (raises ``OwnerAlreadyServing``
+    while a live process serves this id, ``PermissionError`` for an ipc dir
+    other users can enter) and publishes this process as the owner; ``close()``
+    (or leaving the ``with`` block) undoes it all within one time budget,
+    idempotent. A process that serves peers should call
+    ``lower_switch_interval()`` once. ``routing`` is the policy
+    (``mptok.routing.policy``). ``warm_thread`` (None for a tokenizer the cache
+    does not serve) runs the cache's fast engines once on real text on the
+    calling thread, for a pool of the frontend's own threads before it serves.
     """
 
     def __init__(

@@ -1,15 +1,12 @@
 """What the operator chooses about routing: which prompts cross, and how long an asker waits.
 
 ``kept`` (the default) decides by what is kept: a conversation this
-frontend keeps is extended here; any other goes to its owner, and the
-owner's answer is kept here where that evicts nothing, so its next turn
-to land here is extended here. ``always`` sends every prompt another
-frontend owns (one copy of each conversation, at its owner). ``never``
-sends none: each frontend is a cache of its own, as caches per instance
-are; it still answers peers that ask. Set by ``MPTOK_ROUTING``, by
-``mptok serve --routing`` and by ``TokenizationOwners(routing=...)``, in
-that order of precedence from last to first. Standard library only: the
-supervisor reads these defaults for its options without loading routing.
+frontend keeps is extended here, any other goes to its owner and the
+owner's answer is kept here where that evicts nothing. ``always`` sends
+every prompt another frontend owns; ``never`` none (it still answers peers).
+Set by ``MPTOK_ROUTING``, overridden by ``mptok serve --routing`` and by
+``TokenizationOwners(routing=...)``. Standard library only: the supervisor
+reads these defaults for its options without loading routing.
 """
 
 from __future__ import annotations
