@@ -1,9 +1,7 @@
 """The bodies of ``POST /tokenize`` and ``POST /detokenize``, validated the way vLLM reads them, and the errors a client gets.
 
-Kept apart from the HTTP app and from tokenizing so that what a client may
-send, and what it hears back when the body is wrong, reads in one place: a
-client's mistake is a ``RequestError`` with a 4xx status and a message that
-names the field, never a 500.
+A client's mistake is a ``RequestError`` with a 4xx status and a message
+that names the field, never a 500.
 """
 
 from __future__ import annotations
@@ -24,11 +22,12 @@ RETRY_AFTER_S = 1
 class RequestError(Exception):
     """A client's mistake: answered with ``status`` and ``message``, never a 500."""
 
-    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None):
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None, param: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s  # sent as Retry-After (503: overloaded or stopping)
+        self.param = param  # the error body's "param": the field at fault, where vLLM names it
 
 
 @dataclass(frozen=True)
@@ -221,16 +220,11 @@ _ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str) -> bytes:
-    """An error in vLLM's shape (``_vllm_error``)."""
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """An error in vLLM's shape: ``{"object": "error", "message", "type", "param", "code"}``
+    as older vLLM releases answer, with the same fields under ``"error"`` as
+    current ones do, so that clients written against either read it."""
     kind = _ERROR_TYPES.get(status) or "".join(HTTPStatus(status).phrase.split())
-    return _vllm_error(status, message, kind)
-
-
-def _vllm_error(status: int, message: str, kind: str, param: str | None = None) -> bytes:
-    """``{"object": "error", "message", "type", "param", "code"}`` as older vLLM
-    releases answer, with the same fields under ``"error"`` as current ones
-    do, so that clients written against either read it."""
     fields = {"message": message, "type": kind, "param": param, "code": status}
     return orjson.dumps({"object": "error", **fields, "error": fields})
 
@@ -254,8 +248,3 @@ def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
             what = token if isinstance(token, float) else _json_type(token)  # JSON's 1e23 arrives as a float
             raise RequestError(400, f"tokens[{i}] must be an integer token id, not {what}")
     return DetokenizeRequest(model=_optional(data, "model", str, None), tokens=tokens)
-
-
-def not_found_body(message: str, param: str) -> bytes:
-    """vLLM's 404 for an unknown model: the error shape with ``"type": "NotFoundError"`` and ``param``."""
-    return _vllm_error(404, message, "NotFoundError", param)

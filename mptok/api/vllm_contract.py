@@ -22,15 +22,10 @@ from mptok.api.tokenize_request import RequestError
 _UNKNOWN_MODEL_MAX_LENGTH = 2**31
 
 
-class UnknownModel(RequestError):
-    """A request named a model this server does not serve (vLLM's 404 ``NotFoundError``)."""
-
-
 class RequestLimits:
     """What a request may name and hold: the served model names, the context
     length, the tokenizer's ids. Each ``check_*`` raises a ``RequestError``
-    (``UnknownModel`` for a model) with vLLM's status and message, or returns.
-    Immutable after construction, so threads may share it."""
+    with vLLM's status and message, or returns. Immutable, so threads may share it."""
 
     def __init__(self, tokenizer: Any, max_model_len: int | None, served_model_names: tuple[str, ...]):
         self.max_model_len = max_model_len
@@ -42,7 +37,7 @@ class RequestLimits:
     def check_model(self, model: str | None) -> None:
         """vLLM's rule: no name, or no --served-model-name, is accepted; else it must be one of them."""
         if model and self.served_model_names and model not in self.served_model_names:
-            raise UnknownModel(404, f"The model `{model}` does not exist.")
+            raise RequestError(404, f"The model `{model}` does not exist.", param="model")
 
     def check_length(self, count: int) -> None:
         """More than max_model_len tokens is a 400 with vLLM's message (its

@@ -2,13 +2,11 @@
 
 The supervisor starts N of these on the port's one listening socket; each
 serves its ``PrefixTokenCache`` to the others through
-``TokenizationOwners``, so a conversation is tokenized by the frontend whose
-cache holds it wherever its request lands. The HTTP side is a small ASGI
-app on uvicorn's httptools protocol (no framework: its routing and request
-objects cost more than the answer); everything that costs CPU runs in
-``TokenizeService``'s bounded thread pool, never on the event loop, so
-``/health`` and ``/metrics`` answer while prompts tokenize. This module is
-the HTTP app and the process's lifecycle.
+``TokenizationOwners``. The HTTP side is a small ASGI app on uvicorn's
+httptools protocol (no framework: its routing and request objects cost more
+than the answer); everything that costs CPU runs in ``TokenizeService``'s
+bounded thread pool, never on the event loop, so ``/health`` and
+``/metrics`` answer while prompts tokenize.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
@@ -29,6 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
+import uvicorn
 
 from mptok.api.affinity import header_conversation_id
 from mptok.api.chat_template import ChatTemplate
@@ -63,21 +62,18 @@ class _ClientGone(Exception):
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-Handler = Callable[[Scope, Receive], Awaitable["_Reply"]]
+Handler = Callable[[Scope, Receive], Awaitable[Answer]]
 
 
-class _Reply:
-    """One HTTP response: status, body, content type and extra headers."""
-
-    __slots__ = ("status", "body", "media_type", "headers")
-
-    def __init__(self, status: int, body: bytes = b"", media_type: bytes = b"application/json", headers: tuple[tuple[bytes, bytes], ...] = ()):
-        self.status, self.body, self.media_type, self.headers = status, body, media_type, headers
-
-    async def send(self, send: Send) -> None:
-        headers = [(b"content-length", str(len(self.body)).encode()), (b"content-type", self.media_type), *self.headers]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body})
+async def _send(send: Send, answer: Answer) -> None:
+    headers = [(b"content-length", str(len(answer.payload)).encode()), (b"content-type", answer.media_type), *answer.headers]
+    if answer.tokenize_s is not None:
+        # The same interval as mptok_tokenize_seconds, for one request.
+        headers.append((b"server-timing", f"tokenize;dur={answer.tokenize_s * 1000:.3f}".encode()))
+    if answer.retry_after_s is not None:
+        headers.append((b"retry-after", str(answer.retry_after_s).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.payload})
 
 
 def _header(scope: Scope, name: str) -> str | None:
@@ -104,17 +100,14 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def build_app(
-    service: TokenizeService,
-    snapshots: SnapshotDir,
-    publish_own: Callable[[], None],
-    tokenizer_info_payload: bytes | None = None,
+    service: TokenizeService, snapshots: SnapshotDir, publish_own: Callable[[], None], tokenizer_info_payload: bytes | None = None
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The ASGI app of one frontend: a table of (method, path) to handler, no framework
     in between. ``publish_own()`` writes this frontend's snapshot now;
     ``GET /tokenizer_info`` exists only when ``tokenizer_info_payload`` is given."""
     pid = os.getpid()
 
-    async def answered(scope: Scope, receive: Receive, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> _Reply:
+    async def answered(scope: Scope, receive: Receive, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> Answer:
         """``work``'s answer to the body, read while the request holds an ``Admission`` place."""
         answer: Answer | None
         try:
@@ -128,11 +121,11 @@ def build_app(
         if answer is None:  # nobody to answer; uvicorn drops what is sent
             if REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
                 service.count_request(path, CLIENT_GONE)
-            return _Reply(CLIENT_GONE)
+            return Answer(CLIENT_GONE, b"")
         service.count_request(path, answer.status)
-        return _reply(answer)
+        return answer
 
-    async def tokenize(scope: Scope, receive: Receive) -> _Reply:
+    async def tokenize(scope: Scope, receive: Receive) -> Answer:
         key = header_conversation_id(lambda name: _header(scope, name))
         # One deadline from the request's first byte: the queue wait and the route take what is left.
         arrived = scope.get(ARRIVED_SCOPE_KEY)
@@ -147,21 +140,21 @@ def build_app(
 
         return await answered(scope, receive, "/tokenize", answer)
 
-    async def detokenize(scope: Scope, receive: Receive) -> _Reply:
+    async def detokenize(scope: Scope, receive: Receive) -> Answer:
         return await answered(scope, receive, "/detokenize", lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
 
-    async def tokenizer_info(scope: Scope, receive: Receive) -> _Reply:
+    async def tokenizer_info(scope: Scope, receive: Receive) -> Answer:
         service.count_request("/tokenizer_info", 200)
-        return _Reply(200, tokenizer_info_payload or b"")
+        return Answer(200, tokenizer_info_payload or b"")
 
-    async def health(scope: Scope, receive: Receive) -> _Reply:
+    async def health(scope: Scope, receive: Receive) -> Answer:
         service.count_request("/health", 200)
-        return _Reply(200, orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}))
+        return Answer(200, orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}))
 
-    async def metrics(scope: Scope, receive: Receive) -> _Reply:
+    async def metrics(scope: Scope, receive: Receive) -> Answer:
         service.count_request("/metrics", 200)
         text = await asyncio.to_thread(_render_all, snapshots, publish_own)
-        return _Reply(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
+        return Answer(200, text.encode(), media_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     routes: dict[str, tuple[str, Handler]] = {
         "/tokenize": ("POST", tokenize),
@@ -172,10 +165,10 @@ def build_app(
     if tokenizer_info_payload is not None:
         routes["/tokenizer_info"] = ("GET", tokenizer_info)
 
-    def refused(status: int, path: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> _Reply:
+    def refused(status: int, path: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
         # An unknown path is counted as "-", so that clients cannot mint label values.
         service.count_request(path, status)
-        return _Reply(status, error_body(status, message), headers=headers)
+        return Answer(status, error_body(status, message), headers=headers)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -189,9 +182,9 @@ def build_app(
                 reply = await route[1](scope, receive)
         except Exception as error:
             # A bug: answered in the error shape, then re-raised, so uvicorn logs the traceback.
-            await refused(500, UNPARSED_PATH, f"internal error: {type(error).__name__}").send(send)
+            await _send(send, refused(500, UNPARSED_PATH, f"internal error: {type(error).__name__}"))
             raise
-        await reply.send(send)
+        await _send(send, reply)
 
     return app
 
@@ -200,17 +193,6 @@ async def _client_gone(receive: Receive) -> None:
     """Returns once the client has disconnected; call only after the body was read."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _reply(answer: Answer) -> _Reply:
-    """The HTTP response of ``answer``, with its Server-Timing and Retry-After headers."""
-    headers = []
-    if answer.tokenize_s is not None:
-        # The same interval as mptok_tokenize_seconds, for one request.
-        headers.append((b"server-timing", f"tokenize;dur={answer.tokenize_s * 1000:.3f}".encode()))
-    if answer.retry_after_s is not None:
-        headers.append((b"retry-after", str(answer.retry_after_s).encode()))
-    return _Reply(answer.status, answer.payload, headers=tuple(headers))
 
 
 def _render_all(snapshots: SnapshotDir, publish_own: Callable[[], None]) -> str:
@@ -243,29 +225,17 @@ class Frontend:
             self.socket = self._stack.enter_context(listener)
             self.owners = self._stack.enter_context(
                 TokenizationOwners(
-                    settings.ipc_dir,
-                    settings.frontend_id,
-                    options.frontends,
-                    cache,
-                    tokenizer,
-                    authkey=authkey,
-                    **options.arguments_for(Use.ROUTING),
+                    settings.ipc_dir, settings.frontend_id, options.frontends, cache, tokenizer,
+                    authkey=authkey, **options.arguments_for(Use.ROUTING),
                 )
             )
             # Runs before the context's own close (a no-op then): with what
             # is left of the stop's budget.
             self._stack.callback(lambda: self.owners.close(max(_OWNERS_CLOSE_FLOOR_S, self._budget_left())))
             self.service = TokenizeService(
-                settings.frontend_id,
-                tokenizer,
-                cache,
-                template,
-                **{
-                    **options.arguments_for(Use.SERVICE),
-                    "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer),
-                },
-                routing=self.owners,
-                warm=self.owners.warm_thread,
+                settings.frontend_id, tokenizer, cache, template,
+                **{**options.arguments_for(Use.SERVICE), "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer)},
+                routing=self.owners, warm=self.owners.warm_thread,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)
@@ -284,8 +254,6 @@ class Frontend:
 
         ``stop_signals`` are those that came before uvicorn took the handlers over.
         """
-        import uvicorn
-
         options = self.settings.options
         config = uvicorn.Config(
             self.app,
@@ -295,7 +263,7 @@ class Frontend:
             timeout_graceful_shutdown=options.graceful_timeout_s,
             http=guarded_protocol(options.read_timeout_s, options.max_connections, self.service.count_request),
         )
-        self._server = _server_noting_its_stop(uvicorn)(config)
+        self._server = _StopNotingServer(config)
         if stop_signals:
             return
         serving = asyncio.create_task(self._server.serve(sockets=[self.socket]))
@@ -329,29 +297,19 @@ class Frontend:
         return max(0.0, self._stop_deadline - time.monotonic())
 
     def _publish(self) -> None:
-        self._snapshots.write(
-            self.settings.frontend_id,
-            {
-                "pid": os.getpid(),
-                "started": self._started,
-                "routing_seconds": self.owners.timings(),
-                **self.service.snapshot(),
-            },
-        )
+        snapshot = {"pid": os.getpid(), "started": self._started, "routing_seconds": self.owners.timings(), **self.service.snapshot()}
+        self._snapshots.write(self.settings.frontend_id, snapshot)
 
 
-def _server_noting_its_stop(uvicorn: Any) -> type:
+class _StopNotingServer(uvicorn.Server):
     """uvicorn's ``Server``, noting when a stop signal first came (``stop_began``, monotonic)."""
 
-    class StopNotingServer(uvicorn.Server):
-        stop_began: float | None = None
+    stop_began: float | None = None
 
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.stop_began is None:
-                self.stop_began = time.monotonic()
-            super().handle_exit(sig, frame)
-
-    return StopNotingServer
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.stop_began is None:
+            self.stop_began = time.monotonic()
+        super().handle_exit(sig, frame)
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:

@@ -1,16 +1,11 @@
 """Turn a ``/tokenize`` body into exact ids and a JSON answer, in a bounded thread pool.
 
 ``TokenizeService`` is everything a frontend does for one request apart from
-HTTP: parse it (``mptok.api.tokenize_request``), render the chat template,
-tokenize through ``mptok.front.prompt_ids``, and serialize the ids with
-orjson. The HTTP app (``mptok.serve.frontend``) only reads bodies and writes
-answers.
-
-The pool is what overload fills: ``Admission``
-(``mptok.supervise.admission``) bounds the requests a frontend holds at once
-and refuses the rest at once (503, Retry-After); ``TokenizeService.answer``
-does not start work that waited too long for a thread or whose client has
-gone.
+HTTP (``mptok.serve.frontend``): parse it, render the chat template,
+tokenize through ``mptok.front.prompt_ids``, write the JSON. The pool is
+what overload fills: ``Admission`` bounds the requests a frontend holds at
+once and refuses the rest at once (503, Retry-After), and work that waited
+too long for a thread, or whose client has gone, is not started.
 """
 
 from __future__ import annotations
@@ -36,11 +31,10 @@ from mptok.api.tokenize_request import (
     RequestError,
     TokenizeRequest,
     error_body,
-    not_found_body,
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from mptok.api.vllm_contract import RequestLimits, UnknownModel
+from mptok.api.vllm_contract import RequestLimits
 from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
@@ -63,31 +57,30 @@ _WARM_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class Answer:
-    """A /tokenize response: status, JSON body, and for a tokenized prompt
-    the seconds from the parsed request to its ids (template rendering
-    excluded, routing included)."""
+    """An HTTP response: status, body, for a tokenized prompt the seconds from
+    the parsed request to its ids (template rendering excluded, routing
+    included), Retry-After, content type and other headers."""
 
     status: int
     payload: bytes
     tokenize_s: float | None = None
     retry_after_s: int | None = None
+    media_type: bytes = b"application/json"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     @classmethod
     def of_error(cls, error: RequestError) -> Answer:
-        return cls(error.status, error_body(error.status, error.message), retry_after_s=error.retry_after_s)
+        return cls(error.status, error_body(error.status, error.message, error.param), retry_after_s=error.retry_after_s)
 
 
 class TokenizeService:
     """Turns a ``/tokenize`` body into a JSON answer, in a bounded thread pool.
 
-    Everything a request costs runs in the pool's ``threads`` workers.
     Returned ids always equal ``tokenizer(text, add_special_tokens=...)
     ["input_ids"]`` for the rendered text. ``close()`` lets running work
-    finish for at most ``timeout_s`` and refuses new work. ``answer`` adds
-    the queue deadline and skips the work of clients that have gone.
-    ``warm`` (``TokenizationOwners.warm_thread``), when given, runs once on
-    every pool thread before the service is built, so that no request pays
-    a fast engine's first call on a new thread.
+    finish for at most ``timeout_s`` and refuses new work. ``warm``
+    (``TokenizationOwners.warm_thread``), when given, runs once on every pool
+    thread at start, so that no request pays a fast engine's first call on a new thread.
     """
 
     def __init__(
@@ -134,19 +127,11 @@ class TokenizeService:
         self._template_failures = itertools.count(1)
         frame = self.prompt_ids.frame
         log_event(
-            logger,
-            logging.INFO,
-            "special_tokens",
-            mode="cache" if frame is not None else "full",
-            prefix=list(frame.prefix) if frame else "",
-            suffix=list(frame.suffix) if frame else "",
-            chat_template=template.origin,
+            logger, logging.INFO, "special_tokens", mode="cache" if frame is not None else "full",
+            prefix=list(frame.prefix) if frame else "", suffix=list(frame.suffix) if frame else "", chat_template=template.origin,
         )
         log_event(
-            logger,
-            logging.INFO,
-            "vllm_contract",
-            max_model_len=max_model_len if max_model_len is not None else "unknown",
+            logger, logging.INFO, "vllm_contract", max_model_len=max_model_len if max_model_len is not None else "unknown",
             served_model_names=",".join(served_model_names) or "any",
         )
 
@@ -164,21 +149,16 @@ class TokenizeService:
         future.add_done_callback(self._done)
         return future
 
-    async def answer(
-        self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future, deadline: Deadline | None = None
-    ) -> Answer | None:
+    async def answer(self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future, deadline: Deadline) -> Answer | None:
         """The answer to a read body, or None if ``client_gone`` finished before its work started.
 
-        ``deadline`` (default: ``queue_timeout_s`` from now) is the request's
-        from its arrival: work still waiting for a pool thread when it passes
-        is not started (503 with Retry-After), and the route of work that
-        started takes what is left of it. Work that has started
-        has always finished when this returns (a thread cannot be stopped), so
-        a caller holding an ``Admission`` place holds it while the work runs.
-        Raises ``RequestError`` (503) once closed.
+        ``deadline`` is the request's from its arrival: work still waiting for
+        a pool thread when it passes is not started (503 with Retry-After), and
+        the route of work that started takes what is left of it. Work that has
+        started has always finished when this returns (a thread cannot be
+        stopped), so a caller holding an ``Admission`` place holds it while the
+        work runs. Raises ``RequestError`` (503) once closed.
         """
-        if deadline is None:
-            deadline = Deadline.after(self.queue_timeout_s)
         future = self._submit(self._answer, body, header_conversation_id, deadline)
         work = asyncio.wrap_future(future)
         await asyncio.wait({work, client_gone}, timeout=deadline.left(), return_when=asyncio.FIRST_COMPLETED)
@@ -323,8 +303,6 @@ class TokenizeService:
 def _error_answer(error: Exception, event: str, work: str) -> Answer:
     """The answer to a request whose ``work`` raised ``error``: a client's
     mistake gets its own status and message, anything else a 500 logged as ``event``."""
-    if isinstance(error, UnknownModel):
-        return Answer(404, not_found_body(error.message, "model"))
     if isinstance(error, RequestError):
         return Answer.of_error(error)
     log_event(logger, logging.ERROR, event, error=f"{type(error).__name__}: {error}")
