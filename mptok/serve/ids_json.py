@@ -55,12 +55,9 @@ class IdsJson:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
         self._kept: ByteBoundedLru[_Written] = ByteBoundedLru(max_bytes)
 
-    def dumps(self, ids: np.ndarray, key: str | None) -> bytes:
-        """``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)``, from ``key``'s last answer where it can."""
-        return b"".join(self.parts(ids, key))
-
     def parts(self, ids: np.ndarray, key: str | None) -> list[bytes]:
-        """``dumps(ids, key)`` in parts, for the caller to join with what surrounds it (one copy)."""
+        """``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)`` in parts, from ``key``'s last answer
+        where it can, for the caller to join with what surrounds it (one copy)."""
         if key is None or len(ids) < CHUNK_IDS:
             return [orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)]
         last = self._kept.get(key)
