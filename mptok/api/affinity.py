@@ -1,25 +1,17 @@
 """A conversation's identity when its client sends none.
 
-Routing sends each conversation to the frontend that holds it, and it needs
-a name for the conversation to do that: a session id in the body or a
-header. Most clients of an OpenAI-compatible server send none (the OpenAI
-SDKs, agents built on them, benchmarks), so their prompts were never routed
-and each frontend extended whatever it had last seen of them.
-
-A chat carries its own identity: the messages up to and including the first
-user message do not change from one turn to the next, and they differ
+Routing needs a name for each conversation, and most clients of an
+OpenAI-compatible server send none (the OpenAI SDKs, agents built on them,
+benchmarks). A chat carries its own: the messages up to and including the
+first user message do not change from one turn to the next, and they differ
 between conversations even when a fleet of agents shares one long system
-prompt (each agent gets its own task). Hashed, they choose the owner exactly
-as a session id would. Two conversations that begin with the same messages
-get the same identity and the same owner; the cache keeps a branch for each
-of them under it (``mptok.cache``), so they share an owner without evicting
-each other.
+prompt (each agent gets its own task). Two conversations that begin with the
+same messages share an owner, where the cache keeps a branch for each.
 
-A raw prompt carries no structure to find that stable part in. Hashing its
-first ``affinity_chars`` characters is offered as an opt-in: it is right
-only when those characters differ between conversations, and it sends every
-conversation whose prompts share a longer prefix (a common system prompt) to
-one owner.
+A raw prompt has no such stable part. Hashing its first ``affinity_chars``
+characters is an opt-in: right only when those differ between
+conversations, it sends every conversation whose prompts share a longer
+prefix (a common system prompt) to one owner.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ tokenizer whose config carries none, ``DEEPSEEK_V3_TEMPLATE`` below, written
 for its added tokens. A tokenizer with none of these answers ``messages``
 with a clear 400, never with a guessed format.
 
-Rendering goes through transformers' ``apply_chat_template(...,
-tokenize=False)``, the same sandboxed Jinja environment vLLM uses, so a
-template renders here as it does there. It never touches the Rust
-tokenizer, so threads may render concurrently.
+Rendering is transformers' ``apply_chat_template(..., tokenize=False)``'s,
+the sandboxed Jinja environment vLLM uses, so a template renders here as it
+does there; it never touches the Rust tokenizer, so threads may render at once.
 """
 
 from __future__ import annotations
@@ -63,13 +62,8 @@ _DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assist
 
 class BuiltInPieces:
     """``DEEPSEEK_V3_TEMPLATE`` in Python, message by message, so a conversation's
-    kept rendering of its earlier messages is reused (``mptok.api.chat_turns``).
-
-    The template writes the begin-of-sentence token, the system prompts
-    joined by blank lines, then for each message a piece that depends on
-    that message alone (``piece``), then the generation prompt
-    (``text``). tests/test_vllm_contract.py compares it with the Jinja source
-    turn after turn.
+    kept rendering of its earlier messages is reused (``mptok.api.chat_turns``);
+    tests/test_vllm_contract.py compares it with the Jinja source turn after turn.
     """
 
     @staticmethod
@@ -147,16 +141,11 @@ class ChatTemplate:
     ) -> str:
         """The prompt text; ``ChatTemplateError`` if the template refuses the messages.
 
-        ``template_kwargs`` (a request's ``chat_template_kwargs``) reach the
-        template as variables after ``accepted_kwargs`` has filtered them.
-        ``prepared``: the messages are ``template_messages``' already.
-
-        The text is transformers' ``apply_chat_template(..., tokenize=False)``'s:
-        its compiled template (the same sandboxed environment), given the
-        messages as it prepares them (``template_messages``), the tools, and
-        the tokenizer's special tokens under the request's variables. Only
-        ``continue_final_message`` and ``documents`` go through
-        ``apply_chat_template`` itself.
+        ``template_kwargs``: a request's ``chat_template_kwargs``, filtered by
+        ``accepted_kwargs``. ``prepared``: the messages are ``template_messages``' already.
+        The text is ``apply_chat_template(..., tokenize=False)``'s, rendered by
+        its compiled template without its per-call copy of every message; only
+        ``continue_final_message`` and ``documents`` go through it.
         """
         if self.source is None:
             raise ChatTemplateError(
@@ -175,7 +164,6 @@ class ChatTemplate:
                     tokenize=False,
                 )
             else:
-                # What apply_chat_template renders, without its per-call copy of every message.
                 text = compiled.render(
                     messages=messages if prepared else template_messages(messages),
                     tools=tools,
@@ -312,28 +300,18 @@ def vllm_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     normalized = []
     for tool in tools:
         function = tool["function"]
-        dumped_function = {
-            "name": function["name"],
-            "description": function.get("description"),
-            "parameters": function.get("parameters"),
-            **{k: v for k, v in function.items() if k not in ("name", "description", "parameters")},
-        }
-        normalized.append(
-            {
-                "type": tool.get("type", "function"),
-                "function": dumped_function,
-                **{k: v for k, v in tool.items() if k not in ("type", "function")},
-            }
-        )
+        # A key already placed keeps its place when ``**function`` sets it again.
+        dumped = {"name": function["name"], "description": function.get("description"), "parameters": function.get("parameters"), **function}
+        others = {k: v for k, v in tool.items() if k not in ("type", "function")}
+        normalized.append({"type": tool.get("type", "function"), "function": dumped, **others})
     return normalized
 
 
 def _has_tokens(tokenizer: Any, tokens: tuple[str, ...]) -> bool:
     """Whether ``tokenizer``'s vocabulary, added tokens included, holds every one of ``tokens``.
 
-    Asked of the Rust tokenizer token by token where there is one: its
-    ``get_vocab`` builds a dict of the whole vocabulary (128k entries for
-    the embedded tokenizer) at every frontend's start, for four lookups.
+    Asked of the Rust tokenizer where there is one: ``get_vocab`` builds a
+    dict of the whole vocabulary at every frontend's start, for four lookups.
     """
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if rust is not None and hasattr(rust, "token_to_id"):

@@ -1,31 +1,20 @@
 """One engine process's prompt tokenization through mptok: the cache, and routing between its peers.
 
-An engine (vLLM, SGLang) runs several processes on one port that tokenize
-prompts (vLLM's API servers, SGLang's tokenizer workers). Each of them gets
-one ``PromptTokens`` (``PromptTokens.of_process``, for every caller with the
-same tokenizer): its cache, and with N > 1 processes ``TokenizationOwners``,
-routing each conversation to the process that holds it, in the ipc
-directory the processes of one engine share (``mptok.front.ipc_dir``).
+Each process of an engine that tokenizes prompts (vLLM's API servers,
+SGLang's tokenizer workers) gets one ``PromptTokens`` (``of_process``): its
+cache, and with N > 1 processes ``TokenizationOwners`` in the ipc directory
+they share (``mptok.front.ipc_dir``). A process learns its seat (its
+frontend id of N) from the engine's rank (vLLM's ``_api_process_rank``); by
+claiming the first seat no live process serves (``ANY_SEAT``: SGLang's
+workers have no rank, and a replacement takes the dead one's seat); or from
+an outside supervisor (``mptok render``, ``take_seat``), for a spare
+(``stand_by``) only once it gets an id: until then its cache and backend
+are built and warm, and nothing routes, serves or exports. With one
+process, or if routing cannot start, the cache alone.
 
-A process learns its seat (its frontend id of N) in one of three ways:
-
-- the engine gives it a rank (vLLM's ``parallel_config._api_process_rank``
-  / ``_api_process_count``);
-- it claims the first seat no live process serves (``ANY_SEAT``: SGLang's
-  uvicorn workers have no rank; a worker that replaces a dead one takes the
-  seat the dead one held, whose lock the kernel released);
-- an outside supervisor (``mptok render``) gives it one (``take_seat``):
-  before the engine builds its tokenizing object, or, for a process built
-  as a spare (``stand_by``), once the supervisor gives it an id: until then
-  its cache and tokenizer backend are built and warm, and nothing routes,
-  serves or exports.
-
-With one process, or if routing cannot start, the cache alone.
-
-Whatever happens inside mptok, the ids are either exactly
-``tokenizer(text, add_special_tokens=...)["input_ids"]`` or ``None``, and
-``None`` sends the prompt down the engine's own path: mptok never turns a
-request the engine would answer into an error.
+The ids are either exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``
+or None, which sends the prompt down the engine's own path: mptok never
+turns a request the engine would answer into an error.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """The private directory and authkey that the tokenizing processes of one engine server share.
 
-In vLLM and SGLang the supervisor is the engine's own server process, which
-runs no mptok code before it spawns the processes that tokenize (vLLM's API
-servers, SGLang's uvicorn workers); so those processes agree among
-themselves, where ``mptok serve``'s supervisor hands its frontends both:
+In vLLM and SGLang the engine's server process runs no mptok code before it
+spawns the processes that tokenize, so those agree among themselves:
 
-- the directory is named after the server process they share (their
-  parent): its pid and its start time in clock ticks since boot
-  (``/proc/<pid>/stat``), so two servers never share one, and a pid
-  reused after a reboot or wrap gives another name; it is made 0700 by
-  whichever process comes first and checked by every one
-  (``secure_ipc_dir``: owned by this user, no access for group or others,
-  no symbolic link);
-- the authkey is 32 random bytes in a 0600 file in it, written by the first
-  process and published with ``link`` (atomic: it appears whole or not at
-  all, and a second writer loses instead of replacing it); never in argv,
-  the environment or a log;
-- every process holds a shared ``flock`` on ``supervisor.lock`` for as
-  long as it lives, and each serves its socket under its own lock
-  (``mptok.transport``). The directory is in use while any of those locks is
-  held. The last process to close removes it; the directories of a server
-  that was SIGKILLed are removed by the next one to start (never a link,
-  another user's directory, or one with a lock held).
+- the directory is named after their parent's pid and start time in clock
+  ticks (``/proc/<pid>/stat``), so two servers never share one, even when
+  a pid is reused; made 0700 by whichever process comes first and checked
+  by every one (``secure_ipc_dir``);
+- the authkey is 32 random bytes in a 0600 file in it, published with
+  ``link`` (atomic, and a second writer loses instead of replacing it);
+  never in argv, the environment or a log;
+- every process holds a shared ``flock`` on ``supervisor.lock`` while it
+  lives. The last to close removes the directory; those of a SIGKILLed
+  server are removed by the next one to start (never a link, another
+  user's directory, or one with a lock held).
 
 The name starts with ``mptok-serve-`` and holds the same ``supervisor.lock``
 as an ``mptok serve`` directory, so either sweep may remove the other's

@@ -1,17 +1,13 @@
 """Whether the installed vLLM has what the plugin hooks into, and what to say when it is not one it was tested with.
 
-The plugin subclasses vLLM's HF renderer and overrides private methods of
-it (``_tokenize_prompt``, ``render_messages``), calls others, and reads
-private fields of vLLM's parallel config (``_api_process_rank``,
-``_api_process_count``). Those are not a public API: a vLLM release may
-rename, move or re-sign them, and then the plugin would fail, or worse,
-be bypassed without a word. So at start (``check_vllm``, before anything
-is served) the plugin looks each of them up in the installed vLLM
-(``HOOKS``): that it exists, that its parameters are the ones the plugin
-overrides or passes, and that vLLM's renderer still calls the method the
-plugin replaces. One missing and the start is refused, naming it. All
-there: a vLLM of a version the plugin was tested with (``TESTED_VLLM``)
-starts silently, another with one WARNING naming the tested versions.
+The plugin overrides and calls private methods of vLLM's HF renderer and
+reads private fields of its parallel config: a vLLM release may rename,
+move or re-sign them, and the plugin would then fail, or worse, be bypassed
+without a word. So at start (``check_vllm``, before anything is served) it
+looks each of them up (``HOOKS``): that it exists, takes the parameters the
+plugin overrides or passes, and, for a method the plugin replaces, is still
+called by vLLM's renderer. One missing refuses the start, naming it; all
+there, a version not in ``TESTED_VLLM`` starts with one WARNING.
 """
 
 from __future__ import annotations
@@ -42,10 +38,9 @@ class UnsupportedVllm(RuntimeError):
 class Hook:
     """One name of vLLM the plugin uses: ``attribute`` (dotted) of ``module``.
 
-    ``parameters``: for a callable, the arguments the plugin passes (or, for
-    a method it overrides, ``overridden``, exactly the parameters vLLM calls
-    it with), after ``self``. ``called_in``: a class of ``module`` one of
-    whose other methods must call it (vLLM's own path goes through it).
+    ``parameters``: the arguments the plugin passes after ``self`` (with
+    ``overridden``, exactly those vLLM calls it with). ``called_in``: a class
+    of ``module`` one of whose other methods must call it.
     """
 
     module: str
