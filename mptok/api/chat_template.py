@@ -14,6 +14,7 @@ does there; it never touches the Rust tokenizer, so threads may render at once.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -110,8 +111,6 @@ class ChatTemplate:
             check_template_source(source)
         self.source = source
         self.origin = origin
-        self._variables: set[str] | None = None
-        self._template: Any = None
         # The built-in template, in Python (wherever its source came from).
         self.pieces = BuiltInPieces if source == DEEPSEEK_V3_TEMPLATE else None
 
@@ -129,15 +128,8 @@ class ChatTemplate:
         return cls(None, "none")
 
     def render(
-        self,
-        tokenizer: Any,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        *,
-        continue_final_message: bool = False,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        prepared: bool = False,
+        self, tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, *, continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None, prepared: bool = False,
     ) -> str:
         """The prompt text; ``ChatTemplateError`` if the template refuses the messages.
 
@@ -148,28 +140,18 @@ class ChatTemplate:
         ``continue_final_message`` and ``documents`` go through it.
         """
         if self.source is None:
-            raise ChatTemplateError(
-                "this tokenizer has no chat template: send a prompt, or start the server with --chat-template FILE"
-            )
+            raise ChatTemplateError("this tokenizer has no chat template: send a prompt, or start the server with --chat-template FILE")
+        kwargs = template_kwargs or {}
         try:
-            compiled = self._compiled()
-            if compiled is None or continue_final_message or "documents" in (template_kwargs or {}):
+            if self._compiled is None or continue_final_message or "documents" in kwargs:
                 text = tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    chat_template=self.source,
-                    **(template_kwargs or {}),
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tokenize=False,
+                    messages, tools=tools, chat_template=self.source, **kwargs, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=False,
                 )
             else:
-                text = compiled.render(
-                    messages=messages if prepared else template_messages(messages),
-                    tools=tools,
-                    documents=None,
-                    add_generation_prompt=add_generation_prompt,
-                    **{**tokenizer.special_tokens_map, **(template_kwargs or {})},
+                text = self._compiled.render(
+                    messages=messages if prepared else template_messages(messages), tools=tools, documents=None,
+                    add_generation_prompt=add_generation_prompt, **{**tokenizer.special_tokens_map, **kwargs},
                 )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template refused the messages: {e}") from None
@@ -183,17 +165,15 @@ class ChatTemplate:
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
         return text
 
+    @functools.cached_property
     def _compiled(self) -> Any:
         """transformers' compiled template of ``source`` (cached there), or None
         where its compiler is not where this version of transformers keeps it."""
-        if self._template is None:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-            except ImportError:
-                self._template = False
-            else:
-                self._template = _compile_jinja_template(self.source)
-        return self._template or None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:
+            return None
+        return _compile_jinja_template(self.source)
 
     def accepted_kwargs(self, requested: dict[str, Any]) -> dict[str, Any]:
         """The part of a request's ``chat_template_kwargs`` that reaches the template.
@@ -209,13 +189,12 @@ class ChatTemplate:
             raise ChatTemplateError(f"Found unexpected chat template kwargs from request: {', '.join(refused)}")
         if self.source is None:
             return {}
-        variables = self._template_variables() | {"documents"}
+        variables = self._template_variables | {"documents"}
         return {k: v for k, v in requested.items() if k in variables and k not in _SET_BY_REQUEST}
 
+    @functools.cached_property
     def _template_variables(self) -> set[str]:
-        if self._variables is None:
-            self._variables = set(jinja2.meta.find_undeclared_variables(_parsed(self.source)))
-        return self._variables
+        return set(jinja2.meta.find_undeclared_variables(_parsed(self.source)))
 
 
 # Request fields that reach apply_chat_template under their own name; the

@@ -1,12 +1,9 @@
 """The rules of vLLM's tokenizer endpoints that are not about parsing a body.
 
-A router or gateway that already calls vLLM's ``/tokenize`` and
-``/detokenize`` expects vLLM's answers to the same requests: a 404 for a model
-the server does not serve, a 400 for more tokens than the context holds, the
-context length itself in every answer, and ``/tokenizer_info``. Parsing and
-type-checking the bodies is ``mptok.api.tokenize_request``; rendering a chat as
-vLLM does is ``mptok.api.chat_template``; this module holds the rest, so that
-what vLLM decides reads in one place (see docs/SERVE.md, "Endpoints").
+A router or gateway that calls vLLM's ``/tokenize`` and ``/detokenize``
+expects vLLM's answers: a 404 for a model the server does not serve, a 400
+for more tokens than the context holds, the context length in every
+answer, and ``/tokenizer_info`` (docs/SERVE.md, "Endpoints").
 """
 
 from __future__ import annotations

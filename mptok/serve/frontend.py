@@ -54,10 +54,6 @@ _OWNERS_CLOSE_FLOOR_S = 0.5
 CLIENT_GONE = 499
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its body arrived whole."""
-
-
 # An ASGI app's parts, as uvicorn hands them over.
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -81,7 +77,8 @@ def _header(scope: Scope, name: str) -> str | None:
     return next((value.decode("latin-1") for key, value in scope["headers"] if key == wanted), None)
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The body, or None if the client disconnected before it arrived whole."""
     declared = _header(scope, "content-length") or ""
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"the body has {declared} bytes; at most {limit} are read")
@@ -89,7 +86,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _ClientGone
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -113,11 +110,9 @@ def build_app(
         try:
             with service.admission.place():
                 body = await _read_body(scope, receive, service.max_body_bytes)
-                answer = await work(body)
+                answer = None if body is None else await work(body)
         except RequestError as e:
             answer = Answer.of_error(e)
-        except _ClientGone:
-            answer = None
         if answer is None:  # nobody to answer; uvicorn drops what is sent
             if REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
                 service.count_request(path, CLIENT_GONE)

@@ -1,16 +1,12 @@
 """The JSON of an answer's ids, reusing what the conversation's last answer wrote.
 
-A turn of a growing conversation answers its whole id list, most of which
-the last turn's answer already held: writing all of it again (orjson, from
-the int32 array) costs about 6 ns an id, the largest cost of a hit turn at
-150k tokens. ``IdsJson`` keeps, per conversation, the ids it last wrote and
-their JSON in chunks of ``CHUNK_IDS`` ids; a new answer shares the chunks
-its ids share with those (found at C speed: the same cache buffer, else one
-array comparison) and writes only the rest. The bytes are exactly what
-``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)`` gives.
-
-What is kept is bounded by ``max_bytes``: the JSON chunks and the id
-buffers they pin, least recently answered conversation dropped first.
+Writing a turn's whole id list again costs about 6 ns an id, the largest
+cost of a hit turn at 150k tokens. ``IdsJson`` keeps, per conversation, the
+ids it last wrote and their JSON in chunks of ``CHUNK_IDS``; a new answer
+reuses the chunks its ids share with those (found at C speed: the same
+cache buffer, else one array comparison) and writes only the rest, bytes
+exactly as ``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)``. Bounded by
+``max_bytes`` (the JSON and the id buffers it pins), least recently used first out.
 """
 
 from __future__ import annotations

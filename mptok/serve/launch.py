@@ -1,10 +1,8 @@
 """What the supervisor needs to start a tokenizing frontend, without loading one.
 
-Importing ``mptok.serve.frontend`` in the supervisor would load the HTTP
-stack, numpy, the cache and ``tokenizers`` into a process that uses none of
-them. So ``mptok serve``'s ``FrontendKind`` (``TokenizeFrontends``) and the
-settings it crosses the spawn pipe with live here, and the frontend is named
-by its entry point, imported in the child only.
+Importing ``mptok.serve.frontend`` would load the HTTP stack, numpy, the
+cache and ``tokenizers`` into a supervisor that uses none of them, so the
+frontend is named by its entry point, imported in the child only.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from mptok.supervise.supervisor import StartupError
 class FrontendSettings:
     """What one frontend process needs to start; picklable (it crosses the spawn pipe).
 
-    ``options`` are the command line's (``mptok.supervise.options``), with the
-    port the supervisor bound (never 0). The authkey is not in here: it
-    travels as its own Process argument and is never logged.
+    ``options`` carry the port the supervisor bound (never 0). The authkey is
+    not in here: it travels as its own Process argument and is never logged.
     """
 
     frontend_id: int

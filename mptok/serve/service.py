@@ -115,8 +115,6 @@ class TokenizeService:
         self._chat_names = ChatNames()
         self._template = template
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
-        # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
-        self._direct_lock = self.prompt_ids.tokenizer_lock
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"tokenize-{frontend_id}")
         if warm is not None:
             warm_every_thread(self._pool, threads, warm, Deadline.after(_WARM_TIMEOUT_S))
@@ -201,9 +199,7 @@ class TokenizeService:
     def _answer(self, body: bytes, header_conversation_id: str | None, deadline: Deadline) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
-            identity = identify(
-                request.conversation_id, request.messages, request.prompt, self._affinity_chars, self._chat_names.of
-            )
+            identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars, self._chat_names.of)
             chat = None
             if request.messages is not None:
                 chat = self._chats.turn(identity.key, request.messages)
@@ -225,9 +221,7 @@ class TokenizeService:
             text = request.prompt
         else:
             if len(chat.messages) > self.max_messages:
-                raise RequestError(
-                    413, f'"messages" has {len(chat.messages)} messages; at most --max-messages={self.max_messages}'
-                )
+                raise RequestError(413, f'"messages" has {len(chat.messages)} messages; at most --max-messages={self.max_messages}')
             if chat.content_chars() > self.max_prompt_chars:
                 raise self._too_long("the messages' contents")
             text = self._render(request, chat)
@@ -245,14 +239,10 @@ class TokenizeService:
                 text = chat.built_in_text(request.add_generation_prompt)
                 if text is not None:
                     return text
+            tools = vllm_tools(request.tools) if request.tools is not None else None
             return self._template.render(
-                self._tokenizer,
-                prepared,
-                request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tools=vllm_tools(request.tools) if request.tools is not None else None,
-                template_kwargs=template_kwargs,
-                prepared=True,
+                self._tokenizer, prepared, request.add_generation_prompt, continue_final_message=request.continue_final_message,
+                tools=tools, template_kwargs=template_kwargs, prepared=True,
             )
         except ChatTemplateError as e:
             raise RequestError(400, str(e)) from None
@@ -273,19 +263,11 @@ class TokenizeService:
         the ids' JSON reused from the conversation's last answer where they agree (``IdsJson``)."""
         token_strs = None
         if return_token_strs:
-            with self._direct_lock:
+            with self.prompt_ids.tokenizer_lock:  # the tokenizer object's own call
                 token_strs = self._tokenizer.convert_ids_to_tokens(ids.tolist())
-        return b"".join(
-            (
-                b'{"count":%d,"max_model_len":' % len(ids),
-                orjson.dumps(self._limits.max_model_len),
-                b',"tokens":',
-                *self._ids_json.parts(ids, key),
-                b',"token_strs":',
-                orjson.dumps(token_strs),
-                b',"frontend":%d}' % self.frontend_id,
-            )
-        )
+        head = b'{"count":%d,"max_model_len":%b,"tokens":' % (len(ids), orjson.dumps(self._limits.max_model_len))
+        tail = b',"token_strs":%b,"frontend":%d}' % (orjson.dumps(token_strs), self.frontend_id)
+        return b"".join((head, *self._ids_json.parts(ids, key), tail))
 
     def _detokenize_answer(self, body: bytes) -> Answer:
         try:
@@ -293,7 +275,7 @@ class TokenizeService:
             self._limits.check_model(request.model)
             self._limits.check_length(len(request.tokens))
             self._limits.check_ids(request.tokens)
-            with self._direct_lock:
+            with self.prompt_ids.tokenizer_lock:  # the tokenizer object's own call
                 text = self._tokenizer.decode(request.tokens)
         except Exception as e:
             return _error_answer(e, "detokenize_failed", "detokenization")
