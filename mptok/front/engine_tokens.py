@@ -20,6 +20,7 @@ turns a request the engine would answer into an error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -98,12 +99,10 @@ def take_seat(seat: Seat) -> None:
 class PromptTokens:
     """Exact prompt ids through mptok for process ``rank`` of ``count`` of the engine ``front``.
 
-    ``tokenize`` returns ``tokenizer(text, add_special_tokens=...)["input_ids"]``
-    or None (the caller then tokenizes as the engine does). ``close()`` stops
-    routing and serving within ``CLOSE_TIMEOUT_S`` and leaves the ipc directory;
-    it runs at process exit and is idempotent. Made with ``rank`` None it waits
-    for ``seat(rank, count)`` (its cache alone meanwhile, counted but not
-    exported); with ``ANY_SEAT`` it claims the first free seat of ``count``.
+    ``close()`` stops routing and serving within ``CLOSE_TIMEOUT_S`` and
+    leaves the ipc directory; it runs at process exit and is idempotent.
+    Made with ``rank`` None it waits for ``seat(rank, count)`` (its cache
+    alone meanwhile, counted but not exported).
     """
 
     def __init__(self, tokenizer: Any, rank: int | None, count: int, front: EngineFront):
@@ -119,8 +118,10 @@ class PromptTokens:
         # The cache alone until the seat starts routing (a spare's seat comes late).
         self._ids = PromptIds(tokenizer, self._cache)
         atexit.register(self.close)
-        # The engine check (seconds) happens here, so a spare has it done before it takes its seat.
-        self._warm_backend()
+        # Building the backend copies the Rust tokenizer, and warming it loads the long texts' engine
+        # (seconds each for 128k ids): here, so that a spare has it done before it takes its seat.
+        with contextlib.suppress(SlowTokenizerError):
+            backend_for(tokenizer, self._cache.config.tokenizer_backend).engines.warm()
         if rank is not None:
             self.seat(rank, count)
 
@@ -219,14 +220,6 @@ class PromptTokens:
             return owners
         raise OwnerAlreadyServing(f"every seat of {count} in {path} is served by a live process")
 
-    def _warm_backend(self) -> None:
-        # Building it copies the Rust tokenizer, and warming it loads the long
-        # texts' engine (seconds each for 128k ids): at start, not on a request.
-        try:
-            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engines.warm()
-        except SlowTokenizerError:
-            pass
-
     def _log_start(self, routing: str) -> None:
         choice = self._cache.config.tokenizer_backend
         try:
@@ -238,16 +231,9 @@ class PromptTokens:
             )
         except SlowTokenizerError as e:
             backend_text = f"none ({e}): the engine's own tokenization"
-        config = self._cache.config
+        config, framed = self._cache.config, self._ids.frame is not None
         self.front.logger.info(
-            "mptok is on (%s): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
-            "min_chars=%d; add_special_tokens %s; routing %s",
-            self.front.switch,
-            self.name,
-            backend_text,
-            config.max_bytes,
-            config.max_entries,
-            config.min_chars,
-            "framed by the cache" if self._ids.frame is not None else "tokenized by the engine",
-            routing,
+            "mptok is on (%s): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d min_chars=%d; add_special_tokens %s; routing %s",
+            self.front.switch, self.name, backend_text, config.max_bytes, config.max_entries, config.min_chars,
+            "framed by the cache" if framed else "tokenized by the engine", routing,
         )

