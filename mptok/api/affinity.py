@@ -89,13 +89,10 @@ def header_conversation_id(header: Callable[[str], str | None]) -> str | None:
 class ChatNames:
     """``chat_identity`` decided once per conversation, then looked up.
 
-    A chat's stable messages arrive again with every turn. Seen before, they
-    are found by a dict lookup (Python's hash of their strings, then a
-    comparison with the kept ones, both in C) instead of being serialized
-    and digested again. Only messages whose every value is a string (or
-    null) are looked up (``1 == True`` in Python, not in JSON); others are
-    digested every time. Bounded: ``max_bytes`` of kept messages, least
-    recently used dropped first. Thread-safe.
+    A chat's stable messages seen before are found by a dict lookup (in C)
+    instead of being serialized and digested again; only those whose every
+    value is a string or null (``1 == True`` in Python, not in JSON). Bounded
+    by ``max_bytes`` of kept messages, least recently used dropped first. Thread-safe.
     """
 
     def __init__(self, max_bytes: int = 16 << 20):
@@ -126,12 +123,8 @@ _NAME_OVERHEAD_BYTES = 200  # a message's tuples, as CPython holds them
 
 def chat_identity(messages: Sequence[dict[str, Any]]) -> str | None:
     """``chat:<hash>`` of the messages up to and including the first user
-    message; None if no message is a user's, or if they are not plain JSON
-    (objects of a client library, which an engine may hand over).
-
-    Every field of those messages counts (role, content, name, ...), with
-    keys sorted, so the same messages give the same identity whatever order
-    a client writes their fields in.
+    message (every field, keys sorted); None if no message is a user's, or if
+    they are not plain JSON (a client library's objects, which an engine may hand over).
     """
     try:
         first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)

@@ -176,12 +176,9 @@ class ChatTemplate:
         return _compile_jinja_template(self.source)
 
     def accepted_kwargs(self, requested: dict[str, Any]) -> dict[str, Any]:
-        """The part of a request's ``chat_template_kwargs`` that reaches the template.
-
-        As vLLM does: ``chat_template`` and ``tokenize`` are refused
-        (``ChatTemplateError``); names the template never reads, other than
-        ``documents``, are dropped; the rest pass as template variables.
-        """
+        """The part of a request's ``chat_template_kwargs`` that reaches the template, as in vLLM:
+        ``chat_template`` and ``tokenize`` are refused (``ChatTemplateError``); names the template
+        never reads, other than ``documents``, are dropped."""
         if requested.get("chat_template") is not None:
             raise ChatTemplateError(UNTRUSTED_TEMPLATE_REFUSAL)
         refused = sorted({"chat_template", "tokenize"} & requested.keys())
@@ -203,16 +200,10 @@ _SET_BY_REQUEST = frozenset({"add_generation_prompt", "continue_final_message", 
 
 
 def vllm_conversation(messages: list[dict[str, Any]], start: int = 0) -> list[dict[str, Any]]:
-    """The messages as vLLM hands them to a chat template (text-only, "string" content format).
-
-    Each message becomes ``role`` and ``content`` (a string: a list of text
-    parts is joined with newlines, a missing or null content is ""), plus,
-    on an assistant message, non-empty ``tool_calls`` (each call's JSON
-    ``arguments`` string parsed to an object, since tool-use templates expect
-    one) and its ``reasoning`` (also as ``reasoning_content``); on a tool
-    message ``tool_call_id``; on a developer message its ``tools``; and
-    ``name`` when it is a string. ``ChatTemplateError`` when a call's
-    arguments are not JSON (naming the message by its index plus ``start``).
+    """The messages as vLLM hands them to a chat template (text-only, "string" content format):
+    text parts joined with newlines, a tool call's JSON ``arguments`` parsed to an object (as
+    tool-use templates expect). ``ChatTemplateError`` when they are not JSON, naming the
+    message by its index plus ``start``.
     """
     conversation = []
     for i, message in enumerate(messages, start):

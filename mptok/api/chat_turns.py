@@ -35,13 +35,10 @@ class _Pieces:
     pieces: list[str]
     systems: list[tuple[int, str]]
 
-    def upto(self, known: int) -> _Pieces:
-        return _Pieces(self.pieces[:known], [s for s in self.systems if s[0] < known])
-
     def extended(self, prepared: list[dict[str, Any]], start: int) -> _Pieces | None:
-        """These pieces with those of ``prepared`` (messages ``start``...) after them; None
-        if the template refuses one of them (its Jinja source then renders the refusal)."""
-        pieces, systems = list(self.pieces), list(self.systems)
+        """The pieces of the messages before ``start``, then those of ``prepared`` (messages ``start``...);
+        None if the template refuses one of them (its Jinja source then renders the refusal)."""
+        pieces, systems = self.pieces[:start], [s for s in self.systems if s[0] < start]
         for i, message in enumerate(prepared, start):
             piece = BuiltInPieces.piece(message)
             if piece is None:
@@ -96,7 +93,7 @@ class ChatTurn:
         prepared = new if kept is None else kept.prepared[:known] + new
         if self._turns.pieces:
             if kept is not None and kept.pieces is not None:
-                self._pieces = kept.pieces.upto(known).extended(new, known)
+                self._pieces = kept.pieces.extended(new, known)
             else:
                 self._pieces = _NO_PIECES.extended(prepared, 0)
         if self._key is not None:

@@ -17,13 +17,8 @@ _SENTINELS = ("Hello world", "x = 1;\n\n\t\u00e9\U0001f642 end")
 
 @dataclass(frozen=True)
 class SpecialTokenFrame:
-    """The ids the tokenizer's post-processor puts around one sequence.
-
-    For ``add_special_tokens=True`` the ids are ``prefix + ids + suffix``
-    when the post-processor adds fixed ids around the sequence; ``derive``
-    proves that on two different texts and returns None otherwise (then
-    prompts are tokenized in full).
-    """
+    """For ``add_special_tokens=True`` the ids are ``prefix + ids + suffix``; ``derive`` proves
+    the frame fixed on two different texts, and returns None otherwise."""
 
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]

@@ -50,11 +50,8 @@ class TokenizeRequest:
 def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> TokenizeRequest:
     """Parse and type-check a body the way vLLM's ``/tokenize`` reads it; ``RequestError`` (400) if wrong.
 
-    Each message is checked by ``check_messages``, which the caller runs.
-
-    ``add_special_tokens`` defaults to true for a prompt and false for
-    messages, ``add_generation_prompt`` to true; ``conversation_id`` in the
-    body wins over the header's.
+    The caller checks each message (``check_messages``). ``add_special_tokens`` defaults to true for
+    a prompt, false for messages; ``add_generation_prompt`` to true; ``conversation_id`` in the body wins.
     """
     data = _json_object(body)
     has_prompt, has_messages = "prompt" in data, "messages" in data
@@ -107,12 +104,8 @@ def _message_list(messages: Any) -> list[Any]:
 
 
 def check_messages(messages: list[Any], start: int = 0) -> None:
-    """``RequestError`` (400) naming the first of ``messages[start:]`` that vLLM would refuse.
-
-    ``parse_tokenize_request`` checks that ``messages`` is a non-empty list;
-    its messages are checked here, so that a conversation's messages checked
-    on an earlier turn (``start``) are not checked again.
-    """
+    """``RequestError`` (400) naming the first of ``messages[start:]`` that vLLM would refuse
+    (those before ``start`` were checked on an earlier turn)."""
     for i in range(start, len(messages)):
         message = messages[i]
         if not isinstance(message, dict):
@@ -129,15 +122,10 @@ def _check_content(i: int, message: dict[str, Any]) -> None:
         _check_tool_calls(i, message["tool_calls"])
     if content is None or isinstance(content, str):
         return
-    if isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
-    ):
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return
-    raise RequestError(
-        400,
-        f'messages[{i}]["content"] must be a string or a list of {{"type": "text", "text": ...}} parts, '
-        f"not {_json_type(content)} (only text is tokenized)",
-    )
+    wanted = 'a string or a list of {"type": "text", "text": ...} parts'
+    raise RequestError(400, f'messages[{i}]["content"] must be {wanted}, not {_json_type(content)} (only text is tokenized)')
 
 
 def _check_tool_calls(i: int, calls: Any) -> None:
@@ -153,24 +141,14 @@ def _check_tool_calls(i: int, calls: Any) -> None:
 
 def _vllm_fields(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     """``model`` and ``return_token_strs``; for messages also ``continue_final_message``,
-    ``tools`` and ``chat_template_kwargs``, type-checked as vLLM's request models do.
-
-    Like vLLM, asking for both ``continue_final_message`` and
-    ``add_generation_prompt`` (which defaults to true) is a 400.
-    """
-    fields: dict[str, Any] = {
-        "model": _optional(data, "model", str, None),
-        "return_token_strs": _optional(data, "return_token_strs", bool, False),
-    }
+    ``tools`` and ``chat_template_kwargs``, type-checked as vLLM's request models do."""
+    fields = {"model": _optional(data, "model", str, None), "return_token_strs": _optional(data, "return_token_strs", bool, False)}
     if not chat:
         return fields
     continue_final = _optional(data, "continue_final_message", bool, False)
     if continue_final and _optional(data, "add_generation_prompt", bool, True):
-        raise RequestError(
-            400,
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
-            '(add_generation_prompt defaults to true: send "add_generation_prompt": false)',
-        )
+        both = "Cannot set both `continue_final_message` and `add_generation_prompt` to True"
+        raise RequestError(400, f'{both} (add_generation_prompt defaults to true: send "add_generation_prompt": false)')
     if data.get("chat_template") is not None:
         raise RequestError(400, UNTRUSTED_TEMPLATE_REFUSAL)
     fields["continue_final_message"] = continue_final

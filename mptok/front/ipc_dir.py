@@ -51,10 +51,9 @@ class SharedIpcDir:
     """The ipc directory of the engine's server process ``server_pid`` (default: the parent), joined.
 
     ``path`` and ``authkey`` are the same in every process of that server.
-    Raises ``PermissionError`` for a directory that is not this user's
-    alone, ``ProcessLookupError`` when ``server_pid`` is gone,
-    and ``OSError`` when the directory cannot be made. ``close()`` leaves it,
-    and removes it if no other process is in it; it is idempotent.
+    Raises ``PermissionError`` for a directory that is not this user's alone,
+    ``ProcessLookupError`` when ``server_pid`` is gone, ``OSError`` when it
+    cannot be made. ``close()`` leaves it (removed if unused); idempotent.
     """
 
     def __init__(self, server_pid: int | None = None):

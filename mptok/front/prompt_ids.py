@@ -36,11 +36,7 @@ from mptok.front.catalogue import (
 class PromptIds:
     """Exact ids of prompt text for one tokenizer, through ``routing`` (if any) or ``cache``.
 
-    ``ids`` gives a list, or None when only the tokenizer's own call can
-    give the ids (the caller then makes that call and ``count_direct``s it);
-    ``ids_array`` gives a read-only int32 array and makes that call itself,
-    under ``tokenizer_lock``. Both raise what the encoder raises (counted as
-    an error). ``snapshot()`` is the cache's, routing's and these counts.
+    ``ids`` and ``ids_array`` raise what the encoder raises (counted as an error).
     """
 
     def __init__(self, tokenizer: Any, cache: TokenCache, routing: Routing | None = None):

@@ -275,13 +275,10 @@ class Frontend:
         await serving
 
     def close(self) -> None:
-        """Release everything within one budget: ``graceful_timeout_s`` from the stop signal.
-
-        uvicorn spends what in-flight requests need of it, the tokenize pool
-        and the owner what is left (the owner at least
-        ``_OWNERS_CLOSE_FLOOR_S``, to end its peers' connections cleanly),
-        so the supervisor's kill margin covers the whole stop.
-        """
+        """Release everything within one budget, ``graceful_timeout_s`` from the stop signal, so
+        that the supervisor's kill margin covers the whole stop: uvicorn spends what in-flight
+        requests need, the pool and the owner what is left (the owner at least
+        ``_OWNERS_CLOSE_FLOOR_S``, to end its peers' connections cleanly)."""
         began = getattr(self._server, "stop_began", None) or time.monotonic()
         self._stop_deadline = began + self.settings.options.graceful_timeout_s
         self._stack.close()
@@ -319,15 +316,12 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any, listener: socket.socket) -> None:
-    """Body of a frontend process (the supervisor's spawn target).
-
-    Sends ``("ready", pid)`` once it accepts from ``listener`` and serves its peers,
-    or ``("failed", one_line_reason)`` and exits 1 if it cannot start. If the
-    supervisor dies, however it dies, the kernel sends this process SIGTERM
+    """Body of a frontend process (the supervisor's spawn target): sends ``("ready", pid)``
+    once it accepts from ``listener`` and serves its peers, or ``("failed", one_line_reason)``
+    and exits 1. If the supervisor dies, the kernel sends this process SIGTERM
     (``mptok.supervise.lifeline``), and it stops as if the supervisor had stopped it.
     """
-    # What is process-wide is set here, not by the components: logging, the
-    # stop signals' handlers, and the switch interval peers' calls need.
+    # What is process-wide is set here, not by the components.
     configure_logging("frontend", settings.frontend_id)
     # SIGTERM/SIGINT before uvicorn takes them over, and after: uvicorn re-raises what it caught
     # once it has shut down, and the default action would kill the process before its owner closes.

@@ -76,11 +76,9 @@ class Answer:
 class TokenizeService:
     """Turns a ``/tokenize`` body into a JSON answer, in a bounded thread pool.
 
-    Returned ids always equal ``tokenizer(text, add_special_tokens=...)
-    ["input_ids"]`` for the rendered text. ``close()`` lets running work
-    finish for at most ``timeout_s`` and refuses new work. ``warm``
-    (``TokenizationOwners.warm_thread``), when given, runs once on every pool
-    thread at start, so that no request pays a fast engine's first call on a new thread.
+    Returned ids always equal ``tokenizer(text, add_special_tokens=...)["input_ids"]``
+    for the rendered text. ``warm`` (``TokenizationOwners.warm_thread``) runs once on
+    every pool thread at start, so that no request pays a fast engine's first call there.
     """
 
     def __init__(
@@ -150,12 +148,10 @@ class TokenizeService:
     async def answer(self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future, deadline: Deadline) -> Answer | None:
         """The answer to a read body, or None if ``client_gone`` finished before its work started.
 
-        ``deadline`` is the request's from its arrival: work still waiting for
-        a pool thread when it passes is not started (503 with Retry-After), and
-        the route of work that started takes what is left of it. Work that has
-        started has always finished when this returns (a thread cannot be
-        stopped), so a caller holding an ``Admission`` place holds it while the
-        work runs. Raises ``RequestError`` (503) once closed.
+        Work still waiting for a pool thread at ``deadline`` (the request's, from
+        its arrival) is not started (503 with Retry-After); started work's route
+        takes what is left of it, and has always finished when this returns, so
+        a caller's ``Admission`` place is held while it runs. ``RequestError`` (503) once closed.
         """
         future = self._submit(self._answer, body, header_conversation_id, deadline)
         work = asyncio.wrap_future(future)
