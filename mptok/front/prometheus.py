@@ -53,7 +53,6 @@ class MetricsExport:
         self._task = PeriodicTask("mptok-metrics", self.sync, SYNC_INTERVAL_S)
 
     def start(self) -> None:
-        """Copy the counters now, then every ``SYNC_INTERVAL_S`` on a daemon thread."""
         self._task.start()
 
     def sync(self) -> None:
@@ -77,5 +76,4 @@ class MetricsExport:
                         child.set(value)
 
     def stop(self) -> None:
-        """Stop the thread (waiting at most ``_STOP_JOIN_S``) and copy the counters a last time."""
-        self._task.stop(_STOP_JOIN_S)
+        self._task.stop(_STOP_JOIN_S)  # and copies the counters a last time

@@ -64,9 +64,7 @@ def run_in_context(func: Callable[..., _T], executor: Executor) -> Callable[...,
 
 
 def _session_of(headers: Any) -> str | None:
-    found = {
-        name.lower().decode("latin-1"): value.decode("latin-1") for name, value in headers if name.lower() in _HEADER_NAMES
-    }
+    found = {name.lower().decode("latin-1"): value.decode("latin-1") for name, value in headers if name.lower() in _HEADER_NAMES}
     value = header_conversation_id(found.get)
     if value is None:
         return None
