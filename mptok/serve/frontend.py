@@ -104,8 +104,9 @@ def build_app(
     ``GET /tokenizer_info`` exists only when ``tokenizer_info_payload`` is given."""
     pid = os.getpid()
 
-    async def answered(scope: Scope, receive: Receive, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> Answer:
-        """``work``'s answer to the body, read while the request holds an ``Admission`` place."""
+    async def answered(scope: Scope, receive: Receive, work: Callable[[bytes], Awaitable[Answer | None]]) -> Answer:
+        """``work``'s answer to the body, read while the request holds an ``Admission`` place;
+        ``CLIENT_GONE`` when nobody is left to answer (uvicorn drops what is sent)."""
         answer: Answer | None
         try:
             with service.admission.place():
@@ -113,12 +114,7 @@ def build_app(
                 answer = None if body is None else await work(body)
         except RequestError as e:
             answer = Answer.of_error(e)
-        if answer is None:  # nobody to answer; uvicorn drops what is sent
-            if REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
-                service.count_request(path, CLIENT_GONE)
-            return Answer(CLIENT_GONE, b"")
-        service.count_request(path, answer.status)
-        return answer
+        return Answer(CLIENT_GONE, b"") if answer is None else answer
 
     async def tokenize(scope: Scope, receive: Receive) -> Answer:
         key = header_conversation_id(lambda name: _header(scope, name))
@@ -133,21 +129,18 @@ def build_app(
             finally:
                 gone.cancel()
 
-        return await answered(scope, receive, "/tokenize", answer)
+        return await answered(scope, receive, answer)
 
     async def detokenize(scope: Scope, receive: Receive) -> Answer:
-        return await answered(scope, receive, "/detokenize", lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
+        return await answered(scope, receive, lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
 
     async def tokenizer_info(scope: Scope, receive: Receive) -> Answer:
-        service.count_request("/tokenizer_info", 200)
         return Answer(200, tokenizer_info_payload or b"")
 
     async def health(scope: Scope, receive: Receive) -> Answer:
-        service.count_request("/health", 200)
         return Answer(200, orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}))
 
     async def metrics(scope: Scope, receive: Receive) -> Answer:
-        service.count_request("/metrics", 200)
         text = await asyncio.to_thread(_render_all, snapshots, publish_own)
         return Answer(200, text.encode(), media_type=b"text/plain; version=0.0.4; charset=utf-8")
 
@@ -173,8 +166,13 @@ def build_app(
                 reply = refused(404, UNPARSED_PATH, f"no endpoint {path[:200]!r}")
             elif method != route[0] and not (method == "HEAD" and route[0] == "GET"):
                 reply = refused(405, path, f"{method[:20]} {path}: Method Not Allowed", ((b"allow", route[0].encode()),))
+            elif route[0] == "GET":
+                service.count_request(path, 200)  # before /metrics renders, so that a scrape counts itself
+                reply = await route[1](scope, receive)
             else:
                 reply = await route[1](scope, receive)
+                if reply.status != CLIENT_GONE or REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
+                    service.count_request(path, reply.status)
         except Exception as error:
             # A bug: answered in the error shape, then re-raised, so uvicorn logs the traceback.
             await _send(send, refused(500, UNPARSED_PATH, f"internal error: {type(error).__name__}"))
