@@ -22,19 +22,15 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 
-# vLLM's answer (without --trust-request-chat-template, its default and
-# mptok's only mode) to a request that brings its own template, whether in
-# the body or in its chat_template_kwargs.
+# vLLM's answer (without --trust-request-chat-template, mptok's only mode) to a
+# request that brings its own template, in the body or its chat_template_kwargs.
 UNTRUSTED_TEMPLATE_REFUSAL = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
     "Refused request with untrusted chat template."
 )
 
-# DeepSeek V3's template without its tool-call branches: the begin-of-sentence
-# token, system prompts joined by blank lines, "<｜User｜>" before each user
-# message, "<｜Assistant｜>" ... "<｜end▁of▁sentence｜>" around each answer
-# (text before "</think>" dropped, as V3 does), and "<｜Assistant｜>" as the
-# generation prompt.
+# DeepSeek V3's template without its tool-call branches (text before "</think>"
+# dropped from answers, as V3 does).
 DEEPSEEK_V3_TEMPLATE = (
     "{%- set ns = namespace(system_prompt='', is_first_sp=true) -%}"
     "{%- for message in messages -%}"

@@ -189,13 +189,7 @@ def _json_type(value: Any) -> str:
     return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    413: "RequestTooLarge",
-    500: "InternalServerError",
-    503: "ServiceUnavailable",
-}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLarge", 500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:

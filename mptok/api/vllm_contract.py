@@ -72,10 +72,7 @@ def resolve_max_model_len(configured: int | None, tokenizer: Any) -> int | None:
 
 
 def tokenizer_info_payload(tokenizer: Any, template: ChatTemplate) -> bytes:
-    """What vLLM's ``GET /tokenizer_info`` answers: the tokenizer's init kwargs
-    (file paths dropped, added tokens as their text), ``tokenizer_class``,
-    ``model_max_length``, ``added_tokens_decoder`` (``{"id": {"content",
-    "special"}}``) and the chat template in use. In stdlib json: transformers'
+    """What vLLM's ``GET /tokenizer_info`` answers. In stdlib json: transformers'
     "unknown" model_max_length, int(1e30), does not fit orjson's 64-bit integers."""
     info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
     for path_field in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):

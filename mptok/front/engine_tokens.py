@@ -88,7 +88,7 @@ def take_seat(seat: Seat) -> None:
     with _lock:
         if _seat is not None:
             raise RuntimeError("a process takes one seat")
-        if _of_process is not None and _of_process.seated:
+        if _of_process is not None and _of_process._metrics is not None:  # seated
             raise RuntimeError("take_seat after the renderer was built: the seat would be ignored")
         _seat = seat
         waiting = _of_process
@@ -124,10 +124,6 @@ class PromptTokens:
             backend_for(tokenizer, self._cache.config.tokenizer_backend).engines.warm()
         if rank is not None:
             self.seat(rank, count)
-
-    @property
-    def seated(self) -> bool:
-        return self._metrics is not None
 
     def seat(self, rank: int, count: int) -> None:
         """Start routing (with ``count`` > 1) and the metrics export as process ``rank`` (or ``ANY_SEAT``) of ``count``."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mptok.core.periodic import PeriodicTask
-from mptok.front.catalogue import VLLM, Metric, exported_by
+from mptok.front.catalogue import VLLM, exported_by
 
 SYNC_INTERVAL_S = 0.5
 _STOP_JOIN_S = 1.0
@@ -37,10 +37,8 @@ class MetricsExport:
         self._lock = threading.Lock()
         # The last value copied of each counter's sample, by series and labels.
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        rank = str(seat)
         self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
-        self._series: list[Metric] = list(PLUGIN_SERIES)
-        for metric in self._series:
+        for metric in PLUGIN_SERIES:
             names = [process_label, *metric.labels]
             if metric.kind == "counter":
                 family = Counter(metric.name.removesuffix("_total"), metric.help, names)
@@ -49,7 +47,7 @@ class MetricsExport:
             # Every label set made now, so that each series shows (at 0) before its first count.
             for labels in metric.source.fixed_labels() or []:
                 key = (metric.name, _labels_key(labels))
-                self._children[key] = family.labels(**{process_label: rank, **labels})
+                self._children[key] = family.labels(**{process_label: str(seat), **labels})
         self._task = PeriodicTask("mptok-metrics", self.sync, SYNC_INTERVAL_S)
 
     def start(self) -> None:
@@ -59,7 +57,7 @@ class MetricsExport:
         """Bring every series up to ``snapshot()`` now; a section the snapshot lacks (no routing) is left as it is."""
         with self._lock:
             snapshot = self._snapshot()
-            for metric in self._series:
+            for metric in PLUGIN_SERIES:
                 try:
                     samples = list(metric.source.samples(snapshot))
                 except KeyError:

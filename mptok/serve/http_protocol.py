@@ -34,6 +34,7 @@ logger = logging.getLogger("mptok.frontend")
 
 # A header block (request line and headers) larger than this is answered 431.
 MAX_HEADER_BYTES = 16 * 1024
+_HEADER_BLOCK_TOO_LARGE = f"the request's header block exceeds {MAX_HEADER_BYTES} bytes"
 # After an error answer, how long what the client still sends is read and dropped.
 LINGER_S = 2.0
 # The path label of answers given before a request was parsed (mptok_http_requests_total).
@@ -53,10 +54,7 @@ def error_response(status: int, message: str, retry_after_s: int | None = None) 
     """A whole HTTP/1.1 response in mptok's error shape that closes the connection."""
     body = error_body(status, message)
     head = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-        "content-type: application/json",
-        f"content-length: {len(body)}",
-        "connection: close",
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json", f"content-length: {len(body)}", "connection: close",
     ]
     if retry_after_s is not None:
         head.append(f"retry-after: {retry_after_s}")
@@ -104,7 +102,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._unsupported_upgrade_warning()  # no WebSocket here; the request is answered as plain HTTP
         except httptools.HttpParserError as e:
             if self._header_too_large:
-                self._refuse_header_block()
+                self._refuse(431, _HEADER_BLOCK_TOO_LARGE)
             else:
                 self._refuse(400, f"malformed HTTP request: {e}")
             return
@@ -113,7 +111,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._heading and not heading:
             self._header_bytes += len(data)  # began in this chunk: counts what came before it too
         if self._heading and self._header_bytes > MAX_HEADER_BYTES:
-            self._refuse_header_block()
+            self._refuse(431, _HEADER_BLOCK_TOO_LARGE)
         elif self._arriving:
             self._arm()  # a request is arriving: its deadline runs from its first byte
         else:
@@ -159,9 +157,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._header_bytes > MAX_HEADER_BYTES:
             self._header_too_large = True
             raise _HeaderBlockTooLarge
-
-    def _refuse_header_block(self) -> None:
-        self._refuse(431, f"the request's header block exceeds {MAX_HEADER_BYTES} bytes")
 
     def _arm(self) -> None:
         if self._deadline is None:

@@ -35,9 +35,7 @@ class TokenizeFrontends:
     hang_timeout_s: float | None = None
     standby = False
     spares = 0
-
-    def __init__(self) -> None:
-        self._template_source: str | None = None
+    _template_source: str | None = None  # read by check()
 
     def check(self, options: ServeOptions) -> None:
         if options.tokenizer is not None and not os.path.exists(options.tokenizer):

@@ -82,21 +82,9 @@ class TokenizeService:
     """
 
     def __init__(
-        self,
-        frontend_id: int,
-        tokenizer: Any,
-        cache: TokenCache,
-        template: ChatTemplate,
-        *,
-        max_prompt_chars: int,
-        threads: int,
-        max_in_flight: int,
-        queue_timeout_s: float,
-        max_messages: int,
-        max_model_len: int | None = None,
-        served_model_names: tuple[str, ...] = (),
-        affinity_chars: int = 0,
-        routing: Routing | None = None,
+        self, frontend_id: int, tokenizer: Any, cache: TokenCache, template: ChatTemplate, *, max_prompt_chars: int, threads: int,
+        max_in_flight: int, queue_timeout_s: float, max_messages: int, max_model_len: int | None = None,
+        served_model_names: tuple[str, ...] = (), affinity_chars: int = 0, routing: Routing | None = None,
         warm: Callable[[], object] | None = None,
     ):
         self.frontend_id = frontend_id
