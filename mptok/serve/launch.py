@@ -35,7 +35,7 @@ class TokenizeFrontends:
     hang_timeout_s: float | None = None
     standby = False
     spares = 0
-    _template_source: str | None = None  # read by check()
+    _template_source: str | None = None  # set by check(), read by target()
 
     def check(self, options: ServeOptions) -> None:
         if options.tokenizer is not None and not os.path.exists(options.tokenizer):
