@@ -50,10 +50,7 @@ class ConversationIdentity:
 
 
 def identify(
-    explicit_id: str | None,
-    messages: Sequence[dict[str, Any]] | None,
-    prompt: str | None,
-    affinity_chars: int = 0,
+    explicit_id: str | None, messages: Sequence[dict[str, Any]] | None, prompt: str | None, affinity_chars: int = 0,
     chat_key: Callable[[Sequence[dict[str, Any]]], str | None] | None = None,
 ) -> ConversationIdentity:
     """The identity of one request's conversation: an explicit id, else a chat's

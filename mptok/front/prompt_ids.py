@@ -22,15 +22,7 @@ from mptok.cache.protocols import Routing, TokenCache
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
 from mptok.core.ids import as_id_array
-from mptok.front.catalogue import (
-    DIRECT_PROMPT_TOKENS,
-    DIRECT_PROMPTS,
-    ENGINE_NAMES,
-    ERRORS,
-    PROMPT_COUNTS,
-    PROMPT_TOKENS,
-    TEXT_LENGTHS,
-)
+from mptok.front.catalogue import DIRECT_PROMPT_TOKENS, DIRECT_PROMPTS, ENGINE_NAMES, ERRORS, PROMPT_COUNTS, PROMPT_TOKENS, TEXT_LENGTHS
 
 
 class PromptIds:

@@ -26,14 +26,7 @@ import orjson
 from mptok.api.affinity import ChatNames, identify
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_tools
 from mptok.api.chat_turns import ChatTurn, ChatTurns
-from mptok.api.tokenize_request import (
-    RETRY_AFTER_S,
-    RequestError,
-    TokenizeRequest,
-    error_body,
-    parse_detokenize_request,
-    parse_tokenize_request,
-)
+from mptok.api.tokenize_request import RETRY_AFTER_S, RequestError, TokenizeRequest, error_body, parse_detokenize_request, parse_tokenize_request
 from mptok.api.vllm_contract import RequestLimits
 from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
