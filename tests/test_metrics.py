@@ -70,7 +70,7 @@ def test_histogram_buckets_are_cumulative_and_end_at_inf():
 class _FailingRouting:
     """Routing whose every call raises, as a broken encoder would."""
 
-    def encode(self, tokenizer, text, key=None):
+    def encode(self, tokenizer, text, key=None, deadline=None):
         raise RuntimeError("no")
 
     encode_array = encode

@@ -503,7 +503,7 @@ def test_ids_json_reuses_a_conversations_last_answer_and_writes_what_orjson_writ
     written = IdsJson(max_bytes=1 << 30)
 
     def check(array: np.ndarray, key: str | None = "chat") -> None:
-        assert written.dumps(array, key) == orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY)
+        assert b"".join(written.parts(array, key)) == orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY)
 
     pieces = IdPieces.of(ids[: 2 * CHUNK_IDS + 5])
     check(pieces.array())
@@ -518,5 +518,5 @@ def test_ids_json_reuses_a_conversations_last_answer_and_writes_what_orjson_writ
     check(ids[:10])
     assert written.stats()["answers_kept"] == 1
     small = IdsJson(max_bytes=CHUNK_IDS)  # a bound below one answer: nothing kept, still right
-    assert small.dumps(ids, "chat") == orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
+    assert b"".join(small.parts(ids, "chat")) == orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
     assert small.stats() == {"answers_kept": 0, "answer_bytes": 0}

@@ -1,25 +1,17 @@
 """A conversation's identity when its client sends none.
 
-Routing sends each conversation to the frontend that holds it, and it needs
-a name for the conversation to do that: a session id in the body or a
-header. Most clients of an OpenAI-compatible server send none (the OpenAI
-SDKs, agents built on them, benchmarks), so their prompts were never routed
-and each frontend extended whatever it had last seen of them.
-
-A chat carries its own identity: the messages up to and including the first
-user message do not change from one turn to the next, and they differ
+Routing needs a name for each conversation, and most clients of an
+OpenAI-compatible server send none (the OpenAI SDKs, agents built on them,
+benchmarks). A chat carries its own: the messages up to and including the
+first user message do not change from one turn to the next, and they differ
 between conversations even when a fleet of agents shares one long system
-prompt (each agent gets its own task). Hashed, they choose the owner exactly
-as a session id would. Two conversations that begin with the same messages
-get the same identity and the same owner; the cache keeps a branch for each
-of them under it (``mptok.cache``), so they share an owner without evicting
-each other.
+prompt (each agent gets its own task). Two conversations that begin with the
+same messages share an owner, where the cache keeps a branch for each.
 
-A raw prompt carries no structure to find that stable part in. Hashing its
-first ``affinity_chars`` characters is offered as an opt-in: it is right
-only when those characters differ between conversations, and it sends every
-conversation whose prompts share a longer prefix (a common system prompt) to
-one owner.
+A raw prompt has no such stable part. Hashing its first ``affinity_chars``
+characters is an opt-in: right only when those differ between
+conversations, it sends every conversation whose prompts share a longer
+prefix (a common system prompt) to one owner.
 """
 
 from __future__ import annotations
@@ -58,10 +50,7 @@ class ConversationIdentity:
 
 
 def identify(
-    explicit_id: str | None,
-    messages: Sequence[dict[str, Any]] | None,
-    prompt: str | None,
-    affinity_chars: int = 0,
+    explicit_id: str | None, messages: Sequence[dict[str, Any]] | None, prompt: str | None, affinity_chars: int = 0,
     chat_key: Callable[[Sequence[dict[str, Any]]], str | None] | None = None,
 ) -> ConversationIdentity:
     """The identity of one request's conversation: an explicit id, else a chat's
@@ -97,13 +86,10 @@ def header_conversation_id(header: Callable[[str], str | None]) -> str | None:
 class ChatNames:
     """``chat_identity`` decided once per conversation, then looked up.
 
-    A chat's stable messages arrive again with every turn. Seen before, they
-    are found by a dict lookup (Python's hash of their strings, then a
-    comparison with the kept ones, both in C) instead of being serialized
-    and digested again. Only messages whose every value is a string (or
-    null) are looked up (``1 == True`` in Python, not in JSON); others are
-    digested every time. Bounded: ``max_bytes`` of kept messages, least
-    recently used dropped first. Thread-safe.
+    A chat's stable messages seen before are found by a dict lookup (in C)
+    instead of being serialized and digested again; only those whose every
+    value is a string or null (``1 == True`` in Python, not in JSON). Bounded
+    by ``max_bytes`` of kept messages, least recently used dropped first. Thread-safe.
     """
 
     def __init__(self, max_bytes: int = 16 << 20):
@@ -134,12 +120,8 @@ _NAME_OVERHEAD_BYTES = 200  # a message's tuples, as CPython holds them
 
 def chat_identity(messages: Sequence[dict[str, Any]]) -> str | None:
     """``chat:<hash>`` of the messages up to and including the first user
-    message; None if no message is a user's, or if they are not plain JSON
-    (objects of a client library, which an engine may hand over).
-
-    Every field of those messages counts (role, content, name, ...), with
-    keys sorted, so the same messages give the same identity whatever order
-    a client writes their fields in.
+    message (every field, keys sorted); None if no message is a user's, or if
+    they are not plain JSON (a client library's objects, which an engine may hand over).
     """
     try:
         first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)

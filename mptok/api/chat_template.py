@@ -7,14 +7,14 @@ tokenizer whose config carries none, ``DEEPSEEK_V3_TEMPLATE`` below, written
 for its added tokens. A tokenizer with none of these answers ``messages``
 with a clear 400, never with a guessed format.
 
-Rendering goes through transformers' ``apply_chat_template(...,
-tokenize=False)``, the same sandboxed Jinja environment vLLM uses, so a
-template renders here as it does there. It never touches the Rust
-tokenizer, so threads may render concurrently.
+Rendering is transformers' ``apply_chat_template(..., tokenize=False)``'s,
+the sandboxed Jinja environment vLLM uses, so a template renders here as it
+does there; it never touches the Rust tokenizer, so threads may render at once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -22,19 +22,15 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 
-# vLLM's answer (without --trust-request-chat-template, its default and
-# mptok's only mode) to a request that brings its own template, whether in
-# the body or in its chat_template_kwargs.
+# vLLM's answer (without --trust-request-chat-template, mptok's only mode) to a
+# request that brings its own template, in the body or its chat_template_kwargs.
 UNTRUSTED_TEMPLATE_REFUSAL = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
     "Refused request with untrusted chat template."
 )
 
-# DeepSeek V3's template without its tool-call branches: the begin-of-sentence
-# token, system prompts joined by blank lines, "<｜User｜>" before each user
-# message, "<｜Assistant｜>" ... "<｜end▁of▁sentence｜>" around each answer
-# (text before "</think>" dropped, as V3 does), and "<｜Assistant｜>" as the
-# generation prompt.
+# DeepSeek V3's template without its tool-call branches (text before "</think>"
+# dropped from answers, as V3 does).
 DEEPSEEK_V3_TEMPLATE = (
     "{%- set ns = namespace(system_prompt='', is_first_sp=true) -%}"
     "{%- for message in messages -%}"
@@ -63,13 +59,8 @@ _DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assist
 
 class BuiltInPieces:
     """``DEEPSEEK_V3_TEMPLATE`` in Python, message by message, so a conversation's
-    kept rendering of its earlier messages is reused (``mptok.api.chat_turns``).
-
-    The template writes the begin-of-sentence token, the system prompts
-    joined by blank lines, then for each message a piece that depends on
-    that message alone (``piece``), then the generation prompt
-    (``text``). tests/test_vllm_contract.py compares it with the Jinja source
-    turn after turn.
+    kept rendering of its earlier messages is reused (``mptok.api.chat_turns``);
+    tests/test_vllm_contract.py compares it with the Jinja source turn after turn.
     """
 
     @staticmethod
@@ -116,8 +107,6 @@ class ChatTemplate:
             check_template_source(source)
         self.source = source
         self.origin = origin
-        self._variables: set[str] | None = None
-        self._template: Any = None
         # The built-in template, in Python (wherever its source came from).
         self.pieces = BuiltInPieces if source == DEEPSEEK_V3_TEMPLATE else None
 
@@ -135,53 +124,30 @@ class ChatTemplate:
         return cls(None, "none")
 
     def render(
-        self,
-        tokenizer: Any,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        *,
-        continue_final_message: bool = False,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        prepared: bool = False,
+        self, tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, *, continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None, prepared: bool = False,
     ) -> str:
         """The prompt text; ``ChatTemplateError`` if the template refuses the messages.
 
-        ``template_kwargs`` (a request's ``chat_template_kwargs``) reach the
-        template as variables after ``accepted_kwargs`` has filtered them.
-        ``prepared``: the messages are ``template_messages``' already.
-
-        The text is transformers' ``apply_chat_template(..., tokenize=False)``'s:
-        its compiled template (the same sandboxed environment), given the
-        messages as it prepares them (``template_messages``), the tools, and
-        the tokenizer's special tokens under the request's variables. Only
-        ``continue_final_message`` and ``documents`` go through
-        ``apply_chat_template`` itself.
+        ``template_kwargs``: a request's ``chat_template_kwargs``, filtered by
+        ``accepted_kwargs``. ``prepared``: the messages are ``template_messages``' already.
+        The text is ``apply_chat_template(..., tokenize=False)``'s, rendered by
+        its compiled template without its per-call copy of every message; only
+        ``continue_final_message`` and ``documents`` go through it.
         """
         if self.source is None:
-            raise ChatTemplateError(
-                "this tokenizer has no chat template: send a prompt, or start the server with --chat-template FILE"
-            )
+            raise ChatTemplateError("this tokenizer has no chat template: send a prompt, or start the server with --chat-template FILE")
+        kwargs = template_kwargs or {}
         try:
-            compiled = self._compiled()
-            if compiled is None or continue_final_message or "documents" in (template_kwargs or {}):
+            if self._compiled is None or continue_final_message or "documents" in kwargs:
                 text = tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    chat_template=self.source,
-                    **(template_kwargs or {}),
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tokenize=False,
+                    messages, tools=tools, chat_template=self.source, **kwargs, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=False,
                 )
             else:
-                # What apply_chat_template renders, without its per-call copy of every message.
-                text = compiled.render(
-                    messages=messages if prepared else template_messages(messages),
-                    tools=tools,
-                    documents=None,
-                    add_generation_prompt=add_generation_prompt,
-                    **{**tokenizer.special_tokens_map, **(template_kwargs or {})},
+                text = self._compiled.render(
+                    messages=messages if prepared else template_messages(messages), tools=tools, documents=None,
+                    add_generation_prompt=add_generation_prompt, **{**tokenizer.special_tokens_map, **kwargs},
                 )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template refused the messages: {e}") from None
@@ -195,25 +161,20 @@ class ChatTemplate:
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
         return text
 
+    @functools.cached_property
     def _compiled(self) -> Any:
         """transformers' compiled template of ``source`` (cached there), or None
         where its compiler is not where this version of transformers keeps it."""
-        if self._template is None:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-            except ImportError:
-                self._template = False
-            else:
-                self._template = _compile_jinja_template(self.source)
-        return self._template or None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:
+            return None
+        return _compile_jinja_template(self.source)
 
     def accepted_kwargs(self, requested: dict[str, Any]) -> dict[str, Any]:
-        """The part of a request's ``chat_template_kwargs`` that reaches the template.
-
-        As vLLM does: ``chat_template`` and ``tokenize`` are refused
-        (``ChatTemplateError``); names the template never reads, other than
-        ``documents``, are dropped; the rest pass as template variables.
-        """
+        """The part of a request's ``chat_template_kwargs`` that reaches the template, as in vLLM:
+        ``chat_template`` and ``tokenize`` are refused (``ChatTemplateError``); names the template
+        never reads, other than ``documents``, are dropped."""
         if requested.get("chat_template") is not None:
             raise ChatTemplateError(UNTRUSTED_TEMPLATE_REFUSAL)
         refused = sorted({"chat_template", "tokenize"} & requested.keys())
@@ -221,13 +182,12 @@ class ChatTemplate:
             raise ChatTemplateError(f"Found unexpected chat template kwargs from request: {', '.join(refused)}")
         if self.source is None:
             return {}
-        variables = self._template_variables() | {"documents"}
+        variables = self._template_variables | {"documents"}
         return {k: v for k, v in requested.items() if k in variables and k not in _SET_BY_REQUEST}
 
+    @functools.cached_property
     def _template_variables(self) -> set[str]:
-        if self._variables is None:
-            self._variables = set(jinja2.meta.find_undeclared_variables(_parsed(self.source)))
-        return self._variables
+        return set(jinja2.meta.find_undeclared_variables(_parsed(self.source)))
 
 
 # Request fields that reach apply_chat_template under their own name; the
@@ -236,16 +196,10 @@ _SET_BY_REQUEST = frozenset({"add_generation_prompt", "continue_final_message", 
 
 
 def vllm_conversation(messages: list[dict[str, Any]], start: int = 0) -> list[dict[str, Any]]:
-    """The messages as vLLM hands them to a chat template (text-only, "string" content format).
-
-    Each message becomes ``role`` and ``content`` (a string: a list of text
-    parts is joined with newlines, a missing or null content is ""), plus,
-    on an assistant message, non-empty ``tool_calls`` (each call's JSON
-    ``arguments`` string parsed to an object, since tool-use templates expect
-    one) and its ``reasoning`` (also as ``reasoning_content``); on a tool
-    message ``tool_call_id``; on a developer message its ``tools``; and
-    ``name`` when it is a string. ``ChatTemplateError`` when a call's
-    arguments are not JSON (naming the message by its index plus ``start``).
+    """The messages as vLLM hands them to a chat template (text-only, "string" content format):
+    text parts joined with newlines, a tool call's JSON ``arguments`` parsed to an object (as
+    tool-use templates expect). ``ChatTemplateError`` when they are not JSON, naming the
+    message by its index plus ``start``.
     """
     conversation = []
     for i, message in enumerate(messages, start):
@@ -312,28 +266,18 @@ def vllm_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     normalized = []
     for tool in tools:
         function = tool["function"]
-        dumped_function = {
-            "name": function["name"],
-            "description": function.get("description"),
-            "parameters": function.get("parameters"),
-            **{k: v for k, v in function.items() if k not in ("name", "description", "parameters")},
-        }
-        normalized.append(
-            {
-                "type": tool.get("type", "function"),
-                "function": dumped_function,
-                **{k: v for k, v in tool.items() if k not in ("type", "function")},
-            }
-        )
+        # A key already placed keeps its place when ``**function`` sets it again.
+        dumped = {"name": function["name"], "description": function.get("description"), "parameters": function.get("parameters"), **function}
+        others = {k: v for k, v in tool.items() if k not in ("type", "function")}
+        normalized.append({"type": tool.get("type", "function"), "function": dumped, **others})
     return normalized
 
 
 def _has_tokens(tokenizer: Any, tokens: tuple[str, ...]) -> bool:
     """Whether ``tokenizer``'s vocabulary, added tokens included, holds every one of ``tokens``.
 
-    Asked of the Rust tokenizer token by token where there is one: its
-    ``get_vocab`` builds a dict of the whole vocabulary (128k entries for
-    the embedded tokenizer) at every frontend's start, for four lookups.
+    Asked of the Rust tokenizer where there is one: ``get_vocab`` builds a
+    dict of the whole vocabulary at every frontend's start, for four lookups.
     """
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if rust is not None and hasattr(rust, "token_to_id"):

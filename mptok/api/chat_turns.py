@@ -1,22 +1,15 @@
 """A conversation's messages as its chat template sees them, and their rendering, kept from its last turn.
 
-A turn of a chat resends every earlier message. Checking each (vLLM's
-rules), converting each to what vLLM hands a template, preparing each as
-transformers does, counting its characters and rendering it is Python per
-message, a cost that grows with the conversation. ``ChatTurns`` keeps, per
-conversation key, the messages of its last turn as sent and as prepared: a
-new turn whose first messages equal those (one comparison of parsed JSON,
-at C speed) takes their preparation and their character count as they are,
-and checks and prepares only the messages after them. A turn that changed
-an earlier message shares only the messages before it.
-
-With the built-in template (``BuiltInPieces``: each message's piece of the
-prompt depends on that message alone) the pieces of the shared messages are
-kept too, and the prompt is one join of the frame, those pieces and the new
-messages' pieces: no template code runs for the messages before.
-
-What is kept is bounded (``ByteBoundedLru``): about the messages' size, least
-recently used conversation dropped first.
+A turn of a chat resends every earlier message, and checking, converting,
+preparing, counting and rendering each is Python per message. ``ChatTurns``
+keeps, per conversation key, its last turn's messages as sent and as
+prepared: a new turn whose first messages equal those (one comparison, at C
+speed) takes their preparation and character count, and checks and prepares
+only the messages after them. With the built-in template (``BuiltInPieces``:
+each message's piece of the prompt depends on that message alone) the pieces
+are kept too, and the prompt is one join: no template code runs for the
+messages before. Bounded (``ByteBoundedLru``): about the messages' size,
+least recently used conversation dropped first.
 """
 
 from __future__ import annotations
@@ -42,13 +35,10 @@ class _Pieces:
     pieces: list[str]
     systems: list[tuple[int, str]]
 
-    def upto(self, known: int) -> _Pieces:
-        return _Pieces(self.pieces[:known], [s for s in self.systems if s[0] < known])
-
     def extended(self, prepared: list[dict[str, Any]], start: int) -> _Pieces | None:
-        """These pieces with those of ``prepared`` (messages ``start``...) after them; None
-        if the template refuses one of them (its Jinja source then renders the refusal)."""
-        pieces, systems = list(self.pieces), list(self.systems)
+        """The pieces of the messages before ``start``, then those of ``prepared`` (messages ``start``...);
+        None if the template refuses one of them (its Jinja source then renders the refusal)."""
+        pieces, systems = self.pieces[:start], [s for s in self.systems if s[0] < start]
         for i, message in enumerate(prepared, start):
             piece = BuiltInPieces.piece(message)
             if piece is None:
@@ -103,11 +93,15 @@ class ChatTurn:
         prepared = new if kept is None else kept.prepared[:known] + new
         if self._turns.pieces:
             if kept is not None and kept.pieces is not None:
-                self._pieces = kept.pieces.upto(known).extended(new, known)
+                self._pieces = kept.pieces.extended(new, known)
             else:
                 self._pieces = _NO_PIECES.extended(prepared, 0)
         if self._key is not None:
-            self._turns.keep(self._key, self.messages, prepared, kept, known, self._pieces)
+            chars, sizes = ([0], [0]) if kept is None else (kept.chars[: known + 1], kept.sizes[: known + 1])
+            for message in self.messages[known:]:
+                chars.append(chars[-1] + _content_chars(message))
+                sizes.append(sizes[-1] + _message_bytes(message))
+            self._turns.kept.put(self._key, _Kept(list(self.messages), prepared, chars, sizes, self._pieces), sizes[-1])
         return prepared
 
     def built_in_text(self, add_generation_prompt: bool) -> str | None:
@@ -123,23 +117,10 @@ class ChatTurns:
 
     def __init__(self, pieces: bool, max_bytes: int = DEFAULT_MAX_BYTES):
         self.pieces = pieces
-        self._kept: ByteBoundedLru[_Kept] = ByteBoundedLru(max_bytes)
+        self.kept: ByteBoundedLru[_Kept] = ByteBoundedLru(max_bytes)
 
     def turn(self, key: str | None, messages: list[Any]) -> ChatTurn:
-        return ChatTurn(self, key, messages, None if key is None else self._kept.get(key))
-
-    def keep(
-        self, key: str, sent: list[Any], prepared: list[dict[str, Any]], kept: _Kept | None, known: int, pieces: _Pieces | None
-    ) -> None:
-        chars, sizes = ([0], [0]) if kept is None else (kept.chars[: known + 1], kept.sizes[: known + 1])
-        for message in sent[known:]:
-            chars.append(chars[-1] + _content_chars(message))
-            sizes.append(sizes[-1] + _message_bytes(message))
-        self._kept.put(key, _Kept(list(sent), prepared, chars, sizes, pieces), sizes[-1])
-
-    def stats(self) -> dict[str, int]:
-        entries, nbytes = self._kept.stats()
-        return {"chats_kept": entries, "chat_bytes": nbytes}
+        return ChatTurn(self, key, messages, None if key is None else self.kept.get(key))
 
 
 def _shared(kept: list[Any], messages: list[Any]) -> int:

@@ -1,9 +1,7 @@
 """The bodies of ``POST /tokenize`` and ``POST /detokenize``, validated the way vLLM reads them, and the errors a client gets.
 
-Kept apart from the HTTP app and from tokenizing so that what a client may
-send, and what it hears back when the body is wrong, reads in one place: a
-client's mistake is a ``RequestError`` with a 4xx status and a message that
-names the field, never a 500.
+A client's mistake is a ``RequestError`` with a 4xx status and a message
+that names the field, never a 500.
 """
 
 from __future__ import annotations
@@ -24,11 +22,12 @@ RETRY_AFTER_S = 1
 class RequestError(Exception):
     """A client's mistake: answered with ``status`` and ``message``, never a 500."""
 
-    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None):
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None, param: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s  # sent as Retry-After (503: overloaded or stopping)
+        self.param = param  # the error body's "param": the field at fault, where vLLM names it
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,8 @@ class TokenizeRequest:
 def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> TokenizeRequest:
     """Parse and type-check a body the way vLLM's ``/tokenize`` reads it; ``RequestError`` (400) if wrong.
 
-    Each message is checked by ``check_messages``, which the caller runs.
-
-    ``add_special_tokens`` defaults to true for a prompt and false for
-    messages, ``add_generation_prompt`` to true; ``conversation_id`` in the
-    body wins over the header's.
+    The caller checks each message (``check_messages``). ``add_special_tokens`` defaults to true for
+    a prompt, false for messages; ``add_generation_prompt`` to true; ``conversation_id`` in the body wins.
     """
     data = _json_object(body)
     has_prompt, has_messages = "prompt" in data, "messages" in data
@@ -108,12 +104,8 @@ def _message_list(messages: Any) -> list[Any]:
 
 
 def check_messages(messages: list[Any], start: int = 0) -> None:
-    """``RequestError`` (400) naming the first of ``messages[start:]`` that vLLM would refuse.
-
-    ``parse_tokenize_request`` checks that ``messages`` is a non-empty list;
-    its messages are checked here, so that a conversation's messages checked
-    on an earlier turn (``start``) are not checked again.
-    """
+    """``RequestError`` (400) naming the first of ``messages[start:]`` that vLLM would refuse
+    (those before ``start`` were checked on an earlier turn)."""
     for i in range(start, len(messages)):
         message = messages[i]
         if not isinstance(message, dict):
@@ -130,15 +122,10 @@ def _check_content(i: int, message: dict[str, Any]) -> None:
         _check_tool_calls(i, message["tool_calls"])
     if content is None or isinstance(content, str):
         return
-    if isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
-    ):
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return
-    raise RequestError(
-        400,
-        f'messages[{i}]["content"] must be a string or a list of {{"type": "text", "text": ...}} parts, '
-        f"not {_json_type(content)} (only text is tokenized)",
-    )
+    wanted = 'a string or a list of {"type": "text", "text": ...} parts'
+    raise RequestError(400, f'messages[{i}]["content"] must be {wanted}, not {_json_type(content)} (only text is tokenized)')
 
 
 def _check_tool_calls(i: int, calls: Any) -> None:
@@ -154,24 +141,14 @@ def _check_tool_calls(i: int, calls: Any) -> None:
 
 def _vllm_fields(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     """``model`` and ``return_token_strs``; for messages also ``continue_final_message``,
-    ``tools`` and ``chat_template_kwargs``, type-checked as vLLM's request models do.
-
-    Like vLLM, asking for both ``continue_final_message`` and
-    ``add_generation_prompt`` (which defaults to true) is a 400.
-    """
-    fields: dict[str, Any] = {
-        "model": _optional(data, "model", str, None),
-        "return_token_strs": _optional(data, "return_token_strs", bool, False),
-    }
+    ``tools`` and ``chat_template_kwargs``, type-checked as vLLM's request models do."""
+    fields = {"model": _optional(data, "model", str, None), "return_token_strs": _optional(data, "return_token_strs", bool, False)}
     if not chat:
         return fields
     continue_final = _optional(data, "continue_final_message", bool, False)
     if continue_final and _optional(data, "add_generation_prompt", bool, True):
-        raise RequestError(
-            400,
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
-            '(add_generation_prompt defaults to true: send "add_generation_prompt": false)',
-        )
+        both = "Cannot set both `continue_final_message` and `add_generation_prompt` to True"
+        raise RequestError(400, f'{both} (add_generation_prompt defaults to true: send "add_generation_prompt": false)')
     if data.get("chat_template") is not None:
         raise RequestError(400, UNTRUSTED_TEMPLATE_REFUSAL)
     fields["continue_final_message"] = continue_final
@@ -212,25 +189,14 @@ def _json_type(value: Any) -> str:
     return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    413: "RequestTooLarge",
-    500: "InternalServerError",
-    503: "ServiceUnavailable",
-}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLarge", 500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
-def error_body(status: int, message: str) -> bytes:
-    """An error in vLLM's shape (``_vllm_error``)."""
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """An error in vLLM's shape: ``{"object": "error", "message", "type", "param", "code"}``
+    as older vLLM releases answer, with the same fields under ``"error"`` as
+    current ones do, so that clients written against either read it."""
     kind = _ERROR_TYPES.get(status) or "".join(HTTPStatus(status).phrase.split())
-    return _vllm_error(status, message, kind)
-
-
-def _vllm_error(status: int, message: str, kind: str, param: str | None = None) -> bytes:
-    """``{"object": "error", "message", "type", "param", "code"}`` as older vLLM
-    releases answer, with the same fields under ``"error"`` as current ones
-    do, so that clients written against either read it."""
     fields = {"message": message, "type": kind, "param": param, "code": status}
     return orjson.dumps({"object": "error", **fields, "error": fields})
 
@@ -254,8 +220,3 @@ def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
             what = token if isinstance(token, float) else _json_type(token)  # JSON's 1e23 arrives as a float
             raise RequestError(400, f"tokens[{i}] must be an integer token id, not {what}")
     return DetokenizeRequest(model=_optional(data, "model", str, None), tokens=tokens)
-
-
-def not_found_body(message: str, param: str) -> bytes:
-    """vLLM's 404 for an unknown model: the error shape with ``"type": "NotFoundError"`` and ``param``."""
-    return _vllm_error(404, message, "NotFoundError", param)

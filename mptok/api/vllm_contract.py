@@ -1,12 +1,9 @@
 """The rules of vLLM's tokenizer endpoints that are not about parsing a body.
 
-A router or gateway that already calls vLLM's ``/tokenize`` and
-``/detokenize`` expects vLLM's answers to the same requests: a 404 for a model
-the server does not serve, a 400 for more tokens than the context holds, the
-context length itself in every answer, and ``/tokenizer_info``. Parsing and
-type-checking the bodies is ``mptok.api.tokenize_request``; rendering a chat as
-vLLM does is ``mptok.api.chat_template``; this module holds the rest, so that
-what vLLM decides reads in one place (see docs/SERVE.md, "Endpoints").
+A router or gateway that calls vLLM's ``/tokenize`` and ``/detokenize``
+expects vLLM's answers: a 404 for a model the server does not serve, a 400
+for more tokens than the context holds, the context length in every
+answer, and ``/tokenizer_info`` (docs/SERVE.md, "Endpoints").
 """
 
 from __future__ import annotations
@@ -22,15 +19,10 @@ from mptok.api.tokenize_request import RequestError
 _UNKNOWN_MODEL_MAX_LENGTH = 2**31
 
 
-class UnknownModel(RequestError):
-    """A request named a model this server does not serve (vLLM's 404 ``NotFoundError``)."""
-
-
 class RequestLimits:
     """What a request may name and hold: the served model names, the context
     length, the tokenizer's ids. Each ``check_*`` raises a ``RequestError``
-    (``UnknownModel`` for a model) with vLLM's status and message, or returns.
-    Immutable after construction, so threads may share it."""
+    with vLLM's status and message, or returns. Immutable, so threads may share it."""
 
     def __init__(self, tokenizer: Any, max_model_len: int | None, served_model_names: tuple[str, ...]):
         self.max_model_len = max_model_len
@@ -42,7 +34,7 @@ class RequestLimits:
     def check_model(self, model: str | None) -> None:
         """vLLM's rule: no name, or no --served-model-name, is accepted; else it must be one of them."""
         if model and self.served_model_names and model not in self.served_model_names:
-            raise UnknownModel(404, f"The model `{model}` does not exist.")
+            raise RequestError(404, f"The model `{model}` does not exist.", param="model")
 
     def check_length(self, count: int) -> None:
         """More than max_model_len tokens is a 400 with vLLM's message (its
@@ -80,10 +72,7 @@ def resolve_max_model_len(configured: int | None, tokenizer: Any) -> int | None:
 
 
 def tokenizer_info_payload(tokenizer: Any, template: ChatTemplate) -> bytes:
-    """What vLLM's ``GET /tokenizer_info`` answers: the tokenizer's init kwargs
-    (file paths dropped, added tokens as their text), ``tokenizer_class``,
-    ``model_max_length``, ``added_tokens_decoder`` (``{"id": {"content",
-    "special"}}``) and the chat template in use. In stdlib json: transformers'
+    """What vLLM's ``GET /tokenizer_info`` answers. In stdlib json: transformers'
     "unknown" model_max_length, int(1e30), does not fit orjson's 64-bit integers."""
     info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
     for path_field in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):

@@ -1,16 +1,10 @@
-"""Every mptok series, declared once: what ``mptok serve`` and the vLLM plugin export alike.
+"""Every mptok series, declared once: what ``mptok serve`` and the engine plugins export alike.
 
-A series is a name, a kind (counter, gauge, histogram), a help text, its
-labels, where its values are in a process's snapshot, and which exporters
-show it. Both exporters read the same snapshot shape, so a name, a label or
-a help text cannot drift between them: ``mptok serve`` renders the text
-itself (``mptok.supervise.metrics``), with a ``frontend`` label; the plugins
-copy the values into ``prometheus_client`` series on the engine's own
-``/metrics`` (``mptok.front.prometheus``), with an ``api_server`` label
-(SGLang's: ``tokenizer_worker``).
-
-One convention for a set of values: a label, never one series per value
-(``identity``, ``reason``, ``choice``, ``policy``).
+A series is a name, a kind, a help text, its labels, where its values are in
+a process's snapshot, and which exporters show it, so nothing can drift
+between ``mptok serve``'s own text (``mptok.supervise.metrics``) and the
+plugins' ``prometheus_client`` series (``mptok.front.prometheus``). A set
+of values is a label, never one series per value.
 """
 
 from __future__ import annotations

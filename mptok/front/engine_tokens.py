@@ -1,36 +1,26 @@
 """One engine process's prompt tokenization through mptok: the cache, and routing between its peers.
 
-An engine (vLLM, SGLang) runs several processes on one port that tokenize
-prompts (vLLM's API servers, SGLang's tokenizer workers). Each of them gets
-one ``PromptTokens`` (``PromptTokens.of_process``, for every caller with the
-same tokenizer): its cache, and with N > 1 processes ``TokenizationOwners``,
-routing each conversation to the process that holds it, in the ipc
-directory the processes of one engine share (``mptok.front.ipc_dir``).
+Each process of an engine that tokenizes prompts (vLLM's API servers,
+SGLang's tokenizer workers) gets one ``PromptTokens`` (``of_process``): its
+cache, and with N > 1 processes ``TokenizationOwners`` in the ipc directory
+they share (``mptok.front.ipc_dir``). A process learns its seat (its
+frontend id of N) from the engine's rank (vLLM's ``_api_process_rank``); by
+claiming the first seat no live process serves (``ANY_SEAT``: SGLang's
+workers have no rank, and a replacement takes the dead one's seat); or from
+an outside supervisor (``mptok render``, ``take_seat``), for a spare
+(``stand_by``) only once it gets an id: until then its cache and backend
+are built and warm, and nothing routes, serves or exports. With one
+process, or if routing cannot start, the cache alone.
 
-A process learns its seat (its frontend id of N) in one of three ways:
-
-- the engine gives it a rank (vLLM's ``parallel_config._api_process_rank``
-  / ``_api_process_count``);
-- it claims the first seat no live process serves (``ANY_SEAT``: SGLang's
-  uvicorn workers have no rank; a worker that replaces a dead one takes the
-  seat the dead one held, whose lock the kernel released);
-- an outside supervisor (``mptok render``) gives it one (``take_seat``):
-  before the engine builds its tokenizing object, or, for a process built
-  as a spare (``stand_by``), once the supervisor gives it an id: until then
-  its cache and tokenizer backend are built and warm, and nothing routes,
-  serves or exports.
-
-With one process, or if routing cannot start, the cache alone.
-
-Whatever happens inside mptok, the ids are either exactly
-``tokenizer(text, add_special_tokens=...)["input_ids"]`` or ``None``, and
-``None`` sends the prompt down the engine's own path: mptok never turns a
-request the engine would answer into an error.
+The ids are either exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``
+or None, which sends the prompt down the engine's own path: mptok never
+turns a request the engine would answer into an error.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -98,7 +88,7 @@ def take_seat(seat: Seat) -> None:
     with _lock:
         if _seat is not None:
             raise RuntimeError("a process takes one seat")
-        if _of_process is not None and _of_process.seated:
+        if _of_process is not None and _of_process._metrics is not None:  # seated
             raise RuntimeError("take_seat after the renderer was built: the seat would be ignored")
         _seat = seat
         waiting = _of_process
@@ -109,12 +99,10 @@ def take_seat(seat: Seat) -> None:
 class PromptTokens:
     """Exact prompt ids through mptok for process ``rank`` of ``count`` of the engine ``front``.
 
-    ``tokenize`` returns ``tokenizer(text, add_special_tokens=...)["input_ids"]``
-    or None (the caller then tokenizes as the engine does). ``close()`` stops
-    routing and serving within ``CLOSE_TIMEOUT_S`` and leaves the ipc directory;
-    it runs at process exit and is idempotent. Made with ``rank`` None it waits
-    for ``seat(rank, count)`` (its cache alone meanwhile, counted but not
-    exported); with ``ANY_SEAT`` it claims the first free seat of ``count``.
+    ``close()`` stops routing and serving within ``CLOSE_TIMEOUT_S`` and
+    leaves the ipc directory; it runs at process exit and is idempotent.
+    Made with ``rank`` None it waits for ``seat(rank, count)`` (its cache
+    alone meanwhile, counted but not exported).
     """
 
     def __init__(self, tokenizer: Any, rank: int | None, count: int, front: EngineFront):
@@ -130,14 +118,12 @@ class PromptTokens:
         # The cache alone until the seat starts routing (a spare's seat comes late).
         self._ids = PromptIds(tokenizer, self._cache)
         atexit.register(self.close)
-        # The engine check (seconds) happens here, so a spare has it done before it takes its seat.
-        self._warm_backend()
+        # Building the backend copies the Rust tokenizer, and warming it loads the long texts' engine
+        # (seconds each for 128k ids): here, so that a spare has it done before it takes its seat.
+        with contextlib.suppress(SlowTokenizerError):
+            backend_for(tokenizer, self._cache.config.tokenizer_backend).engines.warm()
         if rank is not None:
             self.seat(rank, count)
-
-    @property
-    def seated(self) -> bool:
-        return self._metrics is not None
 
     def seat(self, rank: int, count: int) -> None:
         """Start routing (with ``count`` > 1) and the metrics export as process ``rank`` (or ``ANY_SEAT``) of ``count``."""
@@ -230,14 +216,6 @@ class PromptTokens:
             return owners
         raise OwnerAlreadyServing(f"every seat of {count} in {path} is served by a live process")
 
-    def _warm_backend(self) -> None:
-        # Building it copies the Rust tokenizer, and warming it loads the long
-        # texts' engine (seconds each for 128k ids): at start, not on a request.
-        try:
-            backend_for(self._tokenizer, self._cache.config.tokenizer_backend).engines.warm()
-        except SlowTokenizerError:
-            pass
-
     def _log_start(self, routing: str) -> None:
         choice = self._cache.config.tokenizer_backend
         try:
@@ -249,16 +227,9 @@ class PromptTokens:
             )
         except SlowTokenizerError as e:
             backend_text = f"none ({e}): the engine's own tokenization"
-        config = self._cache.config
+        config, framed = self._cache.config, self._ids.frame is not None
         self.front.logger.info(
-            "mptok is on (%s): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d "
-            "min_chars=%d; add_special_tokens %s; routing %s",
-            self.front.switch,
-            self.name,
-            backend_text,
-            config.max_bytes,
-            config.max_entries,
-            config.min_chars,
-            "framed by the cache" if self._ids.frame is not None else "tokenized by the engine",
-            routing,
+            "mptok is on (%s): tokenizer %s, backend %s; cache max_bytes=%d max_entries=%d min_chars=%d; add_special_tokens %s; routing %s",
+            self.front.switch, self.name, backend_text, config.max_bytes, config.max_entries, config.min_chars,
+            "framed by the cache" if framed else "tokenized by the engine", routing,
         )

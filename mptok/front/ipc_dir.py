@@ -1,27 +1,19 @@
 """The private directory and authkey that the tokenizing processes of one engine server share.
 
-In vLLM and SGLang the supervisor is the engine's own server process, which
-runs no mptok code before it spawns the processes that tokenize (vLLM's API
-servers, SGLang's uvicorn workers); so those processes agree among
-themselves, where ``mptok serve``'s supervisor hands its frontends both:
+In vLLM and SGLang the engine's server process runs no mptok code before it
+spawns the processes that tokenize, so those agree among themselves:
 
-- the directory is named after the server process they share (their
-  parent): its pid and its start time in clock ticks since boot
-  (``/proc/<pid>/stat``), so two servers never share one, and a pid
-  reused after a reboot or wrap gives another name; it is made 0700 by
-  whichever process comes first and checked by every one
-  (``secure_ipc_dir``: owned by this user, no access for group or others,
-  no symbolic link);
-- the authkey is 32 random bytes in a 0600 file in it, written by the first
-  process and published with ``link`` (atomic: it appears whole or not at
-  all, and a second writer loses instead of replacing it); never in argv,
-  the environment or a log;
-- every process holds a shared ``flock`` on ``supervisor.lock`` for as
-  long as it lives, and each serves its socket under its own lock
-  (``mptok.transport``). The directory is in use while any of those locks is
-  held. The last process to close removes it; the directories of a server
-  that was SIGKILLed are removed by the next one to start (never a link,
-  another user's directory, or one with a lock held).
+- the directory is named after their parent's pid and start time in clock
+  ticks (``/proc/<pid>/stat``), so two servers never share one, even when
+  a pid is reused; made 0700 by whichever process comes first and checked
+  by every one (``secure_ipc_dir``);
+- the authkey is 32 random bytes in a 0600 file in it, published with
+  ``link`` (atomic, and a second writer loses instead of replacing it);
+  never in argv, the environment or a log;
+- every process holds a shared ``flock`` on ``supervisor.lock`` while it
+  lives. The last to close removes the directory; those of a SIGKILLed
+  server are removed by the next one to start (never a link, another
+  user's directory, or one with a lock held).
 
 The name starts with ``mptok-serve-`` and holds the same ``supervisor.lock``
 as an ``mptok serve`` directory, so either sweep may remove the other's
@@ -59,10 +51,9 @@ class SharedIpcDir:
     """The ipc directory of the engine's server process ``server_pid`` (default: the parent), joined.
 
     ``path`` and ``authkey`` are the same in every process of that server.
-    Raises ``PermissionError`` for a directory that is not this user's
-    alone, ``ProcessLookupError`` when ``server_pid`` is gone,
-    and ``OSError`` when the directory cannot be made. ``close()`` leaves it,
-    and removes it if no other process is in it; it is idempotent.
+    Raises ``PermissionError`` for a directory that is not this user's alone,
+    ``ProcessLookupError`` when ``server_pid`` is gone, ``OSError`` when it
+    cannot be made. ``close()`` leaves it (removed if unused); idempotent.
     """
 
     def __init__(self, server_pid: int | None = None):
@@ -71,7 +62,8 @@ class SharedIpcDir:
         if ticks is None:
             raise ProcessLookupError(f"server process {server_pid} is gone")
         self.path = os.path.join(tempfile.gettempdir(), f"{PREFIX}{server_pid}-{ticks}")
-        sweep_stale(tempfile.gettempdir(), keep=self.path)
+        for stale in sweep_unused(tempfile.gettempdir(), PREFIX, self.path):
+            logger.warning("mptok: removed the ipc dir %s of a server that is gone", stale)
         self._lock_fd: int | None = _join(self.path)
         try:
             self.authkey = _shared_key(self.path)
@@ -86,17 +78,6 @@ class SharedIpcDir:
         os.close(fd)
         with contextlib.suppress(OSError):
             remove_if_unused(self.path)
-
-
-def sweep_stale(parent: str, keep: str | None = None) -> list[str]:
-    """Remove this user's ``mptok-serve-engine-*`` directories in ``parent`` that no process uses.
-
-    Returns what was removed; never raises for one directory it cannot
-    judge or remove (it is left)."""
-    removed = sweep_unused(parent, PREFIX, keep)
-    for path in removed:
-        logger.warning("mptok: removed the ipc dir %s of a server that is gone", path)
-    return removed
 
 
 def _join(path: str) -> int:

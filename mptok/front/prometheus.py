@@ -1,30 +1,21 @@
 """mptok's series on an engine's own ``/metrics`` (vLLM's, SGLang's), summed over its processes.
 
-vLLM and SGLang serve ``/metrics`` from whichever process the scrape lands
-on. With several processes they run ``prometheus_client`` in multiprocess
-mode (``PROMETHEUS_MULTIPROC_DIR``, made by the engine for its processes):
-each process writes its values into files there and the scraped process
-reads them all. So each process copies its snapshot into
+With several processes the engines run ``prometheus_client`` in
+multiprocess mode: each process writes its values into files and the
+scraped one reads them all. So each process copies its snapshot into
 ``prometheus_client`` series every ``SYNC_INTERVAL_S`` (counters by the
-amount they grew, gauges as they are), labelled with its seat (vLLM's
-``api_server`` rank, SGLang's ``tokenizer_worker``); with one process the
-same series are in the default registry.
-
-The series are the catalogue's (``mptok.front.catalogue``), the same names,
-help, kinds and labels ``mptok serve`` shows.
+amount they grew, gauges as they are), labelled with its seat. The series
+are the catalogue's (``mptok.front.catalogue``), as ``mptok serve`` shows them.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from mptok.core.periodic import PeriodicTask
-from mptok.front.catalogue import VLLM, Metric, exported_by
-
-logger = logging.getLogger("mptok")
+from mptok.front.catalogue import VLLM, exported_by
 
 SYNC_INTERVAL_S = 0.5
 _STOP_JOIN_S = 1.0
@@ -46,10 +37,8 @@ class MetricsExport:
         self._lock = threading.Lock()
         # The last value copied of each counter's sample, by series and labels.
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        rank = str(seat)
         self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
-        self._series: list[Metric] = list(PLUGIN_SERIES)
-        for metric in self._series:
+        for metric in PLUGIN_SERIES:
             names = [process_label, *metric.labels]
             if metric.kind == "counter":
                 family = Counter(metric.name.removesuffix("_total"), metric.help, names)
@@ -58,18 +47,17 @@ class MetricsExport:
             # Every label set made now, so that each series shows (at 0) before its first count.
             for labels in metric.source.fixed_labels() or []:
                 key = (metric.name, _labels_key(labels))
-                self._children[key] = family.labels(**{process_label: rank, **labels})
-        self._task = PeriodicTask("mptok-metrics", self._synced, SYNC_INTERVAL_S)
+                self._children[key] = family.labels(**{process_label: str(seat), **labels})
+        self._task = PeriodicTask("mptok-metrics", self.sync, SYNC_INTERVAL_S)
 
     def start(self) -> None:
-        """Copy the counters now, then every ``SYNC_INTERVAL_S`` on a daemon thread."""
         self._task.start()
 
     def sync(self) -> None:
         """Bring every series up to ``snapshot()`` now; a section the snapshot lacks (no routing) is left as it is."""
         with self._lock:
             snapshot = self._snapshot()
-            for metric in self._series:
+            for metric in PLUGIN_SERIES:
                 try:
                     samples = list(metric.source.samples(snapshot))
                 except KeyError:
@@ -86,11 +74,4 @@ class MetricsExport:
                         child.set(value)
 
     def stop(self) -> None:
-        """Stop the thread (waiting at most ``_STOP_JOIN_S``) and copy the counters a last time."""
-        self._task.stop(_STOP_JOIN_S)
-
-    def _synced(self) -> None:
-        try:
-            self.sync()
-        except Exception:
-            logger.warning("mptok: copying the counters to /metrics failed", exc_info=True)
+        self._task.stop(_STOP_JOIN_S)  # and copies the counters a last time

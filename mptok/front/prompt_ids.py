@@ -1,20 +1,11 @@
 """A prompt's text and its conversation's identity in, its exact ids out: what every front of mptok does.
 
-``mptok serve`` (a ``/tokenize`` body, rendered) and the vLLM plugin
-(vLLM's rendered prompt) both end in the same step: the ids of one text,
-exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``, tokenized
-through mptok under the conversation's key. That step is here once:
-
-- the encoder: routing above the cache (``TokenizationOwners``: the
-  conversation's owner, or here) when there is routing, else the cache;
-- the special-token frame: the cache knows ``add_special_tokens=False``
-  only, so for ``True`` its ids are framed by the ids the tokenizer's
-  post-processor puts around one sequence (``SpecialTokenFrame``), when that
-  frame is fixed; else only the tokenizer's own call gives them;
-- the counting: prompts by identity kind, their tokens, prompts left to the
-  tokenizer's own call, and tokenizations through mptok that raised, in the
-  ``"prompts"`` section of the snapshot both exporters read
-  (``mptok.front.catalogue``).
+``mptok serve`` and the engine plugins all end in the same step, here once:
+the ids of one text, exactly ``tokenizer(text, add_special_tokens=...)["input_ids"]``,
+through routing (``TokenizationOwners``) when there is routing, else the
+cache; for ``add_special_tokens=True`` framed by the tokenizer's fixed
+``SpecialTokenFrame``, else left to the tokenizer's own call; counted in the
+``"prompts"`` section of the snapshot both exporters read (``mptok.front.catalogue``).
 """
 
 from __future__ import annotations
@@ -27,28 +18,17 @@ import numpy as np
 from mptok.api.affinity import ConversationIdentity
 from mptok.api.special_tokens import SpecialTokenFrame
 from mptok.cache.backend import SlowTokenizerError, backend_for
-from mptok.cache.protocols import Encoder, Routing, TokenCache
+from mptok.cache.protocols import Routing, TokenCache
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
 from mptok.core.ids import as_id_array
-from mptok.front.catalogue import (
-    DIRECT_PROMPT_TOKENS,
-    DIRECT_PROMPTS,
-    ENGINE_NAMES,
-    ERRORS,
-    PROMPT_COUNTS,
-    PROMPT_TOKENS,
-    TEXT_LENGTHS,
-)
+from mptok.front.catalogue import DIRECT_PROMPT_TOKENS, DIRECT_PROMPTS, ENGINE_NAMES, ERRORS, PROMPT_COUNTS, PROMPT_TOKENS, TEXT_LENGTHS
+
 
 class PromptIds:
     """Exact ids of prompt text for one tokenizer, through ``routing`` (if any) or ``cache``.
 
-    ``ids`` gives a list, or None when only the tokenizer's own call can
-    give the ids (the caller then makes that call and ``count_direct``s it);
-    ``ids_array`` gives a read-only int32 array and makes that call itself,
-    under ``tokenizer_lock``. Both raise what the encoder raises (counted as
-    an error). ``snapshot()`` is the cache's, routing's and these counts.
+    ``ids`` and ``ids_array`` raise what the encoder raises (counted as an error).
     """
 
     def __init__(self, tokenizer: Any, cache: TokenCache, routing: Routing | None = None):
@@ -56,6 +36,8 @@ class PromptIds:
         self._cache = cache
         self._routing = routing
         self.frame: SpecialTokenFrame | None = SpecialTokenFrame.derive(tokenizer)
+        if self.frame is not None:
+            self._prefix, self._suffix = as_id_array(list(self.frame.prefix)), as_id_array(list(self.frame.suffix))
         # transformers' __call__ is not thread-safe ("Already borrowed"): every
         # call of the tokenizer object itself holds this.
         self.tokenizer_lock = threading.Lock()
@@ -95,11 +77,7 @@ class PromptIds:
 
     def snapshot(self) -> dict[str, Any]:
         """``"cache"``, ``"routing"`` (when routing), ``"prompts"`` and ``"engines"``: the sections ``mptok.front.catalogue`` reads."""
-        snapshot: dict[str, Any] = {
-            "cache": self._cache.stats(),
-            "prompts": self._counts.snapshot(),
-            "engines": self._engines(),
-        }
+        snapshot: dict[str, Any] = {"cache": self._cache.stats(), "prompts": self._counts.snapshot(), "engines": self._engines()}
         if self._routing is not None:
             snapshot["routing"] = self._routing.stats()
         return snapshot
@@ -112,21 +90,17 @@ class PromptIds:
             names = {}
         return {texts: {engine: int(names.get(texts) == engine) for engine in ENGINE_NAMES} for texts in TEXT_LENGTHS}
 
-    def _framed_array(
-        self, text: str, add_special_tokens: bool, identity: ConversationIdentity, deadline: Deadline | None = None
-    ) -> np.ndarray:
-        encoder: Encoder = self._routing if self._routing is not None else self._cache
+    def _framed_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity, deadline: Deadline | None = None) -> np.ndarray:
         try:
-            if deadline is not None and self._routing is not None:
+            if self._routing is not None:
                 ids = self._routing.encode_array(self._tokenizer, text, key=identity.key, deadline=deadline)
             else:
-                ids = encoder.encode_array(self._tokenizer, text, key=identity.key)
+                ids = self._cache.encode_array(self._tokenizer, text, key=identity.key)
         except Exception:
             self._counts.add(ERRORS)
             raise
         if add_special_tokens:
-            assert self.frame is not None
-            ids = np.concatenate((self.frame.prefix_ids, ids, self.frame.suffix_ids))
+            ids = np.concatenate((self._prefix, ids, self._suffix))
         self._counts.add(identity.kind.value)
         self._counts.add(PROMPT_TOKENS, len(ids))
         return ids

@@ -2,13 +2,11 @@
 
 The supervisor starts N of these on the port's one listening socket; each
 serves its ``PrefixTokenCache`` to the others through
-``TokenizationOwners``, so a conversation is tokenized by the frontend whose
-cache holds it wherever its request lands. The HTTP side is a small ASGI
-app on uvicorn's httptools protocol (no framework: its routing and request
-objects cost more than the answer); everything that costs CPU runs in
-``TokenizeService``'s bounded thread pool, never on the event loop, so
-``/health`` and ``/metrics`` answer while prompts tokenize. This module is
-the HTTP app and the process's lifecycle.
+``TokenizationOwners``. The HTTP side is a small ASGI app on uvicorn's
+httptools protocol (no framework: its routing and request objects cost more
+than the answer); everything that costs CPU runs in ``TokenizeService``'s
+bounded thread pool, never on the event loop, so ``/health`` and
+``/metrics`` answer while prompts tokenize.
 
 Endpoints: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's contract),
 the opt-in ``GET /tokenizer_info``, ``GET /health``, ``GET /metrics``
@@ -29,6 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
+import uvicorn
 
 from mptok.api.affinity import header_conversation_id
 from mptok.api.chat_template import ChatTemplate
@@ -55,29 +54,22 @@ _OWNERS_CLOSE_FLOOR_S = 0.5
 CLIENT_GONE = 499
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its body arrived whole."""
-
-
 # An ASGI app's parts, as uvicorn hands them over.
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-Handler = Callable[[Scope, Receive], Awaitable["_Reply"]]
+Handler = Callable[[Scope, Receive], Awaitable[Answer]]
 
 
-class _Reply:
-    """One HTTP response: status, body, content type and extra headers."""
-
-    __slots__ = ("status", "body", "media_type", "headers")
-
-    def __init__(self, status: int, body: bytes = b"", media_type: bytes = b"application/json", headers: tuple[tuple[bytes, bytes], ...] = ()):
-        self.status, self.body, self.media_type, self.headers = status, body, media_type, headers
-
-    async def send(self, send: Send) -> None:
-        headers = [(b"content-length", str(len(self.body)).encode()), (b"content-type", self.media_type), *self.headers]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body})
+async def _send(send: Send, answer: Answer) -> None:
+    headers = [(b"content-length", str(len(answer.payload)).encode()), (b"content-type", answer.media_type), *answer.headers]
+    if answer.tokenize_s is not None:
+        # The same interval as mptok_tokenize_seconds, for one request.
+        headers.append((b"server-timing", f"tokenize;dur={answer.tokenize_s * 1000:.3f}".encode()))
+    if answer.retry_after_s is not None:
+        headers.append((b"retry-after", str(answer.retry_after_s).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.payload})
 
 
 def _header(scope: Scope, name: str) -> str | None:
@@ -85,7 +77,8 @@ def _header(scope: Scope, name: str) -> str | None:
     return next((value.decode("latin-1") for key, value in scope["headers"] if key == wanted), None)
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The body, or None if the client disconnected before it arrived whole."""
     declared = _header(scope, "content-length") or ""
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"the body has {declared} bytes; at most {limit} are read")
@@ -93,7 +86,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _ClientGone
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -104,35 +97,26 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def build_app(
-    service: TokenizeService,
-    snapshots: SnapshotDir,
-    publish_own: Callable[[], None],
-    tokenizer_info_payload: bytes | None = None,
+    service: TokenizeService, snapshots: SnapshotDir, publish_own: Callable[[], None], tokenizer_info_payload: bytes | None = None
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The ASGI app of one frontend: a table of (method, path) to handler, no framework
     in between. ``publish_own()`` writes this frontend's snapshot now;
     ``GET /tokenizer_info`` exists only when ``tokenizer_info_payload`` is given."""
     pid = os.getpid()
 
-    async def answered(scope: Scope, receive: Receive, path: str, work: Callable[[bytes], Awaitable[Answer | None]]) -> _Reply:
-        """``work``'s answer to the body, read while the request holds an ``Admission`` place."""
+    async def answered(scope: Scope, receive: Receive, work: Callable[[bytes], Awaitable[Answer | None]]) -> Answer:
+        """``work``'s answer to the body, read while the request holds an ``Admission`` place;
+        ``CLIENT_GONE`` when nobody is left to answer (uvicorn drops what is sent)."""
         answer: Answer | None
         try:
             with service.admission.place():
                 body = await _read_body(scope, receive, service.max_body_bytes)
-                answer = await work(body)
+                answer = None if body is None else await work(body)
         except RequestError as e:
             answer = Answer.of_error(e)
-        except _ClientGone:
-            answer = None
-        if answer is None:  # nobody to answer; uvicorn drops what is sent
-            if REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
-                service.count_request(path, CLIENT_GONE)
-            return _Reply(CLIENT_GONE)
-        service.count_request(path, answer.status)
-        return _reply(answer)
+        return Answer(CLIENT_GONE, b"") if answer is None else answer
 
-    async def tokenize(scope: Scope, receive: Receive) -> _Reply:
+    async def tokenize(scope: Scope, receive: Receive) -> Answer:
         key = header_conversation_id(lambda name: _header(scope, name))
         # One deadline from the request's first byte: the queue wait and the route take what is left.
         arrived = scope.get(ARRIVED_SCOPE_KEY)
@@ -145,23 +129,20 @@ def build_app(
             finally:
                 gone.cancel()
 
-        return await answered(scope, receive, "/tokenize", answer)
+        return await answered(scope, receive, answer)
 
-    async def detokenize(scope: Scope, receive: Receive) -> _Reply:
-        return await answered(scope, receive, "/detokenize", lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
+    async def detokenize(scope: Scope, receive: Receive) -> Answer:
+        return await answered(scope, receive, lambda body: asyncio.wrap_future(service.submit_detokenize(body)))
 
-    async def tokenizer_info(scope: Scope, receive: Receive) -> _Reply:
-        service.count_request("/tokenizer_info", 200)
-        return _Reply(200, tokenizer_info_payload or b"")
+    async def tokenizer_info(scope: Scope, receive: Receive) -> Answer:
+        return Answer(200, tokenizer_info_payload or b"")
 
-    async def health(scope: Scope, receive: Receive) -> _Reply:
-        service.count_request("/health", 200)
-        return _Reply(200, orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}))
+    async def health(scope: Scope, receive: Receive) -> Answer:
+        return Answer(200, orjson.dumps({"status": "ok", "frontend": service.frontend_id, "pid": pid}))
 
-    async def metrics(scope: Scope, receive: Receive) -> _Reply:
-        service.count_request("/metrics", 200)
+    async def metrics(scope: Scope, receive: Receive) -> Answer:
         text = await asyncio.to_thread(_render_all, snapshots, publish_own)
-        return _Reply(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
+        return Answer(200, text.encode(), media_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     routes: dict[str, tuple[str, Handler]] = {
         "/tokenize": ("POST", tokenize),
@@ -172,10 +153,10 @@ def build_app(
     if tokenizer_info_payload is not None:
         routes["/tokenizer_info"] = ("GET", tokenizer_info)
 
-    def refused(status: int, path: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> _Reply:
+    def refused(status: int, path: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
         # An unknown path is counted as "-", so that clients cannot mint label values.
         service.count_request(path, status)
-        return _Reply(status, error_body(status, message), headers=headers)
+        return Answer(status, error_body(status, message), headers=headers)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -185,13 +166,18 @@ def build_app(
                 reply = refused(404, UNPARSED_PATH, f"no endpoint {path[:200]!r}")
             elif method != route[0] and not (method == "HEAD" and route[0] == "GET"):
                 reply = refused(405, path, f"{method[:20]} {path}: Method Not Allowed", ((b"allow", route[0].encode()),))
+            elif route[0] == "GET":
+                service.count_request(path, 200)  # before /metrics renders, so that a scrape counts itself
+                reply = await route[1](scope, receive)
             else:
                 reply = await route[1](scope, receive)
+                if reply.status != CLIENT_GONE or REFUSED_SCOPE_KEY not in scope:  # else the protocol answered and counted it
+                    service.count_request(path, reply.status)
         except Exception as error:
             # A bug: answered in the error shape, then re-raised, so uvicorn logs the traceback.
-            await refused(500, UNPARSED_PATH, f"internal error: {type(error).__name__}").send(send)
+            await _send(send, refused(500, UNPARSED_PATH, f"internal error: {type(error).__name__}"))
             raise
-        await reply.send(send)
+        await _send(send, reply)
 
     return app
 
@@ -200,17 +186,6 @@ async def _client_gone(receive: Receive) -> None:
     """Returns once the client has disconnected; call only after the body was read."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _reply(answer: Answer) -> _Reply:
-    """The HTTP response of ``answer``, with its Server-Timing and Retry-After headers."""
-    headers = []
-    if answer.tokenize_s is not None:
-        # The same interval as mptok_tokenize_seconds, for one request.
-        headers.append((b"server-timing", f"tokenize;dur={answer.tokenize_s * 1000:.3f}".encode()))
-    if answer.retry_after_s is not None:
-        headers.append((b"retry-after", str(answer.retry_after_s).encode()))
-    return _Reply(answer.status, answer.payload, headers=tuple(headers))
 
 
 def _render_all(snapshots: SnapshotDir, publish_own: Callable[[], None]) -> str:
@@ -243,29 +218,17 @@ class Frontend:
             self.socket = self._stack.enter_context(listener)
             self.owners = self._stack.enter_context(
                 TokenizationOwners(
-                    settings.ipc_dir,
-                    settings.frontend_id,
-                    options.frontends,
-                    cache,
-                    tokenizer,
-                    authkey=authkey,
-                    **options.arguments_for(Use.ROUTING),
+                    settings.ipc_dir, settings.frontend_id, options.frontends, cache, tokenizer,
+                    authkey=authkey, **options.arguments_for(Use.ROUTING),
                 )
             )
             # Runs before the context's own close (a no-op then): with what
             # is left of the stop's budget.
             self._stack.callback(lambda: self.owners.close(max(_OWNERS_CLOSE_FLOOR_S, self._budget_left())))
             self.service = TokenizeService(
-                settings.frontend_id,
-                tokenizer,
-                cache,
-                template,
-                **{
-                    **options.arguments_for(Use.SERVICE),
-                    "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer),
-                },
-                routing=self.owners,
-                warm=self.owners.warm_thread,
+                settings.frontend_id, tokenizer, cache, template,
+                **{**options.arguments_for(Use.SERVICE), "max_model_len": resolve_max_model_len(options.max_model_len, tokenizer)},
+                routing=self.owners, warm=self.owners.warm_thread,
             )
             self._stack.callback(lambda: self.service.close(self._budget_left()))
             self._snapshots = SnapshotDir(settings.ipc_dir)
@@ -284,8 +247,6 @@ class Frontend:
 
         ``stop_signals`` are those that came before uvicorn took the handlers over.
         """
-        import uvicorn
-
         options = self.settings.options
         config = uvicorn.Config(
             self.app,
@@ -295,7 +256,7 @@ class Frontend:
             timeout_graceful_shutdown=options.graceful_timeout_s,
             http=guarded_protocol(options.read_timeout_s, options.max_connections, self.service.count_request),
         )
-        self._server = _server_noting_its_stop(uvicorn)(config)
+        self._server = _StopNotingServer(config)
         if stop_signals:
             return
         serving = asyncio.create_task(self._server.serve(sockets=[self.socket]))
@@ -312,13 +273,10 @@ class Frontend:
         await serving
 
     def close(self) -> None:
-        """Release everything within one budget: ``graceful_timeout_s`` from the stop signal.
-
-        uvicorn spends what in-flight requests need of it, the tokenize pool
-        and the owner what is left (the owner at least
-        ``_OWNERS_CLOSE_FLOOR_S``, to end its peers' connections cleanly),
-        so the supervisor's kill margin covers the whole stop.
-        """
+        """Release everything within one budget, ``graceful_timeout_s`` from the stop signal, so
+        that the supervisor's kill margin covers the whole stop: uvicorn spends what in-flight
+        requests need, the pool and the owner what is left (the owner at least
+        ``_OWNERS_CLOSE_FLOOR_S``, to end its peers' connections cleanly)."""
         began = getattr(self._server, "stop_began", None) or time.monotonic()
         self._stop_deadline = began + self.settings.options.graceful_timeout_s
         self._stack.close()
@@ -329,29 +287,19 @@ class Frontend:
         return max(0.0, self._stop_deadline - time.monotonic())
 
     def _publish(self) -> None:
-        self._snapshots.write(
-            self.settings.frontend_id,
-            {
-                "pid": os.getpid(),
-                "started": self._started,
-                "routing_seconds": self.owners.timings(),
-                **self.service.snapshot(),
-            },
-        )
+        snapshot = {"pid": os.getpid(), "started": self._started, "routing_seconds": self.owners.timings(), **self.service.snapshot()}
+        self._snapshots.write(self.settings.frontend_id, snapshot)
 
 
-def _server_noting_its_stop(uvicorn: Any) -> type:
+class _StopNotingServer(uvicorn.Server):
     """uvicorn's ``Server``, noting when a stop signal first came (``stop_began``, monotonic)."""
 
-    class StopNotingServer(uvicorn.Server):
-        stop_began: float | None = None
+    stop_began: float | None = None
 
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.stop_began is None:
-                self.stop_began = time.monotonic()
-            super().handle_exit(sig, frame)
-
-    return StopNotingServer
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.stop_began is None:
+            self.stop_began = time.monotonic()
+        super().handle_exit(sig, frame)
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -366,15 +314,12 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def frontend_main(settings: FrontendSettings, authkey: bytes, ready: Any, listener: socket.socket) -> None:
-    """Body of a frontend process (the supervisor's spawn target).
-
-    Sends ``("ready", pid)`` once it accepts from ``listener`` and serves its peers,
-    or ``("failed", one_line_reason)`` and exits 1 if it cannot start. If the
-    supervisor dies, however it dies, the kernel sends this process SIGTERM
+    """Body of a frontend process (the supervisor's spawn target): sends ``("ready", pid)``
+    once it accepts from ``listener`` and serves its peers, or ``("failed", one_line_reason)``
+    and exits 1. If the supervisor dies, the kernel sends this process SIGTERM
     (``mptok.supervise.lifeline``), and it stops as if the supervisor had stopped it.
     """
-    # What is process-wide is set here, not by the components: logging, the
-    # stop signals' handlers, and the switch interval peers' calls need.
+    # What is process-wide is set here, not by the components.
     configure_logging("frontend", settings.frontend_id)
     # SIGTERM/SIGINT before uvicorn takes them over, and after: uvicorn re-raises what it caught
     # once it has shut down, and the default action would kill the process before its owner closes.

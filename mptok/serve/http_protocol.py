@@ -1,26 +1,19 @@
 """uvicorn's fastest HTTP/1.1 protocol (httptools, llhttp in C) with the guards a server facing any client needs.
 
-What uvicorn's ``HttpToolsProtocol`` does on its own, seen against ``mptok serve``:
+uvicorn's ``HttpToolsProtocol`` bounds no header block (llhttp has no limit
+of its own); no request's arrival (its keep-alive timer is cancelled by
+every byte and not armed for a new connection, so a client sending a byte
+now and then holds a connection forever: slowloris); and no number of
+connections but the file limit (``limit_concurrency`` answers a plain-text
+503, ``/health`` too). It answers malformed HTTP with a plain-text 400.
 
-- Nothing bounds a header block (llhttp has no limit of its own), so a
-  client may send megabytes of headers.
-- Nothing bounds the time a request takes to arrive: the keep-alive timer
-  is cancelled by every byte received and is not armed for a new
-  connection, so a client sending a header byte now and then holds a
-  connection (a file descriptor) forever (slowloris).
-- Nothing bounds the number of connections but the process's file limit
-  (``limit_concurrency`` answers a plain-text 503 and also refuses
-  ``/health``).
-- Malformed HTTP gets a plain-text 400, not the JSON error shape.
-
-``guarded_protocol(...)`` returns an ``HttpToolsProtocol`` subclass that
-adds: a header block limit (``MAX_HEADER_BYTES``, 431 beyond it); a
-deadline for each request to arrive whole, headers and body (408 after it);
-a cap on open connections (503 at once beyond it); mptok's JSON error shape
-for these and for malformed HTTP (400); and a lingering close after them:
-the write side is shut, what the client still sends is read and dropped for
-at most ``LINGER_S``, then the socket is closed, so the answer reaches a
-client that is still sending.
+``guarded_protocol(...)`` returns a subclass that adds a header block limit
+(``MAX_HEADER_BYTES``, 431 beyond it), a deadline for each request to
+arrive whole (408), a cap on open connections (503 at once), mptok's JSON
+error shape for these and for malformed HTTP (400), and a lingering close
+after them: the write side is shut, what the client still sends is dropped
+for at most ``LINGER_S``, then the socket is closed, so the answer reaches
+a client that is still sending.
 """
 
 from __future__ import annotations
@@ -41,6 +34,7 @@ logger = logging.getLogger("mptok.frontend")
 
 # A header block (request line and headers) larger than this is answered 431.
 MAX_HEADER_BYTES = 16 * 1024
+_HEADER_BLOCK_TOO_LARGE = f"the request's header block exceeds {MAX_HEADER_BYTES} bytes"
 # After an error answer, how long what the client still sends is read and dropped.
 LINGER_S = 2.0
 # The path label of answers given before a request was parsed (mptok_http_requests_total).
@@ -60,10 +54,7 @@ def error_response(status: int, message: str, retry_after_s: int | None = None) 
     """A whole HTTP/1.1 response in mptok's error shape that closes the connection."""
     body = error_body(status, message)
     head = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-        "content-type: application/json",
-        f"content-length: {len(body)}",
-        "connection: close",
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json", f"content-length: {len(body)}", "connection: close",
     ]
     if retry_after_s is not None:
         head.append(f"retry-after: {retry_after_s}")
@@ -73,8 +64,7 @@ def error_response(status: int, message: str, retry_after_s: int | None = None) 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """``HttpToolsProtocol`` with a header limit, a request deadline, a connection cap and answers that arrive.
 
-    Configured by ``guarded_protocol``; uvicorn makes one per connection, on
-    the event loop, so nothing here needs a lock.
+    uvicorn makes one per connection, on the event loop: nothing here needs a lock.
     """
 
     read_timeout_s: float
@@ -112,7 +102,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._unsupported_upgrade_warning()  # no WebSocket here; the request is answered as plain HTTP
         except httptools.HttpParserError as e:
             if self._header_too_large:
-                self._refuse_header_block()
+                self._refuse(431, _HEADER_BLOCK_TOO_LARGE)
             else:
                 self._refuse(400, f"malformed HTTP request: {e}")
             return
@@ -121,7 +111,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._heading and not heading:
             self._header_bytes += len(data)  # began in this chunk: counts what came before it too
         if self._heading and self._header_bytes > MAX_HEADER_BYTES:
-            self._refuse_header_block()
+            self._refuse(431, _HEADER_BLOCK_TOO_LARGE)
         elif self._arriving:
             self._arm()  # a request is arriving: its deadline runs from its first byte
         else:
@@ -168,9 +158,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._header_too_large = True
             raise _HeaderBlockTooLarge
 
-    def _refuse_header_block(self) -> None:
-        self._refuse(431, f"the request's header block exceeds {MAX_HEADER_BYTES} bytes")
-
     def _arm(self) -> None:
         if self._deadline is None:
             self._deadline = self.loop.call_later(self.read_timeout_s, self._on_deadline)
@@ -212,9 +199,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
-def guarded_protocol(
-    read_timeout_s: float, max_connections: int, count: Callable[[str, int], None]
-) -> type[GuardedHttpToolsProtocol]:
+def guarded_protocol(read_timeout_s: float, max_connections: int, count: Callable[[str, int], None]) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to give ``uvicorn.Config(http=...)``; ``count(path, status)``
     is told of every answer given here (not by the app)."""
     return type(

@@ -1,16 +1,12 @@
 """The JSON of an answer's ids, reusing what the conversation's last answer wrote.
 
-A turn of a growing conversation answers its whole id list, most of which
-the last turn's answer already held: writing all of it again (orjson, from
-the int32 array) costs about 6 ns an id, the largest cost of a hit turn at
-150k tokens. ``IdsJson`` keeps, per conversation, the ids it last wrote and
-their JSON in chunks of ``CHUNK_IDS`` ids; a new answer shares the chunks
-its ids share with those (found at C speed: the same cache buffer, else one
-array comparison) and writes only the rest. The bytes are exactly what
-``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)`` gives.
-
-What is kept is bounded by ``max_bytes``: the JSON chunks and the id
-buffers they pin, least recently answered conversation dropped first.
+Writing a turn's whole id list again costs about 6 ns an id, the largest
+cost of a hit turn at 150k tokens. ``IdsJson`` keeps, per conversation, the
+ids it last wrote and their JSON in chunks of ``CHUNK_IDS``; a new answer
+reuses the chunks its ids share with those (found at C speed: the same
+cache buffer, else one array comparison) and writes only the rest, bytes
+exactly as ``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)``. Bounded by
+``max_bytes`` (the JSON and the id buffers it pins), least recently used first out.
 """
 
 from __future__ import annotations
@@ -55,12 +51,9 @@ class IdsJson:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
         self._kept: ByteBoundedLru[_Written] = ByteBoundedLru(max_bytes)
 
-    def dumps(self, ids: np.ndarray, key: str | None) -> bytes:
-        """``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)``, from ``key``'s last answer where it can."""
-        return b"".join(self.parts(ids, key))
-
     def parts(self, ids: np.ndarray, key: str | None) -> list[bytes]:
-        """``dumps(ids, key)`` in parts, for the caller to join with what surrounds it (one copy)."""
+        """``orjson.dumps(ids, option=OPT_SERIALIZE_NUMPY)`` in parts, from ``key``'s last answer
+        where it can, for the caller to join with what surrounds it (one copy)."""
         if key is None or len(ids) < CHUNK_IDS:
             return [orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)]
         last = self._kept.get(key)

@@ -1,10 +1,8 @@
 """What the supervisor needs to start a tokenizing frontend, without loading one.
 
-Importing ``mptok.serve.frontend`` in the supervisor would load the HTTP
-stack, numpy, the cache and ``tokenizers`` into a process that uses none of
-them. So ``mptok serve``'s ``FrontendKind`` (``TokenizeFrontends``) and the
-settings it crosses the spawn pipe with live here, and the frontend is named
-by its entry point, imported in the child only.
+Importing ``mptok.serve.frontend`` would load the HTTP stack, numpy, the
+cache and ``tokenizers`` into a supervisor that uses none of them, so the
+frontend is named by its entry point, imported in the child only.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from mptok.supervise.supervisor import StartupError
 class FrontendSettings:
     """What one frontend process needs to start; picklable (it crosses the spawn pipe).
 
-    ``options`` are the command line's (``mptok.supervise.options``), with the
-    port the supervisor bound (never 0). The authkey is not in here: it
-    travels as its own Process argument and is never logged.
+    ``options`` carry the port the supervisor bound (never 0). The authkey is
+    not in here: it travels as its own Process argument and is never logged.
     """
 
     frontend_id: int
@@ -38,9 +35,7 @@ class TokenizeFrontends:
     hang_timeout_s: float | None = None
     standby = False
     spares = 0
-
-    def __init__(self) -> None:
-        self._template_source: str | None = None
+    _template_source: str | None = None  # set by check(), read by target()
 
     def check(self, options: ServeOptions) -> None:
         if options.tokenizer is not None and not os.path.exists(options.tokenizer):

@@ -1,16 +1,11 @@
 """Turn a ``/tokenize`` body into exact ids and a JSON answer, in a bounded thread pool.
 
 ``TokenizeService`` is everything a frontend does for one request apart from
-HTTP: parse it (``mptok.api.tokenize_request``), render the chat template,
-tokenize through ``mptok.front.prompt_ids``, and serialize the ids with
-orjson. The HTTP app (``mptok.serve.frontend``) only reads bodies and writes
-answers.
-
-The pool is what overload fills: ``Admission``
-(``mptok.supervise.admission``) bounds the requests a frontend holds at once
-and refuses the rest at once (503, Retry-After); ``TokenizeService.answer``
-does not start work that waited too long for a thread or whose client has
-gone.
+HTTP (``mptok.serve.frontend``): parse it, render the chat template,
+tokenize through ``mptok.front.prompt_ids``, write the JSON. The pool is
+what overload fills: ``Admission`` bounds the requests a frontend holds at
+once and refuses the rest at once (503, Retry-After), and work that waited
+too long for a thread, or whose client has gone, is not started.
 """
 
 from __future__ import annotations
@@ -31,16 +26,8 @@ import orjson
 from mptok.api.affinity import ChatNames, identify
 from mptok.api.chat_template import ChatTemplate, ChatTemplateError, vllm_tools
 from mptok.api.chat_turns import ChatTurn, ChatTurns
-from mptok.api.tokenize_request import (
-    RETRY_AFTER_S,
-    RequestError,
-    TokenizeRequest,
-    error_body,
-    not_found_body,
-    parse_detokenize_request,
-    parse_tokenize_request,
-)
-from mptok.api.vllm_contract import RequestLimits, UnknownModel
+from mptok.api.tokenize_request import RETRY_AFTER_S, RequestError, TokenizeRequest, error_body, parse_detokenize_request, parse_tokenize_request
+from mptok.api.vllm_contract import RequestLimits
 from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
@@ -63,49 +50,34 @@ _WARM_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class Answer:
-    """A /tokenize response: status, JSON body, and for a tokenized prompt
-    the seconds from the parsed request to its ids (template rendering
-    excluded, routing included)."""
+    """An HTTP response: status, body, for a tokenized prompt the seconds from
+    the parsed request to its ids (template rendering excluded, routing
+    included), Retry-After, content type and other headers."""
 
     status: int
     payload: bytes
     tokenize_s: float | None = None
     retry_after_s: int | None = None
+    media_type: bytes = b"application/json"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     @classmethod
     def of_error(cls, error: RequestError) -> Answer:
-        return cls(error.status, error_body(error.status, error.message), retry_after_s=error.retry_after_s)
+        return cls(error.status, error_body(error.status, error.message, error.param), retry_after_s=error.retry_after_s)
 
 
 class TokenizeService:
     """Turns a ``/tokenize`` body into a JSON answer, in a bounded thread pool.
 
-    Everything a request costs runs in the pool's ``threads`` workers.
-    Returned ids always equal ``tokenizer(text, add_special_tokens=...)
-    ["input_ids"]`` for the rendered text. ``close()`` lets running work
-    finish for at most ``timeout_s`` and refuses new work. ``answer`` adds
-    the queue deadline and skips the work of clients that have gone.
-    ``warm`` (``TokenizationOwners.warm_thread``), when given, runs once on
-    every pool thread before the service is built, so that no request pays
-    a fast engine's first call on a new thread.
+    Returned ids always equal ``tokenizer(text, add_special_tokens=...)["input_ids"]``
+    for the rendered text. ``warm`` (``TokenizationOwners.warm_thread``) runs once on
+    every pool thread at start, so that no request pays a fast engine's first call there.
     """
 
     def __init__(
-        self,
-        frontend_id: int,
-        tokenizer: Any,
-        cache: TokenCache,
-        template: ChatTemplate,
-        *,
-        max_prompt_chars: int,
-        threads: int,
-        max_in_flight: int,
-        queue_timeout_s: float,
-        max_messages: int,
-        max_model_len: int | None = None,
-        served_model_names: tuple[str, ...] = (),
-        affinity_chars: int = 0,
-        routing: Routing | None = None,
+        self, frontend_id: int, tokenizer: Any, cache: TokenCache, template: ChatTemplate, *, max_prompt_chars: int, threads: int,
+        max_in_flight: int, queue_timeout_s: float, max_messages: int, max_model_len: int | None = None,
+        served_model_names: tuple[str, ...] = (), affinity_chars: int = 0, routing: Routing | None = None,
         warm: Callable[[], object] | None = None,
     ):
         self.frontend_id = frontend_id
@@ -122,8 +94,6 @@ class TokenizeService:
         self._chat_names = ChatNames()
         self._template = template
         self._limits = RequestLimits(tokenizer, max_model_len, served_model_names)
-        # The tokenizer object's own calls (decode, token strings) share the lock its __call__ holds.
-        self._direct_lock = self.prompt_ids.tokenizer_lock
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"tokenize-{frontend_id}")
         if warm is not None:
             warm_every_thread(self._pool, threads, warm, Deadline.after(_WARM_TIMEOUT_S))
@@ -134,19 +104,11 @@ class TokenizeService:
         self._template_failures = itertools.count(1)
         frame = self.prompt_ids.frame
         log_event(
-            logger,
-            logging.INFO,
-            "special_tokens",
-            mode="cache" if frame is not None else "full",
-            prefix=list(frame.prefix) if frame else "",
-            suffix=list(frame.suffix) if frame else "",
-            chat_template=template.origin,
+            logger, logging.INFO, "special_tokens", mode="cache" if frame is not None else "full",
+            prefix=list(frame.prefix) if frame else "", suffix=list(frame.suffix) if frame else "", chat_template=template.origin,
         )
         log_event(
-            logger,
-            logging.INFO,
-            "vllm_contract",
-            max_model_len=max_model_len if max_model_len is not None else "unknown",
+            logger, logging.INFO, "vllm_contract", max_model_len=max_model_len if max_model_len is not None else "unknown",
             served_model_names=",".join(served_model_names) or "any",
         )
 
@@ -164,21 +126,14 @@ class TokenizeService:
         future.add_done_callback(self._done)
         return future
 
-    async def answer(
-        self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future, deadline: Deadline | None = None
-    ) -> Answer | None:
+    async def answer(self, body: bytes, header_conversation_id: str | None, client_gone: asyncio.Future, deadline: Deadline) -> Answer | None:
         """The answer to a read body, or None if ``client_gone`` finished before its work started.
 
-        ``deadline`` (default: ``queue_timeout_s`` from now) is the request's
-        from its arrival: work still waiting for a pool thread when it passes
-        is not started (503 with Retry-After), and the route of work that
-        started takes what is left of it. Work that has started
-        has always finished when this returns (a thread cannot be stopped), so
-        a caller holding an ``Admission`` place holds it while the work runs.
-        Raises ``RequestError`` (503) once closed.
+        Work still waiting for a pool thread at ``deadline`` (the request's, from
+        its arrival) is not started (503 with Retry-After); started work's route
+        takes what is left of it, and has always finished when this returns, so
+        a caller's ``Admission`` place is held while it runs. ``RequestError`` (503) once closed.
         """
-        if deadline is None:
-            deadline = Deadline.after(self.queue_timeout_s)
         future = self._submit(self._answer, body, header_conversation_id, deadline)
         work = asyncio.wrap_future(future)
         await asyncio.wait({work, client_gone}, timeout=deadline.left(), return_when=asyncio.FIRST_COMPLETED)
@@ -221,9 +176,7 @@ class TokenizeService:
     def _answer(self, body: bytes, header_conversation_id: str | None, deadline: Deadline) -> Answer:
         try:
             request = parse_tokenize_request(body, header_conversation_id)
-            identity = identify(
-                request.conversation_id, request.messages, request.prompt, self._affinity_chars, self._chat_names.of
-            )
+            identity = identify(request.conversation_id, request.messages, request.prompt, self._affinity_chars, self._chat_names.of)
             chat = None
             if request.messages is not None:
                 chat = self._chats.turn(identity.key, request.messages)
@@ -245,9 +198,7 @@ class TokenizeService:
             text = request.prompt
         else:
             if len(chat.messages) > self.max_messages:
-                raise RequestError(
-                    413, f'"messages" has {len(chat.messages)} messages; at most --max-messages={self.max_messages}'
-                )
+                raise RequestError(413, f'"messages" has {len(chat.messages)} messages; at most --max-messages={self.max_messages}')
             if chat.content_chars() > self.max_prompt_chars:
                 raise self._too_long("the messages' contents")
             text = self._render(request, chat)
@@ -265,14 +216,10 @@ class TokenizeService:
                 text = chat.built_in_text(request.add_generation_prompt)
                 if text is not None:
                     return text
+            tools = vllm_tools(request.tools) if request.tools is not None else None
             return self._template.render(
-                self._tokenizer,
-                prepared,
-                request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tools=vllm_tools(request.tools) if request.tools is not None else None,
-                template_kwargs=template_kwargs,
-                prepared=True,
+                self._tokenizer, prepared, request.add_generation_prompt, continue_final_message=request.continue_final_message,
+                tools=tools, template_kwargs=template_kwargs, prepared=True,
             )
         except ChatTemplateError as e:
             raise RequestError(400, str(e)) from None
@@ -293,19 +240,11 @@ class TokenizeService:
         the ids' JSON reused from the conversation's last answer where they agree (``IdsJson``)."""
         token_strs = None
         if return_token_strs:
-            with self._direct_lock:
+            with self.prompt_ids.tokenizer_lock:  # the tokenizer object's own call
                 token_strs = self._tokenizer.convert_ids_to_tokens(ids.tolist())
-        return b"".join(
-            (
-                b'{"count":%d,"max_model_len":' % len(ids),
-                orjson.dumps(self._limits.max_model_len),
-                b',"tokens":',
-                *self._ids_json.parts(ids, key),
-                b',"token_strs":',
-                orjson.dumps(token_strs),
-                b',"frontend":%d}' % self.frontend_id,
-            )
-        )
+        head = b'{"count":%d,"max_model_len":%b,"tokens":' % (len(ids), orjson.dumps(self._limits.max_model_len))
+        tail = b',"token_strs":%b,"frontend":%d}' % (orjson.dumps(token_strs), self.frontend_id)
+        return b"".join((head, *self._ids_json.parts(ids, key), tail))
 
     def _detokenize_answer(self, body: bytes) -> Answer:
         try:
@@ -313,7 +252,7 @@ class TokenizeService:
             self._limits.check_model(request.model)
             self._limits.check_length(len(request.tokens))
             self._limits.check_ids(request.tokens)
-            with self._direct_lock:
+            with self.prompt_ids.tokenizer_lock:  # the tokenizer object's own call
                 text = self._tokenizer.decode(request.tokens)
         except Exception as e:
             return _error_answer(e, "detokenize_failed", "detokenization")
@@ -323,8 +262,6 @@ class TokenizeService:
 def _error_answer(error: Exception, event: str, work: str) -> Answer:
     """The answer to a request whose ``work`` raised ``error``: a client's
     mistake gets its own status and message, anything else a 500 logged as ``event``."""
-    if isinstance(error, UnknownModel):
-        return Answer(404, not_found_body(error.message, "model"))
     if isinstance(error, RequestError):
         return Answer.of_error(error)
     log_event(logger, logging.ERROR, event, error=f"{type(error).__name__}: {error}")

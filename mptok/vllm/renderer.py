@@ -1,30 +1,22 @@
 """The renderer of ``--tokenizer-mode mptok``: vLLM's HF renderer, tokenizing through mptok.
 
-vLLM renders every request (chat, completion, ``/tokenize``, the render
-endpoints) in two steps: ``render_messages`` turns a chat into prompt text
-with the chat template (tools, ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs`` all live there), and
-``_tokenize_prompt`` turns prompt text into ids. This renderer keeps vLLM's
-first step as it is and replaces only the second, so the text is vLLM's own
-and the ids equal what vLLM's tokenizer call would return:
+vLLM renders every request in two steps: ``render_messages`` turns a chat
+into prompt text with the chat template, and ``_tokenize_prompt`` turns
+prompt text into ids. This renderer keeps the first as it is and replaces
+only the second, so the text is vLLM's own and the ids equal what vLLM's
+tokenizer call would return:
 
 - a prompt is named for routing as ``mptok serve`` names it: by the
-  request's session header when the API server runs the
-  ``mptok.vllm.session.SessionHeaders`` middleware and the client sends
-  one; else a chat by its messages up to and including the first user
-  message (``mptok.api.affinity.chat_identity``), a name that travels from
-  ``render_messages`` to ``_tokenize_prompt`` in the prompt dict and is
-  removed before the prompt goes on;
-- vLLM tokenizes in an executor thread; this renderer has that thread run
-  in a copy of the request's context, so that the header set by the
-  middleware is seen there;
-- a completion prompt without a session header has no name: it is matched
-  by content in the cache of the API server it lands on;
+  request's session header (``mptok.vllm.session``), else a chat by
+  ``chat_identity``, a name that travels from ``render_messages`` to
+  ``_tokenize_prompt`` in the prompt dict and is removed there; a
+  completion prompt without a header is matched by content;
+- vLLM tokenizes in an executor thread, run here in a copy of the
+  request's context, so that the middleware's header is seen there;
 - vLLM's own path tokenizes what mptok cannot take exactly: multimodal
-  prompts and prompt embeddings, requests for token offsets, tokenizer
-  arguments other than ``add_special_tokens`` / ``truncation`` /
-  ``max_length``, and a prompt longer than the truncation length (vLLM
-  truncates it).
+  prompts and prompt embeddings, token offsets, tokenizer arguments other
+  than ``add_special_tokens`` / ``truncation`` / ``max_length``, and a
+  prompt longer than the truncation length (vLLM truncates it).
 """
 
 from __future__ import annotations
@@ -97,9 +89,7 @@ class MptokRenderer(HfRenderer):
 
 
 def _text_only(prompt: Any) -> bool:
-    return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not any(
-        prompt.get(field) is not None for field in _NOT_TEXT_ONLY
-    )
+    return isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and all(prompt.get(f) is None for f in _NOT_TEXT_ONLY)
 
 
 def _named(prompt: Any, messages: list[Any]) -> Any:

@@ -1,21 +1,14 @@
 """A request's session header, seen where vLLM tokenizes its prompt.
 
-``mptok serve`` names a conversation by the client's session header
-(``X-Session-Id``, ``mptok.api.affinity.CONVERSATION_HEADERS``) when it
-sends one, else by the chat's first messages. In vLLM the prompt is
-tokenized by the renderer, which never sees the HTTP request. So
-``SessionHeaders``, a pure ASGI middleware that ``vllm serve
---middleware mptok.vllm.session.SessionHeaders`` adds to each API server,
-puts the header in a ``contextvars.ContextVar`` for the time of the
-request, and ``session_id()`` reads it back: in the request's own task,
-in tasks it starts (they copy the context), and in the renderer's executor
-thread, which ``mptok.vllm.renderer`` enters with a copy of the request's
-context (``run_in_context``). Without the middleware, or outside a request,
-``session_id()`` is None and chats are named by their first messages.
-
-A header that cannot be a cache key (longer than
-``mptok.cache.config.MAX_KEY_BYTES``) names nothing: the request is served
-as if it had none, never refused for it.
+vLLM's renderer never sees the HTTP request. So ``SessionHeaders``, a pure
+ASGI middleware that ``vllm serve --middleware
+mptok.vllm.session.SessionHeaders`` adds to each API server, puts the
+header (``mptok.api.affinity.CONVERSATION_HEADERS``) in a ``ContextVar``
+for the time of the request, and ``session_id()`` reads it back: in the
+request's task, in tasks it starts, and in the renderer's executor thread
+(``run_in_context``). Without the middleware, or outside a request, it is
+None. A header that cannot be a cache key (``check_key``) names nothing:
+the request is served as if it had none, never refused for it.
 """
 
 from __future__ import annotations
@@ -71,9 +64,7 @@ def run_in_context(func: Callable[..., _T], executor: Executor) -> Callable[...,
 
 
 def _session_of(headers: Any) -> str | None:
-    found = {
-        name.lower().decode("latin-1"): value.decode("latin-1") for name, value in headers if name.lower() in _HEADER_NAMES
-    }
+    found = {name.lower().decode("latin-1"): value.decode("latin-1") for name, value in headers if name.lower() in _HEADER_NAMES}
     value = header_conversation_id(found.get)
     if value is None:
         return None

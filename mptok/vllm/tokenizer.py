@@ -1,9 +1,6 @@
-"""The tokenizer of ``--tokenizer-mode mptok``: vLLM's own HF tokenizer.
+"""The tokenizer of ``--tokenizer-mode mptok``: exactly vLLM's own HF tokenizer, in every vLLM process.
 
-Every vLLM process loads the tokenizer of the mode (the engine core to
-detokenize and guide decoding, each API server to render): all of them get
-exactly what ``--tokenizer-mode hf`` gives. Caching happens where prompts
-are tokenized, in the renderer (``mptok.vllm.renderer``); this class exists
+Caching happens in the renderer (``mptok.vllm.renderer``); this class exists
 because vLLM picks the renderer by the tokenizer mode, and it is where an
 unsupported vLLM is refused, before anything is served.
 """
