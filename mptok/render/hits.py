@@ -1,35 +1,14 @@
 """The render endpoints' hit path: vLLM's prompt and vLLM's answer bytes, without vLLM's per-request objects.
 
-A ``vllm launch render`` answer to ``/v1/chat/completions/render`` or
-``/v1/completions/render`` costs a few milliseconds of CPU on a long chat,
-most of it not in the chat template nor the tokenizer but in the objects
-around them: the request model validating every message, the answer's
-``GenerateRequest`` validating every token id, ``model_dump``, FastAPI's
-routing and serialization. ``RenderHits``, an ASGI middleware in front of
-vLLM's app, answers those two endpoints itself when it can:
-
-- the prompt is vLLM's: the request goes through vLLM's own
-  ``OnlineRenderer.render_chat`` / ``render_completion`` (message parsing,
-  the chat template with its tools and kwargs, tokenization through the
-  plugin's renderer and mptok's routed cache), on a copy of an already
-  validated request of the same options with this request's messages or
-  prompt put in;
-- the answer's bytes are those vLLM's server gave to the first request of
-  the same options (a ``Shape``), with the values that change from one
-  request to the next put in: the request id, the ids, ``max_tokens`` and
-  the count of tool calls in the history. A shape is kept only when its
-  bytes, filled with that first request's values, are vLLM's own answer
-  byte for byte, and when two other values of each changing field give the
-  bytes vLLM's own serialization gives them.
-
-Everything else goes to vLLM's app as it came (``_Route``): a request whose
-fields are not all in ``CHAT_FIELDS`` / ``COMPLETION_FIELDS`` (so a field a
-later vLLM adds is never passed over), a message that is not plain text
-with its plain tool calls (``plain_messages``), a prompt that is not one
-string, a request with an ``Origin`` header (CORS answers per origin), any
-error vLLM would answer, any option set not yet seen, and any vLLM setting
-(a tool or reasoning parser, Harmony, a Mistral tokenizer) whose answer
-depends on more than these values.
+``RenderHits``, an ASGI middleware in front of vLLM's app, answers
+``/v1/chat/completions/render`` and ``/v1/completions/render`` itself when a
+request is plain: vLLM's own ``OnlineRenderer`` renders a copy of an already
+validated request of the same options with this request's messages or
+prompt put in, and the answer is the bytes vLLM's server gave the first
+request of those options (a ``Shape``), with the values that change per
+request put in; a shape is kept only once proven byte for byte (``_shape``).
+Everything else goes to vLLM's app as it came (``_Route.to_vllm``). Why, and
+which requests are plain: docs/VLLM.md, "The hit path".
 """
 
 from __future__ import annotations
@@ -76,9 +55,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 # Keys of a plain message, by role; every value a string (the assistant's
 # content may be null, its tool calls plain function calls).
 _MESSAGE_KEYS = {
-    "system": frozenset({"role", "content", "name"}),
-    "developer": frozenset({"role", "content", "name"}),
-    "user": frozenset({"role", "content", "name"}),
+    **dict.fromkeys(("system", "developer", "user"), frozenset({"role", "content", "name"})),
     "assistant": frozenset({"role", "content", "name", "tool_calls", "reasoning"}),
     "tool": frozenset({"role", "content", "tool_call_id"}),
 }
@@ -234,7 +211,9 @@ class RenderHits:
         self._state = vllm_app.state
         self._serving: Any = None
         self._shapes: OrderedDict[bytes, Shape] = OrderedDict()
-        self._answers = _answer_counter()
+        from prometheus_client import Counter
+
+        self._answers = Counter(ANSWERS_METRIC, "Render answers by who made them: the hit path or vLLM's app", ["path"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
@@ -355,15 +334,6 @@ class _Route:
                     body.append(message.get("body", b""))
             await self._send(message)
 
-        self._hits._answers.labels("vllm").inc()
-        try:
-            await self.app_call(send)
-        finally:
-            _CAPTURE.reset(token)
-        if capture is not None and capture.result is not None and started and started[0]["status"] == 200:
-            self._keep(capture, started[0], b"".join(body))
-
-    async def app_call(self, send: Send) -> None:
         replayed = False
 
         async def receive() -> Message:
@@ -373,7 +343,13 @@ class _Route:
                 return {"type": "http.request", "body": self._body, "more_body": False}
             return await self._receive()
 
-        await self._hits.app(self._scope, receive, send)
+        self._hits._answers.labels("vllm").inc()
+        try:
+            await self._hits.app(self._scope, receive, send)
+        finally:
+            _CAPTURE.reset(token)
+        if capture is not None and capture.result is not None and started and started[0]["status"] == 200:
+            self._keep(capture, started[0], b"".join(body))
 
     def _keep(self, capture: _Capture, start: Message, answer: bytes) -> None:
         assert self._data is not None
@@ -471,12 +447,6 @@ def _modelled(online_renderer: Any) -> bool:
         and not online_renderer.use_harmony
         and not is_mistral_tokenizer(online_renderer.renderer.tokenizer)
     )
-
-
-def _answer_counter() -> Any:
-    from prometheus_client import Counter
-
-    return Counter(ANSWERS_METRIC, "Render answers by who made them: the hit path or vLLM's app", ["path"])
 
 
 async def _read_body(receive: Receive) -> bytes | None:

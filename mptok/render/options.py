@@ -12,7 +12,6 @@ here, before anything starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,9 +55,6 @@ class RenderOptions:
     vllm_args: tuple[str, ...] = ()
     hang_timeout_s: float = HANG_TIMEOUT_S
     spares: int = SPARES
-
-    def with_port(self, port: int) -> RenderOptions:
-        return dataclasses.replace(self, serve=dataclasses.replace(self.serve, port=port))
 
 
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:
