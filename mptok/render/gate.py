@@ -38,22 +38,18 @@ class RenderGate:
         self._snapshots = snapshots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http":
-            await self.app(scope, receive, send)
-        elif scope.get("method") == "POST":
-            await self._admitted(scope, receive, send)
-        elif scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
+        http = scope.get("type") == "http"
+        if http and scope.get("method") == "POST":
+            with contextlib.ExitStack() as place:
+                try:
+                    place.enter_context(self._admission.place())
+                except RequestError as e:
+                    await _send_error(send, e)
+                    return
+                await self.app(scope, receive, send)
+        elif http and scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
             await self._metrics(scope, receive, send)
         else:
-            await self.app(scope, receive, send)
-
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with contextlib.ExitStack() as place:
-            try:
-                place.enter_context(self._admission.place())
-            except RequestError as e:
-                await _send_error(send, e)
-                return
             await self.app(scope, receive, send)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -173,11 +173,6 @@ def _hole_values(request_id: str, ids: Any, max_tokens: int | None, count: int |
     return values
 
 
-def _probe_values(probe: dict[str, Any], chat: bool, default_max_tokens: bool) -> dict[str, bytes]:
-    max_tokens = None if default_max_tokens else probe["max_tokens"]
-    return _hole_values(probe["request_id"], [probe["id"]], max_tokens, probe["count"] if chat else None)
-
-
 def _cut(body: bytes, values: dict[str, bytes]) -> Cut | None:
     """``body`` cut at each hole's value, which must occur once; None if one does not."""
     at = sorted((body.find(value), hole) for hole, value in values.items() if body.count(value) == 1)
@@ -252,19 +247,19 @@ class _Route:
         self._receive = receive
         self._send = send
         self._chat = scope["path"] == CHAT_PATH
-        self._data: dict[str, Any] | None = None
+        self._key: bytes | None = None  # a plain request's endpoint and options (every field but its messages or prompt)
 
     async def answered_here(self) -> bool:
         data = plain_request(self._chat, self._headers, self._body)
         serving = self._hits.serving() if data is not None else None
         if data is None or serving is None:
             return False
-        self._data = data
-        key = self._shape_key()
-        shape = self._hits._shapes.get(key)
+        options = {k: v for k, v in data.items() if k not in ("messages", "prompt")}
+        self._key = self._scope["path"].encode() + b" " + orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
+        shape = self._hits._shapes.get(self._key)
         if shape is None:
             return False
-        self._hits._shapes.move_to_end(key)
+        self._hits._shapes.move_to_end(self._key)
         answer = await self._render(serving, shape, data)
         if answer is None:
             return False
@@ -272,12 +267,6 @@ class _Route:
         await self._send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(answer)).encode()), *shape.headers]})
         await self._send({"type": "http.response.body", "body": answer})
         return True
-
-    def _shape_key(self) -> bytes:
-        """The endpoint and the request's options (every field but the messages or the prompt)."""
-        assert self._data is not None
-        options = {k: v for k, v in self._data.items() if k not in ("messages", "prompt")}
-        return self._scope["path"].encode() + b" " + orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
 
     async def _render(self, serving: Any, shape: Shape, data: dict[str, Any]) -> bytes | None:
         """vLLM's rendering of this request on a copy of the shape's request; None where vLLM's path must answer."""
@@ -321,7 +310,7 @@ class _Route:
 
     async def to_vllm(self) -> None:
         """vLLM's app answers; a 200 answer to a plain request whose options have no shape yet makes one."""
-        capture = _Capture() if self._data is not None and self._hits.serving() is not None else None
+        capture = _Capture() if self._key is not None and self._hits.serving() is not None else None
         token = _CAPTURE.set(capture)
         started: list[Message] = []
         body: list[bytes] = []
@@ -352,14 +341,13 @@ class _Route:
             self._keep(capture, started[0], b"".join(body))
 
     def _keep(self, capture: _Capture, start: Message, answer: bytes) -> None:
-        assert self._data is not None
-        key = self._shape_key()
+        assert self._key is not None
         shapes = self._hits._shapes
-        shape = _shape(self._hits.serving(), capture, start, answer, self._chat, shapes.get(key))
+        shape = _shape(self._hits.serving(), capture, start, answer, self._chat, shapes.get(self._key))
         if shape is None:
             logger.debug("mptok render: no shape for %s", self._scope["path"])
             return
-        shapes[key] = shape
+        shapes[self._key] = shape
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
 
@@ -389,13 +377,17 @@ def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat:
         filled = generated.model_copy(update=update)
         return bytes(create_json_response(filled if chat else [filled]).body)
 
+    def probe_values(probe: dict[str, Any]) -> dict[str, bytes]:
+        max_tokens = None if default_max_tokens else probe["max_tokens"]
+        return _hole_values(probe["request_id"], [probe["id"]], max_tokens, probe["count"] if chat else None)
+
     try:
         real = _hole_values(
             generated.request_id, generated.token_ids, None if default_max_tokens else generated.sampling_params.max_tokens,
             generated.parse_context.history_tool_call_cnt if chat else None,
         )  # fmt: skip
-        cut = _cut(dumped(_PROBES[0]), _probe_values(_PROBES[0], chat, default_max_tokens))
-        if cut is None or cut.answer(_probe_values(_PROBES[1], chat, default_max_tokens)) != dumped(_PROBES[1]):
+        cut = _cut(dumped(_PROBES[0]), probe_values(_PROBES[0]))
+        if cut is None or cut.answer(probe_values(_PROBES[1])) != dumped(_PROBES[1]):
             return None
         if set(cut.holes) != set(real) or cut.answer(real) != answer:
             return None
