@@ -38,7 +38,6 @@ from mptok.serve import frontend, launch
 from mptok.serve.frontend import FrontendSettings
 from mptok.serve.service import TokenizeService
 from mptok.supervise import supervisor
-from mptok.supervise.metrics import audit
 from mptok.supervise.options import Option, ServeOptions, Use, declared_options
 from mptok.supervise.port import listening_socket
 from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
@@ -46,6 +45,7 @@ from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import _tokenizer_file, load_family_hf
+from mptok_harness.metrics import audit
 from mptok_harness.prompts import conversation
 from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, serving, startup_timeout_s, tokenize, total, wait_for_snapshots
 
