@@ -44,11 +44,8 @@ class RenderArgumentError(ValueError):
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """Everything ``mptok render`` is told; picklable (each render process gets it).
-
-    ``serve`` holds the supervisor's options (the others at their defaults);
-    ``vllm_args`` are vLLM's, after ``model``, as given.
-    """
+    """Everything ``mptok render`` is told; picklable (each render process gets it). ``serve``: the supervisor's
+    options (the others at their defaults); ``vllm_args``: vLLM's, after ``model``, as given."""
 
     serve: ServeOptions
     model: str

@@ -91,12 +91,9 @@ def parse_seconds(text: str) -> float:
 class Option:
     """How one ``ServeOptions`` field is given on the command line and where it goes.
 
-    ``parse`` turns one command-line word into the value (raising
-    ``argparse.ArgumentTypeError`` or ``ValueError`` for a bad one); None
-    makes a flag without a value (the field's default is False). ``many``
-    takes one or more words (a tuple). ``argument`` is the keyword the
-    component of ``use`` takes it as (default: the field's name).
-    ``choices``, if any, are the only words accepted.
+    ``parse`` turns one word into the value (raising ``ArgumentTypeError`` or ``ValueError`` for a bad one); None
+    makes a flag without a value (default False). ``many`` takes one or more words (a tuple). ``argument`` is the
+    keyword the component of ``use`` takes it as (default: the field's name); ``choices``, the only words accepted.
     """
 
     flag: str

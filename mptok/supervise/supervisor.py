@@ -62,13 +62,9 @@ class StartupError(Exception):
 
 
 class RestartPolicy:
-    """Back-off and crash-loop limit for one frontend id.
-
-    ``delay_after_exit(now)`` gives the seconds to wait before restarting,
-    doubling from ``first_delay_s`` with each exit in the window (at most
-    ``_MAX_RESTART_DELAY_S``), or None once more than ``max_restarts`` exits fell
-    within ``window_s``: a crash loop.
-    """
+    """Back-off and crash-loop limit for one frontend id: ``delay_after_exit(now)`` is the wait before a restart,
+    doubling from ``first_delay_s`` with each exit in the window (at most ``_MAX_RESTART_DELAY_S``), or None once
+    more than ``max_restarts`` exits fell within ``window_s``: a crash loop."""
 
     def __init__(self, max_restarts: int, window_s: float, first_delay_s: float):
         self._max_restarts = max_restarts
@@ -152,12 +148,8 @@ class _Slot(_Child):
 
 
 class StopSignals:
-    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once.
-
-    Process-wide: entering installs the handlers (and the wakeup fd), from
-    the main thread, as the process's entry point does (``mptok.supervise.run``);
-    leaving restores what was there.
-    """
+    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once. Process-wide: entering
+    installs the handlers and the wakeup fd (from the main thread: ``mptok.supervise.run``); leaving restores them."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -213,11 +205,8 @@ class Supervisor:
         self._spares_at: float | None = None  # monotonic; when missing spares may be started
 
     def run(self) -> int:
-        """Start, serve until a signal (or every frontend is given up), stop.
-
-        Raises ``StartupError`` when it cannot start; everything it started
-        is stopped and removed first.
-        """
+        """Start, serve until a signal (or every frontend is given up), stop; ``StartupError`` when it cannot
+        start, once everything it started is stopped and removed."""
         with contextlib.ExitStack() as cleanup:
             cleanup.enter_context(self._preflight())  # closed last: the port is free once everything stopped
             sweep_stale()
