@@ -64,3 +64,30 @@ def test_a_slot_started_without_spares_stands_by_then_serves(tmp_path):
         started = server.wait_for_log(r'event=frontend_started frontend=0 pid=(\d+) restarts=1 start="new process"', after=offset)
         server.wait_for_log(rf"event=frontend_ready frontend=0 pid={started.group(1)} restarts=1", after=offset)
         assert "spare_started" not in server.log()
+
+
+def test_a_spare_still_starting_takes_a_slot_and_gets_the_rest_of_its_start_up_time(tmp_path):
+    args = ("--frontends", "1", "--spares", "1", "--standby-after", "3")
+    with Server(tmp_path / "standby.log", *args, command=COMMAND) as server:
+        spare = int(server.wait_for_log(r"event=spare_started pid=(\d+)").group(1))
+        offset = len(server.log())
+        os.kill(server.frontend_pids()[0], signal.SIGKILL)
+        server.wait_for_log(rf'event=frontend_started frontend=0 pid={spare} restarts=1 start="spare still starting"', after=offset)
+        server.wait_for_log(rf"event=frontend_ready frontend=0 pid={spare} restarts=1", after=offset)
+        assert "spare_ready" not in server.log()[offset:]  # it stood by as the slot's process, not as a spare
+
+
+def test_spares_that_crash_loop_pause_for_the_given_up_retry(tmp_path):
+    args = ("--frontends", "1", "--spares", "1", "--max-restarts", "0", "--given-up-retry", "1")
+    with Server(tmp_path / "standby.log", *args, command=COMMAND) as server:
+        spare = int(server.wait_for_log(r"event=spare_ready pid=(\d+)").group(1))
+        offset = len(server.log())
+        os.kill(spare, signal.SIGKILL)
+        server.wait_for_log(
+            rf'level=CRITICAL .*event=spares_paused pid={spare} exit="signal SIGKILL" .*reason="spares crash loop: '
+            r'more than --max-restarts 0 exits within 60 s" action="no spares for 1 s \(--given-up-retry\)',
+            after=offset,
+        )
+        again = int(server.wait_for_log(r"event=spare_started pid=(\d+)", after=offset).group(1))
+        server.wait_for_log(rf"event=spare_ready pid={again} ", after=offset)
+        assert server.frontend_pids()[0] != spare
