@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import io
 import multiprocessing
 import os
@@ -78,10 +79,7 @@ class VllmRenderHooks:
             sock.close()
             return f"{listen_address.rpartition(':')[0]}:{args.port}", self._listener
 
-        async def gated_serve_http(app: Any, sock: Any, **kwargs: Any) -> Any:
-            return await self._serve(serve_http, app, sock, **kwargs)
-
-        entry.setup_server, entry.serve_http = shared_setup_server, gated_serve_http
+        entry.setup_server, entry.serve_http = shared_setup_server, functools.partial(self._serve, serve_http)
         try:
             yield
         finally:
