@@ -2,14 +2,11 @@
 
 The process runs vLLM's command line (``vllm_command``) with two names of
 vLLM's render entry module wrapped for the time of the call
-(``VllmRenderHooks``), nothing else: ``setup_server`` runs vLLM's checks on
-a throwaway port and returns the supervisor's listening socket;
-``serve_http`` tells the supervisor ``("standby", pid)`` (vLLM's app,
-renderer and the plugin's cache are built and warm by then), waits on its
-event loop for ``("serve", frontend_id)``, takes that seat, puts the hit
-path, the session-header middleware and ``RenderGate`` around vLLM's app,
-and once uvicorn listens starts the heartbeat and reports ``("ready", pid)``.
-It stops when vLLM does, on SIGTERM; a spare stopped while it waits exits 0.
+(``VllmRenderHooks``), nothing else: ``setup_server`` returns the
+supervisor's listening socket; ``serve_http`` stands by (vLLM's app,
+renderer and the plugin's cache built and warm) until the supervisor gives
+the process its frontend id, then takes that seat and serves vLLM's app
+behind the hit path, the session-header middleware and ``RenderGate``.
 """
 
 from __future__ import annotations
@@ -135,13 +132,8 @@ class VllmRenderHooks:
 
 
 def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
-    """Body of a render process (the supervisor's spawn target; ``conn`` is a two-way pipe,
-    ``listener`` the port's listening socket).
-
-    Sends ``("standby", pid)`` once built, then ``("ready", pid)`` once it
-    serves as the id of ``("serve", frontend_id)``, or ``("failed", reason)``
-    and exits 1 if vLLM does not start.
-    """
+    """Body of a render process, the supervisor's spawn target (``FrontendKind.standby``: ``conn`` is two-way);
+    ``("failed", reason)`` and exit 1 if vLLM does not start, exit 0 when a spare is stopped while it waits."""
     # Read by prometheus_client when it is first imported (vLLM imports it).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prometheus_dir(settings.ipc_dir)
     _make_metric_files(prometheus_dir(settings.ipc_dir))
