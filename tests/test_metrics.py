@@ -18,10 +18,10 @@ from mptok.api.affinity import named
 from mptok.core.counting import Histogram
 from mptok.front.catalogue import PROMPT_COUNTS
 from mptok.front.prompt_ids import PromptIds
-from mptok.supervise.metrics import audit, render_prometheus
+from mptok.supervise.metrics import render_prometheus
 from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT
 from mptok_harness.checks import expected_ids as expected
-from mptok_harness.metrics import example_frontend_snapshot
+from mptok_harness.metrics import audit, example_frontend_snapshot
 from mptok_harness.prompts import conversation
 
 

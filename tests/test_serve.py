@@ -38,14 +38,14 @@ from mptok.serve import frontend, launch
 from mptok.serve.frontend import FrontendSettings
 from mptok.serve.service import TokenizeService
 from mptok.supervise import supervisor
-from mptok.supervise.metrics import audit
 from mptok.supervise.options import Option, ServeOptions, Use, declared_options
-from mptok.supervise.port import tcp_socket
+from mptok.supervise.port import listening_socket
 from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
 from mptok_harness.checks import HANG_GUARD_S
 from mptok_harness.checks import expected_ids as expected
 from mptok_harness.conversations import plain_delta
 from mptok_harness.families import _tokenizer_file, load_family_hf
+from mptok_harness.metrics import audit
 from mptok_harness.prompts import conversation
 from mptok_harness.serve import SUPERVISE, Server, free_port, request, scrape, serving, startup_timeout_s, tokenize, total, wait_for_snapshots
 
@@ -414,8 +414,8 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_nothing_behind(tmp_path,
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == [], alive
         assert not os.path.exists(ipc_dir)
-        with tcp_socket("127.0.0.1", server.port) as probe:
-            probe.listen(1)  # nobody listens on the port any more
+        with listening_socket("127.0.0.1", server.port):  # nobody listens on the port any more
+            pass
         log = server.log()
         assert "event=stopping signal=SIGTERM" in log and "event=stopped" in log
     finally:

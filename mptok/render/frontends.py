@@ -1,16 +1,14 @@
-"""What the supervisor runs in each slot for ``mptok render``, and what it cleans up after one.
+"""The supervisor's ``FrontendKind`` for ``mptok render``'s vLLM render processes, and its clean-up after one.
 
-This is the supervisor's ``FrontendKind`` for vLLM render processes. Each
-process gets the ipc directory, with a ``prometheus`` directory in it
-(prometheus_client's multiprocess directory, so that one ``/metrics`` shows
-every process). When a process has exited, its live gauges are removed from
-that directory (``mark_process_dead``); its counters stay, so totals never
-go down. The supervisor never imports vLLM: a missing vLLM is found here
-with a lookup, and each render process imports the worker on its own.
+Each process gets the ipc directory, with prometheus_client's multiprocess
+directory in it, so that one ``/metrics`` shows every process. When a
+process has exited, its live gauges are removed from that directory; its
+counters stay, so totals never go down. The supervisor never imports vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -18,9 +16,6 @@ from dataclasses import dataclass
 from mptok.render.options import RenderOptions
 from mptok.supervise.options import ServeOptions
 from mptok.supervise.supervisor import StartupError
-
-PROMETHEUS_DIR = "prometheus"
-
 
 @dataclass(frozen=True)
 class RenderSettings:
@@ -31,7 +26,7 @@ class RenderSettings:
 
 
 def prometheus_dir(ipc_dir: str) -> str:
-    return os.path.join(ipc_dir, PROMETHEUS_DIR)
+    return os.path.join(ipc_dir, "prometheus")
 
 
 class RenderFrontends:
@@ -51,8 +46,9 @@ class RenderFrontends:
 
     def target(self, frontend_id: int | None, ipc_dir: str, options: ServeOptions) -> tuple[str, RenderSettings]:
         os.makedirs(prometheus_dir(ipc_dir), mode=0o700, exist_ok=True)
-        # Imported in the child only: naming the worker's function would import vLLM here.
-        return "mptok.render.worker:render_main", RenderSettings(ipc_dir, self._options.with_port(options.port))
+        # Imported in the child only: naming the worker's function would import vLLM here. ``options``: this
+        # command's supervisor options, with the port bound.
+        return "mptok.render.worker:render_main", RenderSettings(ipc_dir, dataclasses.replace(self._options, serve=options))
 
     def exited(self, pid: int, ipc_dir: str) -> None:
         from prometheus_client import multiprocess

@@ -2,17 +2,12 @@
 
 vLLM's render app answers every request it gets, however many wait.
 ``RenderGate``, the outermost ASGI middleware of each render process's app,
-adds what ``mptok serve``'s frontends do and nothing else:
-
-- admission: a POST (every render, tokenize and derender endpoint) holds an
-  ``Admission`` place from its first byte to its last answer byte; with
-  ``--max-in-flight`` places held, the next gets 503 with ``Retry-After`` at
-  once, in vLLM's error shape;
-- ``GET /metrics``: vLLM's own answer (every render process's series, summed
-  by prometheus_client's multiprocess mode), asked for uncompressed so that
-  it can be extended, followed by the supervisor's series from its snapshot.
-
-Everything else reaches vLLM untouched, and vLLM answers it.
+adds what ``mptok serve``'s frontends do and nothing else: admission for
+every POST (from its first byte to its last answer byte; beyond
+``--max-in-flight``, 503 with ``Retry-After`` at once, in vLLM's error
+shape), and on ``GET /metrics`` the supervisor's series after vLLM's own
+answer (asked for uncompressed, so that it can be extended). Everything
+else reaches vLLM untouched.
 """
 
 from __future__ import annotations
@@ -43,22 +38,18 @@ class RenderGate:
         self._snapshots = snapshots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http":
-            await self.app(scope, receive, send)
-        elif scope.get("method") == "POST":
-            await self._admitted(scope, receive, send)
-        elif scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
+        http = scope.get("type") == "http"
+        if http and scope.get("method") == "POST":
+            with contextlib.ExitStack() as place:
+                try:
+                    place.enter_context(self._admission.place())
+                except RequestError as e:
+                    await _send_error(send, e)
+                    return
+                await self.app(scope, receive, send)
+        elif http and scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
             await self._metrics(scope, receive, send)
         else:
-            await self.app(scope, receive, send)
-
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with contextlib.ExitStack() as place:
-            try:
-                place.enter_context(self._admission.place())
-            except RequestError as e:
-                await _send_error(send, e)
-                return
             await self.app(scope, receive, send)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:

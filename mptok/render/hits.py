@@ -1,35 +1,14 @@
 """The render endpoints' hit path: vLLM's prompt and vLLM's answer bytes, without vLLM's per-request objects.
 
-A ``vllm launch render`` answer to ``/v1/chat/completions/render`` or
-``/v1/completions/render`` costs a few milliseconds of CPU on a long chat,
-most of it not in the chat template nor the tokenizer but in the objects
-around them: the request model validating every message, the answer's
-``GenerateRequest`` validating every token id, ``model_dump``, FastAPI's
-routing and serialization. ``RenderHits``, an ASGI middleware in front of
-vLLM's app, answers those two endpoints itself when it can:
-
-- the prompt is vLLM's: the request goes through vLLM's own
-  ``OnlineRenderer.render_chat`` / ``render_completion`` (message parsing,
-  the chat template with its tools and kwargs, tokenization through the
-  plugin's renderer and mptok's routed cache), on a copy of an already
-  validated request of the same options with this request's messages or
-  prompt put in;
-- the answer's bytes are those vLLM's server gave to the first request of
-  the same options (a ``Shape``), with the values that change from one
-  request to the next put in: the request id, the ids, ``max_tokens`` and
-  the count of tool calls in the history. A shape is kept only when its
-  bytes, filled with that first request's values, are vLLM's own answer
-  byte for byte, and when two other values of each changing field give the
-  bytes vLLM's own serialization gives them.
-
-Everything else goes to vLLM's app as it came (``_Route``): a request whose
-fields are not all in ``CHAT_FIELDS`` / ``COMPLETION_FIELDS`` (so a field a
-later vLLM adds is never passed over), a message that is not plain text
-with its plain tool calls (``plain_messages``), a prompt that is not one
-string, a request with an ``Origin`` header (CORS answers per origin), any
-error vLLM would answer, any option set not yet seen, and any vLLM setting
-(a tool or reasoning parser, Harmony, a Mistral tokenizer) whose answer
-depends on more than these values.
+``RenderHits``, an ASGI middleware in front of vLLM's app, answers
+``/v1/chat/completions/render`` and ``/v1/completions/render`` itself when a
+request is plain: vLLM's own ``OnlineRenderer`` renders a copy of an already
+validated request of the same options with this request's messages or
+prompt put in, and the answer is the bytes vLLM's server gave the first
+request of those options (a ``Shape``), with the values that change per
+request put in; a shape is kept only once proven byte for byte (``_shape``).
+Everything else goes to vLLM's app as it came (``_Route.to_vllm``). Why, and
+which requests are plain: docs/VLLM.md, "The hit path".
 """
 
 from __future__ import annotations
@@ -76,9 +55,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 # Keys of a plain message, by role; every value a string (the assistant's
 # content may be null, its tool calls plain function calls).
 _MESSAGE_KEYS = {
-    "system": frozenset({"role", "content", "name"}),
-    "developer": frozenset({"role", "content", "name"}),
-    "user": frozenset({"role", "content", "name"}),
+    **dict.fromkeys(("system", "developer", "user"), frozenset({"role", "content", "name"})),
     "assistant": frozenset({"role", "content", "name", "tool_calls", "reasoning"}),
     "tool": frozenset({"role", "content", "tool_call_id"}),
 }
@@ -196,11 +173,6 @@ def _hole_values(request_id: str, ids: Any, max_tokens: int | None, count: int |
     return values
 
 
-def _probe_values(probe: dict[str, Any], chat: bool, default_max_tokens: bool) -> dict[str, bytes]:
-    max_tokens = None if default_max_tokens else probe["max_tokens"]
-    return _hole_values(probe["request_id"], [probe["id"]], max_tokens, probe["count"] if chat else None)
-
-
 def _cut(body: bytes, values: dict[str, bytes]) -> Cut | None:
     """``body`` cut at each hole's value, which must occur once; None if one does not."""
     at = sorted((body.find(value), hole) for hole, value in values.items() if body.count(value) == 1)
@@ -234,7 +206,9 @@ class RenderHits:
         self._state = vllm_app.state
         self._serving: Any = None
         self._shapes: OrderedDict[bytes, Shape] = OrderedDict()
-        self._answers = _answer_counter()
+        from prometheus_client import Counter
+
+        self._answers = Counter(ANSWERS_METRIC, "Render answers by who made them: the hit path or vLLM's app", ["path"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
@@ -273,19 +247,19 @@ class _Route:
         self._receive = receive
         self._send = send
         self._chat = scope["path"] == CHAT_PATH
-        self._data: dict[str, Any] | None = None
+        self._key: bytes | None = None  # a plain request's endpoint and options (every field but its messages or prompt)
 
     async def answered_here(self) -> bool:
         data = plain_request(self._chat, self._headers, self._body)
         serving = self._hits.serving() if data is not None else None
         if data is None or serving is None:
             return False
-        self._data = data
-        key = self._shape_key()
-        shape = self._hits._shapes.get(key)
+        options = {k: v for k, v in data.items() if k not in ("messages", "prompt")}
+        self._key = self._scope["path"].encode() + b" " + orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
+        shape = self._hits._shapes.get(self._key)
         if shape is None:
             return False
-        self._hits._shapes.move_to_end(key)
+        self._hits._shapes.move_to_end(self._key)
         answer = await self._render(serving, shape, data)
         if answer is None:
             return False
@@ -293,12 +267,6 @@ class _Route:
         await self._send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(answer)).encode()), *shape.headers]})
         await self._send({"type": "http.response.body", "body": answer})
         return True
-
-    def _shape_key(self) -> bytes:
-        """The endpoint and the request's options (every field but the messages or the prompt)."""
-        assert self._data is not None
-        options = {k: v for k, v in self._data.items() if k not in ("messages", "prompt")}
-        return self._scope["path"].encode() + b" " + orjson.dumps(options, option=orjson.OPT_SORT_KEYS)
 
     async def _render(self, serving: Any, shape: Shape, data: dict[str, Any]) -> bytes | None:
         """vLLM's rendering of this request on a copy of the shape's request; None where vLLM's path must answer."""
@@ -342,7 +310,7 @@ class _Route:
 
     async def to_vllm(self) -> None:
         """vLLM's app answers; a 200 answer to a plain request whose options have no shape yet makes one."""
-        capture = _Capture() if self._data is not None and self._hits.serving() is not None else None
+        capture = _Capture() if self._key is not None and self._hits.serving() is not None else None
         token = _CAPTURE.set(capture)
         started: list[Message] = []
         body: list[bytes] = []
@@ -355,15 +323,6 @@ class _Route:
                     body.append(message.get("body", b""))
             await self._send(message)
 
-        self._hits._answers.labels("vllm").inc()
-        try:
-            await self.app_call(send)
-        finally:
-            _CAPTURE.reset(token)
-        if capture is not None and capture.result is not None and started and started[0]["status"] == 200:
-            self._keep(capture, started[0], b"".join(body))
-
-    async def app_call(self, send: Send) -> None:
         replayed = False
 
         async def receive() -> Message:
@@ -373,17 +332,22 @@ class _Route:
                 return {"type": "http.request", "body": self._body, "more_body": False}
             return await self._receive()
 
-        await self._hits.app(self._scope, receive, send)
+        self._hits._answers.labels("vllm").inc()
+        try:
+            await self._hits.app(self._scope, receive, send)
+        finally:
+            _CAPTURE.reset(token)
+        if capture is not None and capture.result is not None and started and started[0]["status"] == 200:
+            self._keep(capture, started[0], b"".join(body))
 
     def _keep(self, capture: _Capture, start: Message, answer: bytes) -> None:
-        assert self._data is not None
-        key = self._shape_key()
+        assert self._key is not None
         shapes = self._hits._shapes
-        shape = _shape(self._hits.serving(), capture, start, answer, self._chat, shapes.get(key))
+        shape = _shape(self._hits.serving(), capture, start, answer, self._chat, shapes.get(self._key))
         if shape is None:
             logger.debug("mptok render: no shape for %s", self._scope["path"])
             return
-        shapes[key] = shape
+        shapes[self._key] = shape
         while len(shapes) > MAX_SHAPES:
             shapes.popitem(last=False)
 
@@ -413,13 +377,17 @@ def _shape(serving: Any, capture: _Capture, start: Message, answer: bytes, chat:
         filled = generated.model_copy(update=update)
         return bytes(create_json_response(filled if chat else [filled]).body)
 
+    def probe_values(probe: dict[str, Any]) -> dict[str, bytes]:
+        max_tokens = None if default_max_tokens else probe["max_tokens"]
+        return _hole_values(probe["request_id"], [probe["id"]], max_tokens, probe["count"] if chat else None)
+
     try:
         real = _hole_values(
             generated.request_id, generated.token_ids, None if default_max_tokens else generated.sampling_params.max_tokens,
             generated.parse_context.history_tool_call_cnt if chat else None,
         )  # fmt: skip
-        cut = _cut(dumped(_PROBES[0]), _probe_values(_PROBES[0], chat, default_max_tokens))
-        if cut is None or cut.answer(_probe_values(_PROBES[1], chat, default_max_tokens)) != dumped(_PROBES[1]):
+        cut = _cut(dumped(_PROBES[0]), probe_values(_PROBES[0]))
+        if cut is None or cut.answer(probe_values(_PROBES[1])) != dumped(_PROBES[1]):
             return None
         if set(cut.holes) != set(real) or cut.answer(real) != answer:
             return None
@@ -471,12 +439,6 @@ def _modelled(online_renderer: Any) -> bool:
         and not online_renderer.use_harmony
         and not is_mistral_tokenizer(online_renderer.renderer.tokenizer)
     )
-
-
-def _answer_counter() -> Any:
-    from prometheus_client import Counter
-
-    return Counter(ANSWERS_METRIC, "Render answers by who made them: the hit path or vLLM's app", ["path"])
 
 
 async def _read_body(receive: Receive) -> bytes | None:

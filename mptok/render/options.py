@@ -12,7 +12,6 @@ here, before anything starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,20 +44,14 @@ class RenderArgumentError(ValueError):
 
 @dataclass(frozen=True)
 class RenderOptions:
-    """Everything ``mptok render`` is told; picklable (each render process gets it).
-
-    ``serve`` holds the supervisor's options (the others at their defaults);
-    ``vllm_args`` are vLLM's, after ``model``, as given.
-    """
+    """Everything ``mptok render`` is told; picklable (each render process gets it). ``serve``: the supervisor's
+    options (the others at their defaults); ``vllm_args``: vLLM's, after ``model``, as given."""
 
     serve: ServeOptions
     model: str
     vllm_args: tuple[str, ...] = ()
     hang_timeout_s: float = HANG_TIMEOUT_S
     spares: int = SPARES
-
-    def with_port(self, port: int) -> RenderOptions:
-        return dataclasses.replace(self, serve=dataclasses.replace(self.serve, port=port))
 
 
 def add_render_arguments(parser: argparse.ArgumentParser) -> None:

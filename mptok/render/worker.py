@@ -1,26 +1,12 @@
 """One render process of ``mptok render``: vLLM's own ``vllm launch render``, on a port it shares.
 
-The process runs vLLM's command line (``vllm_command``): vLLM parses and
-checks the arguments, loads its plugins, builds its render app and serves
-it. Two names of vLLM's render entry module are wrapped for the time of the
-call (``VllmRenderHooks``), nothing else:
-
-- ``setup_server``: vLLM's own checks and start log run on a throwaway
-  port, and the socket it returns is the supervisor's listening socket, so
-  the N processes accept from one socket;
-- ``serve_http``: vLLM's own server, after the render endpoints' hit path
-  (``RenderHits``), mptok's session-header middleware and ``RenderGate``
-  are put around its app; once uvicorn listens, the heartbeat starts on its event loop and the
-  supervisor is told ``("ready", pid)``.
-
-The process starts without a frontend id (``FrontendKind.standby``): vLLM
-builds its app, renderer and the plugin's cache and warms them
-(``mptok.front.engine_tokens.stand_by``); at the start of ``serve_http``
-the process tells the supervisor ``("standby", pid)`` and waits on its
-event loop for ``("serve", frontend_id)``. With its id it takes its seat
-(``take_seat``), so the plugin's renderer routes each conversation as
-``mptok serve``'s frontends do, and only then accepts. It stops when vLLM
-does, on SIGTERM; a spare stopped while it waits exits 0.
+The process runs vLLM's command line (``vllm_command``) with two names of
+vLLM's render entry module wrapped for the time of the call
+(``VllmRenderHooks``), nothing else: ``setup_server`` returns the
+supervisor's listening socket; ``serve_http`` stands by (vLLM's app,
+renderer and the plugin's cache built and warm) until the supervisor gives
+the process its frontend id, then takes that seat and serves vLLM's app
+behind the hit path, the session-header middleware and ``RenderGate``.
 """
 
 from __future__ import annotations
@@ -28,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import io
 import multiprocessing
 import os
@@ -60,11 +47,8 @@ def vllm_command(settings: RenderSettings) -> list[str]:
 
 
 class VllmRenderHooks:
-    """vLLM's render entry with its socket shared and its app gated, while ``installed()``.
-
-    ``ready_sent`` is True once the supervisor was told the process serves;
-    ``standing_by`` while it waits for its frontend id.
-    """
+    """vLLM's render entry with its socket shared and its app gated, while ``installed()``; ``ready_sent`` once
+    the supervisor was told the process serves, ``standing_by`` while it waits for its frontend id."""
 
     def __init__(self, settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
         self._settings = settings
@@ -92,10 +76,7 @@ class VllmRenderHooks:
             sock.close()
             return f"{listen_address.rpartition(':')[0]}:{args.port}", self._listener
 
-        async def gated_serve_http(app: Any, sock: Any, **kwargs: Any) -> Any:
-            return await self._serve(serve_http, app, sock, **kwargs)
-
-        entry.setup_server, entry.serve_http = shared_setup_server, gated_serve_http
+        entry.setup_server, entry.serve_http = shared_setup_server, functools.partial(self._serve, serve_http)
         try:
             yield
         finally:
@@ -151,13 +132,8 @@ class VllmRenderHooks:
 
 
 def render_main(settings: RenderSettings, authkey: bytes, conn: Any, listener: socket.socket) -> None:
-    """Body of a render process (the supervisor's spawn target; ``conn`` is a two-way pipe,
-    ``listener`` the port's listening socket).
-
-    Sends ``("standby", pid)`` once built, then ``("ready", pid)`` once it
-    serves as the id of ``("serve", frontend_id)``, or ``("failed", reason)``
-    and exits 1 if vLLM does not start.
-    """
+    """Body of a render process, the supervisor's spawn target (``FrontendKind.standby``: ``conn`` is two-way);
+    ``("failed", reason)`` and exit 1 if vLLM does not start, exit 0 when a spare is stopped while it waits."""
     # Read by prometheus_client when it is first imported (vLLM imports it).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prometheus_dir(settings.ipc_dir)
     _make_metric_files(prometheus_dir(settings.ipc_dir))
@@ -214,22 +190,20 @@ def _run_vllm(argv: list[str], hooks: VllmRenderHooks) -> int | str | None:
             main()
         except SystemExit as e:
             if e.code not in (None, 0) and not hooks.ready_sent:
-                return errors.last_line() or f"exit status {e.code}"
+                return errors.last_line or f"exit status {e.code}"
             return e.code if isinstance(e.code, int) or e.code is None else str(e.code)
     return None
 
 
 class _Tee(io.TextIOBase):
-    """Writes through to ``stream``, remembering the last line (argparse's error)."""
+    """Writes through to ``stream``, remembering the last line (``last_line``: argparse's error)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self._last = ""
+        self.last_line = ""
 
     def write(self, text: str) -> int:
-        lines = [line for line in text.splitlines() if line.strip()]
-        if lines:
-            self._last = lines[-1]
+        self.last_line = next((line for line in reversed(text.splitlines()) if line.strip()), self.last_line)
         return self._stream.write(text)
 
     def flush(self) -> None:
@@ -237,6 +211,3 @@ class _Tee(io.TextIOBase):
 
     def fileno(self) -> int:
         return self._stream.fileno()
-
-    def last_line(self) -> str:
-        return self._last

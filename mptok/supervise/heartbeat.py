@@ -19,11 +19,10 @@ import os
 import time
 
 INTERVAL_S = 1.0
-_NAME = "heartbeat-{}"
 
 
 def heartbeat_path(ipc_dir: str, frontend_id: int) -> str:
-    return os.path.join(ipc_dir, _NAME.format(frontend_id))
+    return os.path.join(ipc_dir, f"heartbeat-{frontend_id}")
 
 
 def age_s(ipc_dir: str, frontend_id: int) -> float | None:

@@ -1,15 +1,11 @@
 """Stop a child process when the process that started it dies.
 
-A frontend of ``mptok serve`` must not outlive its supervisor: nobody would
-restart it, stop it or remove its ipc dir. On Linux the kernel tells it:
-``prctl(PR_SET_PDEATHSIG)`` has the kernel send a signal to the child when
-its parent dies, however the parent dies (SIGKILL included), with no thread
-and no polling. Elsewhere a daemon thread waits on the parent's sentinel
-(``multiprocessing.parent_process().sentinel``, a pipe that the parent's
-death closes) and sends the same signal.
-
-The signal is SIGTERM by default, so the child stops exactly as it does
-when the supervisor stops it: gracefully, within its shutdown budget.
+A frontend must not outlive its supervisor: nobody would restart it, stop
+it or remove its ipc dir. On Linux the kernel signals it when its parent
+dies, however it dies (``prctl(PR_SET_PDEATHSIG)``: no thread, no polling);
+elsewhere a daemon thread waits on the parent's sentinel pipe. The signal
+is SIGTERM by default, so the child stops exactly as it does when the
+supervisor stops it: gracefully, within its shutdown budget.
 """
 
 from __future__ import annotations

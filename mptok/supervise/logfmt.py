@@ -69,7 +69,10 @@ def configure_logging(role: str, frontend_id: int | None = None) -> None:
     sets the level. Raises ``ValueError`` naming the variable and its value
     when that is no level, before anything is replaced.
     """
-    level = log_level()
+    raw = os.environ.get(LOG_LEVEL_VARIABLE, "")
+    level = raw.strip().upper() or "INFO"
+    if level not in logging.getLevelNamesMapping():
+        raise ValueError(f"{LOG_LEVEL_VARIABLE}={raw!r} is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter(role, frontend_id))
     root = logging.getLogger()
@@ -77,12 +80,3 @@ def configure_logging(role: str, frontend_id: int | None = None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
-
-
-def log_level() -> str:
-    """``MPTOK_LOG_LEVEL``'s level name (default INFO); ``ValueError`` with one line for the operator if it names none."""
-    raw = os.environ.get(LOG_LEVEL_VARIABLE, "")
-    level = raw.strip().upper() or "INFO"
-    if level not in logging.getLevelNamesMapping():
-        raise ValueError(f"{LOG_LEVEL_VARIABLE}={raw!r} is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
-    return level

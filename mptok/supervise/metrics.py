@@ -6,20 +6,19 @@ whichever frontend a scrape reaches renders them all here, with a
 restart from zero in its own series, which Prometheus reads as a counter
 reset, not as a drop of the whole server.
 
-Every series is declared once, in ``mptok.front.catalogue``. ``audit``
-lists what a snapshot lacks of that declaration and what it holds that
-nothing renders; the tests run it on a real server's snapshots, so a
-renamed counter fails there instead of showing zeros.
+Every series is declared once, in ``mptok.front.catalogue``; the tests
+audit a real server's snapshots against it (``mptok_harness.metrics.audit``),
+so a renamed counter fails there instead of showing zeros.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, Labels, Metric, SnapshotPath, exported_by
+from mptok.front.catalogue import PROCESS_LABEL, SERVE, SUPERVISOR_METRICS, Labels, Metric, exported_by
 from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ def render_prometheus(snapshots: Mapping[str, Mapping[str, Any]]) -> str:
     Frontend snapshots (``SnapshotDir`` names that are frontend ids) give
     ``FRONTEND_SERIES`` with a ``frontend`` label; the supervisor's gives
     ``SUPERVISOR_METRICS``. A value missing from a snapshot is left out of
-    the text, with a warning, never shown as 0 (``audit`` finds it first).
+    the text, with a warning, never shown as 0.
     """
     frontends = sorted(((int(name), snap) for name, snap in snapshots.items() if name.isdigit()), key=lambda item: item[0])
     out: list[str] = []
@@ -56,41 +55,6 @@ def render_supervisor(snapshot: Mapping[str, Any]) -> str:
         _header(out, metric)
         _samples(out, metric, snapshot, {})
     return "\n".join(out)
-
-
-def audit(snapshots: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """What keeps ``render_prometheus`` from showing these snapshots whole: every declared
-    value a snapshot lacks, and every value it holds that no metric renders. Empty when all is well."""
-    problems = []
-    for name, snap in sorted(snapshots.items()):
-        if name.isdigit():
-            metrics = FRONTEND_SERIES
-        elif name == SUPERVISOR_SNAPSHOT:
-            metrics = SUPERVISOR_METRICS
-        else:
-            problems.append(f"snapshot {name!r} is neither a frontend's nor the supervisor's")
-            continue
-        for metric in metrics:
-            try:
-                list(metric.source.samples(snap))
-            except (KeyError, TypeError) as e:
-                problems.append(f"snapshot {name}: {metric.name} has no value ({type(e).__name__}: {e})")
-        rendered = {path for metric in metrics for path in metric.source.paths()}
-        problems.extend(
-            f"snapshot {name}: {'.'.join(path)} is not rendered"
-            for path in _leaves(snap)
-            if not any(path[: len(prefix)] == prefix for prefix in rendered)
-        )
-    return problems
-
-
-def _leaves(snapshot: Mapping[str, Any], prefix: SnapshotPath = ()) -> Iterator[SnapshotPath]:
-    """The paths of a snapshot's values; a histogram (a mapping with ``bounds``) is one value."""
-    for key, value in snapshot.items():
-        if isinstance(value, Mapping) and value and "bounds" not in value:
-            yield from _leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key)
 
 
 def _header(out: list[str], metric: Metric) -> None:

@@ -91,12 +91,9 @@ def parse_seconds(text: str) -> float:
 class Option:
     """How one ``ServeOptions`` field is given on the command line and where it goes.
 
-    ``parse`` turns one command-line word into the value (raising
-    ``argparse.ArgumentTypeError`` or ``ValueError`` for a bad one); None
-    makes a flag without a value (the field's default is False). ``many``
-    takes one or more words (a tuple). ``argument`` is the keyword the
-    component of ``use`` takes it as (default: the field's name).
-    ``choices``, if any, are the only words accepted.
+    ``parse`` turns one word into the value (raising ``ArgumentTypeError`` or ``ValueError`` for a bad one); None
+    makes a flag without a value (default False). ``many`` takes one or more words (a tuple). ``argument`` is the
+    keyword the component of ``use`` takes it as (default: the field's name); ``choices``, the only words accepted.
     """
 
     flag: str
@@ -147,14 +144,12 @@ class ServeOptions:
         "longest prompt (after the chat template) in characters; longer ones get 413 (default: %(default)s)",
         use=Use.SERVICE, default=4_000_000,
     )
-    # None: CacheConfig's (MPTOK_CACHE_MAX_BYTES, else its default).
     cache_bytes: int | None = option(
         "--cache-bytes", _bytes, "SIZE",
         "memory each frontend's prefix cache may hold for its conversations (text, ids, offsets, "
         "versions, keys), e.g. 512M or 2G; default: MPTOK_CACHE_MAX_BYTES, else 512MiB",
         use=Use.CACHE, argument="max_bytes", default=None,
     )
-    # None: CacheConfig's (MPTOK_CACHE_TOKENIZER_BACKEND, else "auto").
     tokenizer_backend: str | None = option(
         "--tokenizer-backend", str, "NAME",
         "what tokenizes prompts in full: auto (the cheapest of fastokens, gigatoken and tokenizers that gives "
@@ -171,7 +166,6 @@ class ServeOptions:
         "are always routed by their first messages (default: %(default)s)",
         use=Use.SERVICE, default=0,
     )
-    # None: MPTOK_ROUTING, else "kept" (mptok.routing.policy).
     routing: str | None = option(
         "--routing", str, "POLICY",
         "which prompts go to their conversation's owner: kept (those of conversations this frontend "

@@ -14,30 +14,19 @@ from __future__ import annotations
 import socket
 
 
-def tcp_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not listening yet), SO_REUSEADDR set.
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, SO_REUSEADDR set, listening.
 
     No SO_REUSEPORT: the bind fails while anyone listens on the port (an
     SO_REUSEPORT bind would quietly share a port another server of this
-    user holds).
+    user holds). The backlog is the kernel's cap (SOMAXCONN); each
+    frontend's server asks for its own again when it starts accepting.
     """
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The one socket every frontend accepts from: ``tcp_socket``, listening."""
-    sock = tcp_socket(host, port)
-    try:
-        # SOMAXCONN: the kernel's cap; each frontend's server asks for its
-        # own backlog again when it starts accepting.
         sock.listen(socket.SOMAXCONN)
     except BaseException:
         sock.close()

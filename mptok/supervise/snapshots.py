@@ -12,14 +12,14 @@ snapshot files", measured by ``scripts/bench_metrics.py``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
+
+from mptok.core.private_files import replace_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +37,7 @@ class SnapshotDir:
 
     def write(self, name: str | int, data: Mapping[str, Any]) -> None:
         """Replace snapshot ``name`` atomically (readers see the old or the new one, whole)."""
-        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-metrics-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(orjson.dumps(data))
-            os.replace(tmp, os.path.join(self._dir, f"{_SNAPSHOT_PREFIX}{name}{_SNAPSHOT_SUFFIX}"))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        replace_private_file(os.path.join(self._dir, f"{_SNAPSHOT_PREFIX}{name}{_SNAPSHOT_SUFFIX}"), orjson.dumps(data))
 
     def read_all(self) -> dict[str, dict[str, Any]]:
         """Every snapshot by name; one that vanishes or is unreadable is left out, with a warning."""

@@ -1,35 +1,14 @@
 """Start N frontends on one port, keep them running, stop them cleanly: ``mptok serve``'s and ``mptok render``'s.
 
 The supervisor owns what the frontends share: the port's one listening
-socket (bound before anything starts, see ``mptok.supervise.port``), the
-private ipc directory (``mptok.supervise.run_dir``) and the authkey (32
-random bytes, a spawn-context Process argument: never argv, environment,
-logs or a file). It starts the frontends (its ``FrontendKind``) and logs
-``ready`` once every one has reported over its pipe that it accepts
-connections and serves its peers.
-
-While serving, a frontend that dies is restarted under the same id, after a
-back-off that doubles with each recent crash; one that is not ready
-``startup_timeout_s`` after it was started is killed, which counts as an
-exit. More than ``max_restarts`` exits within ``restart_window_s`` is a crash
-loop: that frontend id is given up, loudly, and the others keep serving; it
-is tried again after ``given_up_retry_s``. When every frontend is given up
-at once the supervisor exits with status 3. Frontends that beat
-(``FrontendKind.hang_timeout_s``) and stop beating for that long while
-ready are hung: killed, and restarted as any exit.
-
-A kind whose processes start slowly (``FrontendKind.standby``) starts each
-one without a frontend id, and the supervisor keeps ``FrontendKind.spares``
-of them built and waiting once every slot is ready: a slot whose process
-exits takes a spare, back within the seconds a spare needs to take its id
-and listen, not the minute a start needs.
-
-SIGTERM or SIGINT: every frontend gets SIGTERM and stops within
-``graceful_timeout_s``; stragglers are SIGKILLed after a further
-``_EXIT_MARGIN_S``; then the ipc directory is removed. Every wait in here has
-a deadline. The frontends are started from the supervisor's main thread, so
-that the kernel's parent-death signal (``mptok.supervise.lifeline``) comes
-only when the supervisor itself dies.
+socket, the private ipc directory and the authkey (32 random bytes, a
+spawn-context Process argument: never argv, environment, logs or a file).
+Start-up, restarts (back-off, crash loops given up and tried again, late
+frontends killed), warm spares and the stop: docs/ARCHITECTURE.md's
+Lifecycles; hung frontends: ``mptok.supervise.heartbeat``. Every wait in
+here has a deadline. The frontends are started
+from the supervisor's main thread, so that the kernel's parent-death signal
+(``mptok.supervise.lifeline``) comes only when the supervisor itself dies.
 """
 
 from __future__ import annotations
@@ -45,7 +24,7 @@ import signal
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mptok.core.settings import engine_memo_dir
@@ -84,13 +63,9 @@ class StartupError(Exception):
 
 
 class RestartPolicy:
-    """Back-off and crash-loop limit for one frontend id.
-
-    ``delay_after_exit(now)`` gives the seconds to wait before restarting,
-    doubling from ``first_delay_s`` with each exit in the window (at most
-    ``_MAX_RESTART_DELAY_S``), or None once more than ``max_restarts`` exits fell
-    within ``window_s``: a crash loop.
-    """
+    """Back-off and crash-loop limit for one frontend id: ``delay_after_exit(now)`` is the wait before a restart,
+    doubling from ``first_delay_s`` with each exit in the window (at most ``_MAX_RESTART_DELAY_S``), or None once
+    more than ``max_restarts`` exits fell within ``window_s``: a crash loop."""
 
     def __init__(self, max_restarts: int, window_s: float, first_delay_s: float):
         self._max_restarts = max_restarts
@@ -119,23 +94,20 @@ class FrontendKind(Protocol):
     """What the supervisor runs in each slot.
 
     ``check`` runs before anything starts and raises ``StartupError`` with
-    one line for the operator. ``target(frontend_id, ipc_dir, options)``
-    names the process's entry point (``"module:function"``, imported in the
-    child only: the supervisor never loads what a frontend runs) and gives
-    its first argument (picklable); the process calls it as
-    ``function(settings, authkey, ready, listener)`` (``listener``: the
-    port's listening socket, to accept from once it serves) and sends
-    ``("ready", pid)`` or ``("failed", reason)`` on ``ready``.
-    ``exited(pid)`` runs after a process of this kind has exited and been
-    reaped. ``hang_timeout_s``:
-    None for frontends that do not beat; else how long a ready one may go
-    without a beat (``mptok.supervise.heartbeat``).
+    one line for the operator. ``target`` names the process's entry point
+    (``"module:function"``, imported in the child only: the supervisor never
+    loads what a frontend runs) and its first argument (picklable); the
+    process calls it as ``function(settings, authkey, conn, listener)``
+    (``listener``: the port's listening socket, to accept from once it
+    serves) and sends ``("ready", pid)`` or ``("failed", reason)`` on
+    ``conn``. ``exited`` runs once a process of this kind has been reaped.
+    ``hang_timeout_s``: how long a ready process may go without a beat
+    (``mptok.supervise.heartbeat``); None if it does not beat.
 
-    ``standby``: the kind's processes are started with ``frontend_id`` None
-    and a two-way pipe; each sends ``("standby", pid)`` once it has built
-    all it can without an id, and takes the id of ``("serve", frontend_id)``
-    when that arrives (at once for a slot's process, later for a spare).
-    ``spares``: how many such processes to keep waiting (0 without standby).
+    ``standby``: processes start with ``frontend_id`` None and a two-way
+    pipe, send ``("standby", pid)`` once built, and take the id of
+    ``("serve", frontend_id)`` when it arrives (at once for a slot's
+    process, later for a spare). ``spares``: how many to keep waiting.
     """
 
     hang_timeout_s: float | None
@@ -150,44 +122,35 @@ class FrontendKind(Protocol):
 
 
 @dataclass
-class _Slot:
+class _Child:
+    """A started process and the supervisor's end of its pipe; as is, a spare (started without a frontend id,
+    ``FrontendKind.standby``) until a slot takes it."""
+
+    process: Any = None
+    conn: Any = None
+    pid: int | None = None
+    started_at: float = 0.0  # monotonic
+    ready: bool = False  # a slot's process serves; a spare stands by: built, waiting for its id
+    failure: str | None = None  # what the process said when it could not start
+
+
+@dataclass(kw_only=True)
+class _Slot(_Child):
     """One frontend id: its current process (if any) and its history."""
 
     frontend_id: int
     policy: RestartPolicy
-    process: Any = None
-    conn: Any = None
-    pid: int | None = None
-    ready: bool = False
-    failure: str | None = None  # what the process said when it could not start
     restarts: int = 0
-    started_at: float = 0.0  # monotonic, when the current process was started
     restart_at: float | None = None
     ready_by: float = float("inf")  # monotonic; a process not ready by then is killed
     given_up: bool = False
     times_given_up: int = 0
-    exits: list[int | None] = field(default_factory=list)
-
-
-@dataclass
-class _Spare:
-    """A process started without a frontend id (``FrontendKind.standby``), until a slot takes it."""
-
-    process: Any
-    conn: Any
-    pid: int
-    started_at: float  # monotonic
-    warm: bool = False  # reported standby: built, waiting for its id
-    failure: str | None = None
+    last_exit: int | None = None
 
 
 class StopSignals:
-    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once.
-
-    Process-wide: entering installs the handlers (and the wakeup fd), from
-    the main thread, as the process's entry point does (``mptok.supervise.run``);
-    leaving restores what was there.
-    """
+    """SIGTERM/SIGINT as a flag plus a readable socket, so waits wake up at once. Process-wide: entering
+    installs the handlers and the wakeup fd (from the main thread: ``mptok.supervise.run``); leaving restores them."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -230,7 +193,7 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._authkey = secrets.token_bytes(32)
         self._slots = [
-            _Slot(i, RestartPolicy(options.max_restarts, options.restart_window_s, _FIRST_RESTART_DELAY_S))
+            _Slot(frontend_id=i, policy=RestartPolicy(options.max_restarts, options.restart_window_s, _FIRST_RESTART_DELAY_S))
             for i in range(options.frontends)
         ]
         self._listener: socket.socket | None = None  # the port's one listening socket, every frontend's
@@ -238,16 +201,13 @@ class Supervisor:
         self._snapshots: SnapshotDir | None = None
         self._signals = signals
         self._serving = False  # after start-up: exits are restarted, not fatal
-        self._spares: list[_Spare] = []
+        self._spares: list[_Child] = []
         self._spare_policy = RestartPolicy(options.max_restarts, options.restart_window_s, _FIRST_RESTART_DELAY_S)
         self._spares_at: float | None = None  # monotonic; when missing spares may be started
 
     def run(self) -> int:
-        """Start, serve until a signal (or every frontend is given up), stop.
-
-        Raises ``StartupError`` when it cannot start; everything it started
-        is stopped and removed first.
-        """
+        """Start, serve until a signal (or every frontend is given up), stop; ``StartupError`` when it cannot
+        start, once everything it started is stopped and removed."""
         with contextlib.ExitStack() as cleanup:
             cleanup.enter_context(self._preflight())  # closed last: the port is free once everything stopped
             sweep_stale()
@@ -291,7 +251,7 @@ class Supervisor:
                 raise StartupError(f"stopped by signal {signal.Signals(self._signals.received[0]).name} during start-up")
             for slot in self._slots:
                 if slot.process is None:
-                    reason = slot.failure or f"exited with {_describe_exit(slot.exits[-1])}"
+                    reason = slot.failure or f"exited with {_describe_exit(slot.last_exit)}"
                     raise StartupError(f"frontend {slot.frontend_id} failed to start: {reason}")
         self._serving = True
         self._spares_at = time.monotonic()
@@ -299,8 +259,8 @@ class Supervisor:
         pids = ",".join(str(s.pid) for s in self._slots)
         log_event(logger, logging.INFO, "ready", msg=f"ready: {len(self._slots)} frontends on {url}", url=url, pids=pids, ipc_dir=self._ipc_dir)
 
-    def _start_process(self, frontend_id: int | None, name: str) -> tuple[Any, Any]:
-        """A started process of the kind (``frontend_id`` None: a standby one) and the supervisor's end of its pipe."""
+    def _start_process(self, frontend_id: int | None, name: str) -> _Child:
+        """A started process of the kind (``frontend_id`` None: a standby one)."""
         assert self._ipc_dir is not None
         entry_point, settings = self._kind.target(frontend_id, self._ipc_dir, self.options)
         parent_conn, child_conn = self._ctx.Pipe(duplex=self._kind.standby)
@@ -310,47 +270,38 @@ class Supervisor:
         )
         process.start()
         child_conn.close()
-        return process, parent_conn
+        return _Child(process, parent_conn, process.pid, time.monotonic())
 
     def _spawn(self, slot: _Slot) -> None:
         """Give ``slot`` a process: a spare if there is one (a warm one first), else a new one."""
         now = time.monotonic()
-        spare = self._take_spare()
-        if spare is not None:
-            process, conn = spare.process, spare.conn
-            ready_by = now + min(_ACTIVATION_TIMEOUT_S, self.options.startup_timeout_s) if spare.warm else (
-                spare.started_at + self.options.startup_timeout_s
-            )
-            how = "warm spare" if spare.warm else "spare still starting"
-        else:
-            frontend_id = None if self._kind.standby else slot.frontend_id
-            process, conn = self._start_process(frontend_id, f"mptok-frontend-{slot.frontend_id}")
+        child = next((s for s in self._spares if s.ready), self._spares[0] if self._spares else None)
+        if child is None:
+            child = self._start_process(None if self._kind.standby else slot.frontend_id, f"mptok-frontend-{slot.frontend_id}")
             ready_by, how = now + self.options.startup_timeout_s, "new process"
-        if self._kind.standby:
+        else:
+            self._spares.remove(child)
+            if child.ready:
+                ready_by, how = now + min(_ACTIVATION_TIMEOUT_S, self.options.startup_timeout_s), "warm spare"
+            else:
+                ready_by, how = child.started_at + self.options.startup_timeout_s, "spare still starting"
+        if self._kind.standby and child.conn is not None:
             # A process that died meanwhile has its exit handled by _wait.
             with contextlib.suppress(OSError):
-                conn.send(("serve", slot.frontend_id))
-        slot.process, slot.conn, slot.pid = process, conn, process.pid
+                child.conn.send(("serve", slot.frontend_id))
+        slot.process, slot.conn, slot.pid = child.process, child.conn, child.pid
         slot.ready, slot.failure, slot.restart_at = False, None, None
         slot.started_at, slot.ready_by = now, ready_by
-        log_event(logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=process.pid, restarts=slot.restarts, start=how)
+        log_event(logger, logging.INFO, "frontend_started", frontend=slot.frontend_id, pid=child.pid, restarts=slot.restarts, start=how)
         self._publish()
-
-    def _take_spare(self) -> _Spare | None:
-        if not self._spares:
-            return None
-        spare = next((s for s in self._spares if s.warm), self._spares[0])
-        self._spares.remove(spare)
-        return spare
 
     def _keep_spares(self, now: float) -> None:
         """Start the spares that are missing, once start-up is over and unless spares are backing off."""
         if self._spares_at is None or now < self._spares_at:
             return
         while len(self._spares) < self._kind.spares:
-            process, conn = self._start_process(None, "mptok-spare")
-            self._spares.append(_Spare(process, conn, process.pid, time.monotonic()))
-            log_event(logger, logging.INFO, "spare_started", pid=process.pid)
+            self._spares.append(self._start_process(None, "mptok-spare"))
+            log_event(logger, logging.INFO, "spare_started", pid=self._spares[-1].pid)
 
     def _serve(self) -> int:
         while not self._signals.received:
@@ -374,7 +325,7 @@ class Supervisor:
                 elif slot.ready:
                     self._kill_if_hung(slot)
             for spare in self._spares:
-                if not spare.warm and now - spare.started_at >= self.options.startup_timeout_s:
+                if not spare.ready and now - spare.started_at >= self.options.startup_timeout_s:
                     self._kill(spare, "spare_start_timeout", f"not standing by after --startup-timeout {self.options.startup_timeout_s:g} s")
             self._keep_spares(now)
             pending = [s.restart_at for s in self._slots if s.restart_at is not None]
@@ -396,7 +347,7 @@ class Supervisor:
         slot.ready = False  # down until its restart is ready
         self._publish()
 
-    def _kill(self, child: _Slot | _Spare, event: str, reason: str) -> None:
+    def _kill(self, child: _Child, event: str, reason: str) -> None:
         if isinstance(child, _Slot):
             who, action = {"frontend": child.frontend_id}, "killing it; its exit counts as a crash"
             child.ready_by = float("inf")  # killed once; its exit is handled as any other
@@ -409,64 +360,46 @@ class Supervisor:
 
     def _wait(self, timeout_s: float) -> None:
         """Wait for a signal, a message from a child, or a child's exit; handle what came."""
-        waitables: list[Any] = [self._signals.reader]
-        by_object: dict[Any, tuple[str, Any]] = {}
-        for slot in self._slots:
-            if slot.process is None:
-                continue
-            by_object[slot.process.sentinel] = ("exit", slot)
-            if not slot.ready and slot.conn is not None:
-                by_object[slot.conn] = ("message", slot)
-        for spare in self._spares:
-            by_object[spare.process.sentinel] = ("spare_exit", spare)
-            if not spare.warm and spare.conn is not None:
-                by_object[spare.conn] = ("spare_message", spare)
-        waitables.extend(by_object)
-        for ready in multiprocessing.connection.wait(waitables, timeout_s):
+        children = [child for child in [*self._slots, *self._spares] if child.process is not None]
+        messages = {child.conn: child for child in children if not child.ready and child.conn is not None}
+        sentinels = [child.process.sentinel for child in children]
+        for ready in multiprocessing.connection.wait([self._signals.reader, *messages, *sentinels], timeout_s):
             if ready is self._signals.reader:
                 self._signals.drain()
-                continue
-            what, owner = by_object[ready]
-            if what == "message":
-                self._on_message(owner)
-            elif what == "spare_message" and owner in self._spares:
-                self._on_spare_message(owner)
+            elif ready in messages:
+                self._on_message(messages[ready])
         # Exits last: a child's last message ("failed") is read before its exit.
-        for what, owner in by_object.values():
-            if what == "exit" and owner.process is not None and not owner.process.is_alive():
-                self._on_exit(owner)
-            elif what == "spare_exit" and owner in self._spares and not owner.process.is_alive():
-                self._on_spare_exit(owner)
+        for child in children:
+            if child.process is None or child.process.is_alive():
+                continue
+            if isinstance(child, _Slot):
+                self._on_exit(child)
+            else:
+                self._on_spare_exit(child)
 
-    def _on_message(self, slot: _Slot) -> None:
+    def _on_message(self, child: _Child) -> None:
         try:
-            message = slot.conn.recv()
-        except (EOFError, OSError):
-            slot.conn.close()
-            slot.conn = None
+            message = child.conn.recv()
+        except (EOFError, OSError):  # its exit follows
+            child.conn.close()
+            child.conn = None
             return
-        if message[0] == "ready":
-            slot.ready = True
-            log_event(logger, logging.INFO, "frontend_ready", frontend=slot.frontend_id, pid=message[1], restarts=slot.restarts)
+        slot = child if isinstance(child, _Slot) else None
+        if message[0] == "failed":
+            child.failure = message[1]
+            if slot is not None:
+                log_event(logger, logging.ERROR, "frontend_start_failed", frontend=slot.frontend_id, pid=slot.pid, error=message[1])
+            else:
+                log_event(logger, logging.ERROR, "spare_start_failed", pid=child.pid, error=message[1])
+        elif message[0] == ("ready" if slot is not None else "standby"):  # a slot's process stands by, unseen, first
+            child.ready = True
+            if slot is not None:
+                log_event(logger, logging.INFO, "frontend_ready", frontend=slot.frontend_id, pid=message[1], restarts=slot.restarts)
+            else:
+                log_event(logger, logging.INFO, "spare_ready", pid=child.pid, after_s=f"{time.monotonic() - child.started_at:.1f}")
             self._publish()
-        elif message[0] == "failed":
-            slot.failure = message[1]
-            log_event(logger, logging.ERROR, "frontend_start_failed", frontend=slot.frontend_id, pid=slot.pid, error=message[1])
 
-    def _on_spare_message(self, spare: _Spare) -> None:
-        try:
-            message = spare.conn.recv()
-        except (EOFError, OSError):
-            return  # its exit follows
-        if message[0] == "standby":
-            spare.warm = True
-            log_event(logger, logging.INFO, "spare_ready", pid=spare.pid, after_s=f"{time.monotonic() - spare.started_at:.1f}")
-            self._publish()
-        elif message[0] == "failed":
-            spare.failure = message[1]
-            log_event(logger, logging.ERROR, "spare_start_failed", pid=spare.pid, error=message[1])
-
-    def _on_spare_exit(self, spare: _Spare) -> None:
+    def _on_spare_exit(self, spare: _Child) -> None:
         """A spare that exits is replaced after a back-off; spares that crash-loop pause for ``given_up_retry_s``."""
         self._spares.remove(spare)
         exitcode = self._reap(spare)
@@ -489,7 +422,7 @@ class Supervisor:
             log_event(logger, logging.ERROR, "spare_exited", **fields, restart_in_s=f"{delay:g}")
         self._spares_at = now + delay
 
-    def _reap(self, child: _Slot | _Spare) -> int | None:
+    def _reap(self, child: _Child) -> int | None:
         """Release ``child``'s process (once it has exited) and its pipe; its exit code, None while it runs."""
         exitcode = child.process.exitcode
         if child.conn is not None:
@@ -503,14 +436,13 @@ class Supervisor:
     def _on_exit(self, slot: _Slot) -> None:
         if slot.conn is not None and slot.conn.poll(0):
             self._on_message(slot)  # its last message ("failed") before its exit
-        exitcode = self._reap(slot)
+        slot.last_exit = self._reap(slot)
         slot.process, slot.conn, slot.ready = None, None, False
-        slot.exits.append(exitcode)
         self._publish()
         if self._signals.received or not self._serving:
             return
         delay = slot.policy.delay_after_exit(time.monotonic())
-        fields = {"frontend": slot.frontend_id, "pid": slot.pid, "exit": _describe_exit(exitcode)}
+        fields = {"frontend": slot.frontend_id, "pid": slot.pid, "exit": _describe_exit(slot.last_exit)}
         if delay is None:
             slot.given_up = True
             slot.times_given_up += 1
@@ -530,7 +462,7 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         """SIGTERM every frontend and spare, wait (bounded), SIGKILL stragglers, reap them all."""
-        running: list[Any] = [slot for slot in self._slots if slot.process is not None] + self._spares
+        running = [child for child in [*self._slots, *self._spares] if child.process is not None]
         for child in running:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 child.process.terminate()
@@ -539,17 +471,15 @@ class Supervisor:
             child.process.join(max(0.0, deadline - time.monotonic()))
         stragglers = [child for child in running if child.process.is_alive()]
         for child in stragglers:
-            log_event(logger, logging.WARNING, "frontend_killed", **_named(child), pid=child.pid, reason="did not stop in time")
+            log_event(logger, logging.WARNING, "frontend_killed", frontend=_named(child), pid=child.pid, reason="did not stop in time")
             child.process.kill()
         deadline = time.monotonic() + _JOIN_AFTER_KILL_S
         for child in stragglers:
             child.process.join(max(0.0, deadline - time.monotonic()))
         for child in running:
             exitcode = self._reap(child)
-            log_event(logger, logging.INFO, "frontend_stopped", **_named(child), pid=child.pid, exit=_describe_exit(exitcode))
-            child.process, child.conn = None, None
-            if isinstance(child, _Slot):
-                child.ready = False
+            log_event(logger, logging.INFO, "frontend_stopped", frontend=_named(child), pid=child.pid, exit=_describe_exit(exitcode))
+            child.process, child.conn, child.ready = None, None, False
         self._spares = []
         log_event(logger, logging.INFO, "stopped")
 
@@ -563,7 +493,7 @@ class Supervisor:
                     "up": {str(s.frontend_id): int(s.ready) for s in self._slots},
                     "restarts": {str(s.frontend_id): s.restarts for s in self._slots},
                     "given_up": {str(s.frontend_id): int(s.given_up) for s in self._slots},
-                    "spares": sum(spare.warm for spare in self._spares),
+                    "spares": sum(spare.ready for spare in self._spares),
                 },
             )
 
@@ -589,9 +519,9 @@ def _check_environment(options: ServeOptions) -> None:
         raise StartupError(str(e)) from None
 
 
-def _named(child: _Slot | _Spare) -> dict[str, Any]:
-    """How a stop's log lines name ``child``: its frontend id, or as a spare."""
-    return {"frontend": child.frontend_id} if isinstance(child, _Slot) else {"frontend": "spare"}
+def _named(child: _Child) -> int | str:
+    """How a stop's log lines name ``child``: its frontend id, or "spare"."""
+    return child.frontend_id if isinstance(child, _Slot) else "spare"
 
 
 def _describe_exit(exitcode: int | None) -> str:
