@@ -13,18 +13,13 @@ else reaches vLLM untouched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from mptok.api.asgi import Message, Receive, Scope, Send, respond
 from mptok.api.tokenize_request import RequestError, error_body
 from mptok.supervise.admission import Admission
 from mptok.supervise.metrics import render_supervisor
 from mptok.supervise.snapshots import SUPERVISOR_SNAPSHOT, SnapshotDir
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 METRICS_PATH = "/metrics"
 
@@ -44,7 +39,7 @@ class RenderGate:
                 try:
                     place.enter_context(self._admission.place())
                 except RequestError as e:
-                    await _send_error(send, e)
+                    await respond(send, e.status, error_body(e.status, e.message), [(b"content-type", b"application/json")], e.retry_after_s)
                     return
                 await self.app(scope, receive, send)
         elif http and scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
@@ -76,16 +71,4 @@ class RenderGate:
             supervisor = self._snapshots.read_all().get(SUPERVISOR_SNAPSHOT)
             if supervisor is not None:
                 text += render_supervisor(supervisor).encode() + b"\n"
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(text)).encode()))
-        await send({**start, "headers": headers})
-        await send({"type": "http.response.body", "body": text})
-
-
-async def _send_error(send: Send, error: RequestError) -> None:
-    body = error_body(error.status, error.message)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if error.retry_after_s is not None:
-        headers.append((b"retry-after", str(error.retry_after_s).encode()))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        await respond(send, start["status"], text, [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"])

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from mptok.render.gate import Message, Receive, Scope, Send
+from mptok.api.asgi import Message, Receive, Scope, Send, read_body, respond
 
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETION_PATH = "/v1/completions/render"
@@ -216,7 +216,7 @@ class RenderHits:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:  # the client left before its body ended
             return
         route = _Route(self, scope, headers, body, receive, send)
@@ -264,8 +264,7 @@ class _Route:
         if answer is None:
             return False
         self._hits._answers.labels("hit").inc()  # before the answer: a client that reads the counter after it sees it
-        await self._send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(answer)).encode()), *shape.headers]})
-        await self._send({"type": "http.response.body", "body": answer})
+        await respond(self._send, 200, answer, shape.headers)
         return True
 
     async def _render(self, serving: Any, shape: Shape, data: dict[str, Any]) -> bytes | None:
@@ -439,14 +438,3 @@ def _modelled(online_renderer: Any) -> bool:
         and not online_renderer.use_harmony
         and not is_mistral_tokenizer(online_renderer.renderer.tokenizer)
     )
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)

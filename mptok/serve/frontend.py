@@ -30,6 +30,7 @@ import orjson
 import uvicorn
 
 from mptok.api.affinity import header_conversation_id
+from mptok.api.asgi import Receive, Scope, Send, read_body, respond
 from mptok.api.chat_template import ChatTemplate
 from mptok.api.tokenize_request import RequestError, error_body
 from mptok.api.vllm_contract import resolve_max_model_len, tokenizer_info_payload
@@ -54,22 +55,15 @@ _OWNERS_CLOSE_FLOOR_S = 0.5
 CLIENT_GONE = 499
 
 
-# An ASGI app's parts, as uvicorn hands them over.
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Scope, Receive], Awaitable[Answer]]
 
 
 async def _send(send: Send, answer: Answer) -> None:
-    headers = [(b"content-length", str(len(answer.payload)).encode()), (b"content-type", answer.media_type), *answer.headers]
+    headers = [(b"content-type", answer.media_type), *answer.headers]
     if answer.tokenize_s is not None:
         # The same interval as mptok_tokenize_seconds, for one request.
         headers.append((b"server-timing", f"tokenize;dur={answer.tokenize_s * 1000:.3f}".encode()))
-    if answer.retry_after_s is not None:
-        headers.append((b"retry-after", str(answer.retry_after_s).encode()))
-    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    await send({"type": "http.response.body", "body": answer.payload})
+    await respond(send, answer.status, answer.payload, headers, answer.retry_after_s)
 
 
 def _header(scope: Scope, name: str) -> str | None:
@@ -78,22 +72,10 @@ def _header(scope: Scope, name: str) -> str | None:
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    """The body, or None if the client disconnected before it arrived whole."""
     declared = _header(scope, "content-length") or ""
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"the body has {declared} bytes; at most {limit} are read")
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"the body exceeds {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return await read_body(receive, limit)
 
 
 def build_app(
