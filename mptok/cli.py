@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _environment_help() -> str:
     cache = ", ".join(
-        ENV_PREFIX + f.name.upper() + ("" if f.default is None else f" (default {f.default})")
+        ENV_PREFIX + f.name.upper() + ("" if f.default in (None, dataclasses.MISSING) else f" (default {f.default})")
         for f in dataclasses.fields(CacheConfig)
     )
     return (

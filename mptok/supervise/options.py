@@ -94,6 +94,7 @@ class Option:
     ``parse`` turns one word into the value (raising ``ArgumentTypeError`` or ``ValueError`` for a bad one); None
     makes a flag without a value (default False). ``many`` takes one or more words (a tuple). ``argument`` is the
     keyword the component of ``use`` takes it as (default: the field's name); ``choices``, the only words accepted.
+    ``--help`` adds "(default: ...)" to ``help`` unless it says its default itself or the option is a flag.
     """
 
     flag: str
@@ -120,12 +121,9 @@ class ServeOptions:
         "--frontends", _positive_int, "N", "frontend processes (default: the number of CPUs, here %(default)s)",
         use=Use.SUPERVISOR, default_factory=lambda: os.cpu_count() or 1,
     )
-    host: str = option("--host", str, "HOST", "address to listen on (default: %(default)s)", use=Use.FRONTEND, default="127.0.0.1")
+    host: str = option("--host", str, "HOST", "address to listen on", use=Use.FRONTEND, default="127.0.0.1")
     # Once the supervisor has bound it, the port actually listened on (never 0).
-    port: int = option(
-        "--port", _port, "PORT", "TCP port; 0 picks a free one, named in the ready line (default: %(default)s)",
-        use=Use.FRONTEND, default=8000,
-    )
+    port: int = option("--port", _port, "PORT", "TCP port; 0 picks a free one, named in the ready line", use=Use.FRONTEND, default=8000)
     tokenizer: str | None = option(
         "--tokenizer", str, "PATH",
         "a tokenizer.json file or a directory holding one (and tokenizer_config.json); "
@@ -140,8 +138,7 @@ class ServeOptions:
         use=Use.SUPERVISOR, default=None,
     )
     max_prompt_chars: int = option(
-        "--max-prompt-chars", _positive_int, "N",
-        "longest prompt (after the chat template) in characters; longer ones get 413 (default: %(default)s)",
+        "--max-prompt-chars", _positive_int, "N", "longest prompt (after the chat template) in characters; longer ones get 413",
         use=Use.SERVICE, default=4_000_000,
     )
     cache_bytes: int | None = option(
@@ -157,13 +154,13 @@ class ServeOptions:
         "MPTOK_CACHE_TOKENIZER_BACKEND, else auto",
         use=Use.CACHE, default=None, choices=CHOICES,
     )
-    threads: int = option("--threads", _positive_int, "N", "tokenizing threads per frontend (default: %(default)s)", use=Use.SERVICE, default=4)
+    threads: int = option("--threads", _positive_int, "N", "tokenizing threads per frontend", use=Use.SERVICE, default=4)
     affinity_chars: int = option(
         "--affinity-chars", _non_negative_int, "N",
         "route a raw prompt that carries no conversation id by a hash of its first N characters "
         "(0: such prompts are not routed); right only when those characters differ between "
         "conversations: prompts sharing a longer prefix all go to one frontend. Chats without an id "
-        "are always routed by their first messages (default: %(default)s)",
+        "are always routed by their first messages",
         use=Use.SERVICE, default=0,
     )
     routing: str | None = option(
@@ -173,69 +170,59 @@ class ServeOptions:
         use=Use.ROUTING, default=None, choices=POLICIES,
     )
     route_timeout_s: float = option(
-        "--route-timeout", parse_seconds, "S",
-        "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself (default: %(default)s)",
+        "--route-timeout", parse_seconds, "S", "seconds a frontend waits for the conversation's owner before tokenizing the prompt itself",
         use=Use.ROUTING, argument="timeout_s", default=ROUTE_TIMEOUT_S,
     )
     route_backoff_s: float = option(
-        "--route-backoff", parse_seconds, "S", "seconds an owner that timed out is then skipped (default: %(default)s)",
+        "--route-backoff", parse_seconds, "S", "seconds an owner that timed out is then skipped",
         use=Use.ROUTING, argument="backoff_s", default=10.0,
     )
     route_patience: float = option(
         "--route-patience", _patience, "X",
         "when this frontend holds a fingerprint of a conversation (and asks its owner only for what changed), an owner that has not answered "
         f"within {PATIENCE_FLOOR_S:g} s plus X times what tokenizing the whole prompt here would take is treated "
-        "as timed out (0: wait for --route-timeout) (default: %(default)s)",
+        "as timed out (0: wait for --route-timeout)",
         use=Use.ROUTING, argument="patience_factor", default=PATIENCE_FACTOR,
     )
     # Also the supervisor's: it kills frontends still running _EXIT_MARGIN_S after it.
     graceful_timeout_s: float = option(
         "--graceful-timeout", parse_seconds, "S",
         "on SIGTERM/SIGINT, seconds a frontend's whole stop gets (in-flight requests first, "
-        "then its pool and its peers); frontends still running 5 s later are killed (default: %(default)s)",
+        "then its pool and its peers); frontends still running 5 s later are killed",
         use=Use.FRONTEND, default=10.0,
     )
     startup_timeout_s: float = option(
-        "--startup-timeout", parse_seconds, "S", "seconds every frontend gets to become ready at start-up (default: %(default)s)",
-        use=Use.SUPERVISOR, default=120.0,
+        "--startup-timeout", parse_seconds, "S", "seconds every frontend gets to become ready at start-up", use=Use.SUPERVISOR, default=120.0,
     )
     max_restarts: int = option(
-        "--max-restarts", _non_negative_int, "N",
-        "a frontend that exits more than N times within --restart-window is given up: a crash loop (default: %(default)s)",
+        "--max-restarts", _non_negative_int, "N", "a frontend that exits more than N times within --restart-window is given up: a crash loop",
         use=Use.SUPERVISOR, default=5,
     )
     restart_window_s: float = option(
-        "--restart-window", parse_seconds, "S", "seconds over which --max-restarts counts exits (default: %(default)s)",
-        use=Use.SUPERVISOR, default=60.0,
+        "--restart-window", parse_seconds, "S", "seconds over which --max-restarts counts exits", use=Use.SUPERVISOR, default=60.0,
     )
     max_in_flight: int = option(
         "--max-in-flight", _positive_int, "N",
-        "/tokenize requests one frontend holds at once (reading, queued, tokenizing); "
-        "more get 503 with Retry-After at once (default: %(default)s)",
+        "/tokenize requests one frontend holds at once (reading, queued, tokenizing); more get 503 with Retry-After at once",
         use=Use.SERVICE, default=16,
     )
     queue_timeout_s: float = option(
-        "--queue-timeout", parse_seconds, "S",
-        "seconds a request may wait for a tokenizing thread; then 503 with Retry-After (default: %(default)s)",
+        "--queue-timeout", parse_seconds, "S", "seconds a request may wait for a tokenizing thread; then 503 with Retry-After",
         use=Use.SERVICE, default=2.0,
     )
     read_timeout_s: float = option(
         "--read-timeout", parse_seconds, "S",
-        "seconds a client gets to send a whole request, headers and body, from its first byte; "
-        "then 408 and the connection is closed (default: %(default)s)",
+        "seconds a client gets to send a whole request, headers and body, from its first byte; then 408 and the connection is closed",
         use=Use.FRONTEND, default=10.0,
     )
     max_connections: int = option(
-        "--max-connections", _positive_int, "N", "open connections per frontend; beyond, 503 at once (default: %(default)s)",
-        use=Use.FRONTEND, default=1024,
+        "--max-connections", _positive_int, "N", "open connections per frontend; beyond, 503 at once", use=Use.FRONTEND, default=1024,
     )
     max_messages: int = option(
-        "--max-messages", _positive_int, "N", 'most "messages" in one request; more get 413 (default: %(default)s)',
-        use=Use.SERVICE, default=4096,
+        "--max-messages", _positive_int, "N", 'most "messages" in one request; more get 413', use=Use.SERVICE, default=4096,
     )
     given_up_retry_s: float = option(
-        "--given-up-retry", parse_seconds, "S",
-        "seconds after which a frontend given up for crash-looping is tried again (default: %(default)s)",
+        "--given-up-retry", parse_seconds, "S", "seconds after which a frontend given up for crash-looping is tried again",
         use=Use.SUPERVISOR, default=300.0,
     )
     # vLLM's options, spelled as ``vllm serve`` spells them.
@@ -292,7 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser, only: Collection[str] | None 
         if declared.parse is None:
             parser.add_argument(declared.flag, dest=field.name, action="store_true", default=default, help=declared.help)
             continue
+        help_text = declared.help if "default" in declared.help else f"{declared.help} (default: %(default)s)"
         parser.add_argument(
             declared.flag, dest=field.name, type=declared.parse, metavar=declared.metavar, nargs="+" if declared.many else None,
-            choices=declared.choices or None, default=default, help=declared.help,
+            choices=declared.choices or None, default=default, help=help_text,
         )
