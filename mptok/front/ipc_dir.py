@@ -108,28 +108,31 @@ def _locked_shared(dir_fd: int) -> int:
     try:
         fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        # Created under a private name and locked, then linked: the lock file
-        # never appears unlocked, so a sweep cannot take a starting server's dir.
-        pending = f".{LOCK_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
-        try:
-            if not try_lock(fd, shared=True):  # a file just made under this process's own name
-                os.close(fd)
-                raise OSError(f"{pending} is locked by another process")
-            try:
-                os.link(pending, LOCK_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except FileExistsError:
-                os.close(fd)
-                fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
-            else:
-                return fd
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(pending, dir_fd=dir_fd)
+        with contextlib.suppress(FileExistsError):  # else another process's won
+            return publish_locked(dir_fd, LOCK_NAME, shared=True)
+        fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
     if lock_by(fd, Deadline.after(_JOIN_WAIT_S), shared=True):
         return fd
     os.close(fd)
     raise BlockingIOError(f"{LOCK_NAME} held exclusively for more than {_JOIN_WAIT_S:g} s (a sweep that did not end)")
+
+
+def publish_locked(dir_fd: int, name: str, *, shared: bool) -> int:
+    """A new 0600 lock file ``name`` in ``dir_fd``, locked (``FileExistsError`` if there is one). Made under a private
+    name and locked, then linked: a lock file never appears unlocked, so a sweep cannot take a starting server's dir."""
+    pending = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+    try:
+        if not try_lock(fd, shared=shared):  # a file just made under this process's own name
+            raise OSError(f"{pending} is locked by another process")
+        os.link(pending, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pending, dir_fd=dir_fd)
+    return fd
 
 
 def _shared_key(path: str) -> bytes:

@@ -22,8 +22,8 @@ import os
 import shutil
 import tempfile
 
-from mptok.core.file_locks import try_lock
 from mptok.core.private_files import SERVER_LOCK, sweep_unused
+from mptok.front.ipc_dir import publish_locked
 from mptok.supervise.logfmt import log_event
 
 logger = logging.getLogger("mptok.supervisor")
@@ -49,16 +49,12 @@ class RunDir:
 
 
 def _claim(path: str) -> int:
-    pending = os.path.join(path, f".{LOCK_NAME}.{os.getpid()}")
-    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if not try_lock(fd):  # a file just made under this process's own name
-            raise OSError(f"{pending} is locked by another process")
-        os.write(fd, str(os.getpid()).encode())
-        os.rename(pending, os.path.join(path, LOCK_NAME))
-    except BaseException:
-        os.close(fd)
-        raise
+        fd = publish_locked(dir_fd, LOCK_NAME, shared=False)
+    finally:
+        os.close(dir_fd)
+    os.write(fd, str(os.getpid()).encode())
     return fd
 
 
