@@ -67,11 +67,9 @@ def parse_tokenize_request(body: bytes, header_conversation_id: str | None) -> T
     if has_prompt and not isinstance(prompt, str):
         raise RequestError(400, f'"prompt" must be a string, not {_json_type(prompt)}')
     return TokenizeRequest(
-        prompt=prompt,
-        messages=None if has_prompt else _message_list(data["messages"]),
+        prompt=prompt, messages=None if has_prompt else _message_list(data["messages"]),
         add_generation_prompt=not has_prompt and _optional(data, "add_generation_prompt", bool, True),
-        add_special_tokens=_optional(data, "add_special_tokens", bool, has_prompt),
-        conversation_id=conversation_id,
+        add_special_tokens=_optional(data, "add_special_tokens", bool, has_prompt), conversation_id=conversation_id,
         **_vllm_fields(data, chat=not has_prompt),
     )
 
@@ -86,9 +84,8 @@ def _json_object(body: bytes) -> dict[str, Any]:
         except UnicodeDecodeError as bad:
             raise RequestError(400, f"the body is not valid JSON: it is not UTF-8 (byte {bad.start})") from None
         if "surrogate" in str(e):
-            raise RequestError(
-                400, f"the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; text must be valid Unicode ({e})"
-            ) from None
+            surrogate = "the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; text must be valid Unicode"
+            raise RequestError(400, f"{surrogate} ({e})") from None
         raise RequestError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, not {_json_type(data)}")

@@ -41,10 +41,9 @@ class RequestLimits:
         renderer checks /tokenize and /detokenize as prompts with no output)."""
         if self.max_model_len is not None and count > self.max_model_len:
             raise RequestError(
-                400,
-                f"You passed {count} input tokens and requested 0 output tokens. However, the model's "
-                f"context length is only {self.max_model_len} tokens, resulting in a maximum input length "
-                f"of {self.max_model_len} tokens. Please reduce the length of the input prompt.",
+                400, f"You passed {count} input tokens and requested 0 output tokens. However, the model's context length is only "
+                f"{self.max_model_len} tokens, resulting in a maximum input length of {self.max_model_len} tokens. "
+                "Please reduce the length of the input prompt.",
             )
 
     def check_ids(self, ids: list[int]) -> None:

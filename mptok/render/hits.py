@@ -140,8 +140,7 @@ class Cut:
     def answer(self, values: dict[str, bytes]) -> bytes:
         parts = [self.pieces[0]]
         for hole, piece in zip(self.holes, self.pieces[1:]):
-            parts.append(values[hole])
-            parts.append(piece)
+            parts.extend((values[hole], piece))
         return b"".join(parts)
 
 

@@ -75,9 +75,7 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
 def render_options(parsed: argparse.Namespace, vllm_args: Sequence[str]) -> RenderOptions:
     """The options of a parsed ``mptok render`` command line and the arguments it did not know (vLLM's)."""
     fields = {name: getattr(parsed, name) for name in SHARED_FIELDS}
-    return RenderOptions(
-        ServeOptions(**fields), parsed.model, checked_vllm_args(vllm_args), parsed.hang_timeout_s, parsed.spares
-    )
+    return RenderOptions(ServeOptions(**fields), parsed.model, checked_vllm_args(vllm_args), parsed.hang_timeout_s, parsed.spares)
 
 
 def checked_vllm_args(args: Sequence[str]) -> tuple[str, ...]:

@@ -231,11 +231,7 @@ class Frontend:
         """
         options = self.settings.options
         config = uvicorn.Config(
-            self.app,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=options.graceful_timeout_s,
+            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=options.graceful_timeout_s,
             http=guarded_protocol(options.read_timeout_s, options.max_connections, self.service.count_request),
         )
         self._server = _StopNotingServer(config)

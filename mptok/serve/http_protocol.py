@@ -202,8 +202,5 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 def guarded_protocol(read_timeout_s: float, max_connections: int, count: Callable[[str, int], None]) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to give ``uvicorn.Config(http=...)``; ``count(path, status)``
     is told of every answer given here (not by the app)."""
-    return type(
-        "ConfiguredGuardedHttpToolsProtocol",
-        (GuardedHttpToolsProtocol,),
-        {"read_timeout_s": read_timeout_s, "max_connections": max_connections, "count": staticmethod(count)},
-    )
+    settings = {"read_timeout_s": read_timeout_s, "max_connections": max_connections, "count": staticmethod(count)}
+    return type("ConfiguredGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), settings)

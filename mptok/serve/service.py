@@ -140,14 +140,8 @@ class TokenizeService:
         if not work.done() and future.cancel():  # still queued: never started
             if client_gone.done():
                 return None
-            return Answer.of_error(
-                RequestError(
-                    503,
-                    f"this frontend is busy: the request waited --queue-timeout={self.queue_timeout_s:g} s "
-                    "for a tokenizing thread; retry",
-                    retry_after_s=RETRY_AFTER_S,
-                )
-            )
+            busy = f"this frontend is busy: the request waited --queue-timeout={self.queue_timeout_s:g} s for a tokenizing thread; retry"
+            return Answer.of_error(RequestError(503, busy, retry_after_s=RETRY_AFTER_S))
         await asyncio.wait({work})
         return work.result()
 
@@ -155,11 +149,7 @@ class TokenizeService:
         self._requests.add(f"{path} {status}")
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            **self.prompt_ids.snapshot(),
-            "tokenize_seconds": self.tokenize_seconds.snapshot(),
-            "requests": self._requests.snapshot(),
-        }
+        return {**self.prompt_ids.snapshot(), "tokenize_seconds": self.tokenize_seconds.snapshot(), "requests": self._requests.snapshot()}
 
     def close(self, timeout_s: float) -> None:
         with self._in_flight_lock:

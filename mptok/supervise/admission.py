@@ -34,11 +34,8 @@ class Admission:
         """Hold a place for the ``with`` block; ``RequestError`` (503, Retry-After) if none is free."""
         with self._lock:
             if self._held >= self.limit:
-                raise RequestError(
-                    503,
-                    f"this frontend is busy: it holds --max-in-flight={self.limit} requests; retry",
-                    retry_after_s=RETRY_AFTER_S,
-                )
+                busy = f"this frontend is busy: it holds --max-in-flight={self.limit} requests; retry"
+                raise RequestError(503, busy, retry_after_s=RETRY_AFTER_S)
             self._held += 1
         try:
             yield

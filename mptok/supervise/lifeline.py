@@ -64,10 +64,7 @@ def _watch_sentinel(parent_pid: int, signum: int) -> str:
     if parent is None or parent.pid != parent_pid or parent.sentinel is None:
         logger.warning("cannot watch parent pid %d on this platform", parent_pid)
         return "none"
-    watch = threading.Thread(
-        target=_signal_when_ready, args=(parent.sentinel, signum), name="mptok-parent-watch", daemon=True
-    )
-    watch.start()
+    threading.Thread(target=_signal_when_ready, args=(parent.sentinel, signum), name="mptok-parent-watch", daemon=True).start()
     return "sentinel"
 
 

@@ -41,10 +41,7 @@ class KeyValueFormatter(logging.Formatter):
 
     def __init__(self, role: str, frontend_id: int | None = None):
         super().__init__()
-        prefix = f"role={role}"
-        if frontend_id is not None:
-            prefix += f" frontend={frontend_id}"
-        self._prefix = prefix
+        self._prefix = f"role={role}" if frontend_id is None else f"role={role} frontend={frontend_id}"
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

@@ -95,8 +95,4 @@ def _label_value(value: Any) -> str:
 
 
 def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int):
-        return str(value)
-    return repr(float(value))
+    return str(int(value)) if isinstance(value, int) else repr(float(value))  # a bool too: 1 or 0
