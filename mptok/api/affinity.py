@@ -58,12 +58,11 @@ def identify(
     else a prompt's ``prompt_identity``, else keyless."""
     if explicit_id:
         return named(explicit_id, None)
+    key = None
     if messages is not None:
         key = (chat_key or chat_identity)(messages)
     elif prompt is not None and affinity_chars > 0:
         key = prompt_identity(prompt, affinity_chars)
-    else:
-        key = None
     return named(None, key)
 
 

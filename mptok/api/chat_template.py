@@ -29,8 +29,7 @@ UNTRUSTED_TEMPLATE_REFUSAL = (
     "Refused request with untrusted chat template."
 )
 
-# DeepSeek V3's template without its tool-call branches (text before "</think>"
-# dropped from answers, as V3 does).
+# DeepSeek V3's template without its tool-call branches (text before "</think>" dropped from answers, as V3 does).
 DEEPSEEK_V3_TEMPLATE = (
     "{%- set ns = namespace(system_prompt='', is_first_sp=true) -%}"
     "{%- for message in messages -%}"

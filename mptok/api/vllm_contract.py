@@ -14,8 +14,7 @@ from typing import Any
 from mptok.api.chat_template import ChatTemplate
 from mptok.api.tokenize_request import RequestError
 
-# transformers reports an unknown context length as int(1e30); a limit at or
-# above this is not a real model's.
+# transformers reports an unknown context length as int(1e30); a limit at or above this is not a real model's.
 _UNKNOWN_MODEL_MAX_LENGTH = 2**31
 
 

@@ -129,8 +129,7 @@ class Grid:
 
 Source = Value | OnePerLabel | Table | Grid
 
-# The lengths of text a backend may give different engines (``Engines.names``),
-# and the engines it may give them.
+# The lengths of text a backend may give different engines (``Engines.names``), and the engines it may give them.
 TEXT_LENGTHS = ("short", "long")
 ENGINE_NAMES = ("tokenizers", *ENGINES)
 
@@ -179,18 +178,15 @@ def _gauge(name: str, section: str, key: str, help_text: str) -> Metric:
     return Metric(name, "gauge", help_text, Value((section, key)))
 
 
-# The keys of a snapshot's "prompts" section (PromptIds.snapshot()): one per
-# identity kind, then these.
+# The keys of a snapshot's "prompts" section (PromptIds.snapshot()): one per identity kind, then these.
 PROMPT_TOKENS = "tokens"
 DIRECT_PROMPTS = "direct"
 DIRECT_PROMPT_TOKENS = "direct_tokens"
 ERRORS = "errors"
 PROMPT_COUNTS = (*(kind.value for kind in IdentityKind), PROMPT_TOKENS, DIRECT_PROMPTS, DIRECT_PROMPT_TOKENS, ERRORS)
 
-# A process's snapshot: "cache", "routing" and "prompts" (both exporters);
-# mptok serve's also "routing_seconds" (TokenizationOwners.timings()),
-# "tokenize_seconds" and "requests" (TokenizeService.snapshot()), "pid" and
-# "started" (Frontend).
+# A process's snapshot: "cache", "routing" and "prompts" (both exporters); mptok serve's also "routing_seconds"
+# (TokenizationOwners.timings()), "tokenize_seconds" and "requests" (TokenizeService.snapshot()), "pid" and "started" (Frontend).
 FRONTEND_METRICS: tuple[Metric, ...] = (
     _counter("mptok_cache_hits_total", "cache", "hits", "Prompts tokenized from a cached prefix (by the cache that did the work)."),
     _counter("mptok_cache_misses_total", "cache", "misses", "Cacheable prompts tokenized in full (no kept prompt, or no provable seam)."),

@@ -28,12 +28,10 @@ from mptok.api.asgi import Message, Receive, Scope, Send, read_body, respond
 
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETION_PATH = "/v1/completions/render"
-# Request fields the hit path honours: each either reaches vLLM's own
-# rendering on the request copy, or only changes the answer's bytes that
-# a shape keeps. Left out (vLLM's path): fields that make the answer depend
-# on the prompt in ways a shape does not keep (token reuse from transfer
-# params, token offsets, multimodal, echo, suffix, prompt embeddings,
-# truncation).
+# Request fields the hit path honours: each either reaches vLLM's own rendering on the request copy, or only
+# changes the answer's bytes that a shape keeps. Left out (vLLM's path): fields that make the answer depend on the
+# prompt in ways a shape does not keep (token reuse from transfer params, token offsets, multimodal, echo, suffix,
+# prompt embeddings, truncation).
 _COMMON_FIELDS = frozenset(
     {
         "model", "request_id", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",
@@ -52,8 +50,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "max_completion_tokens", "top_logprobs", "return_prompt_text",
 }  # fmt: skip
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-# Keys of a plain message, by role; every value a string (the assistant's
-# content may be null, its tool calls plain function calls).
+# Keys of a plain message, by role; every value a string (the assistant's content may be null, its tool calls plain function calls).
 _MESSAGE_KEYS = {
     **dict.fromkeys(("system", "developer", "user"), frozenset({"role", "content", "name"})),
     "assistant": frozenset({"role", "content", "name", "tool_calls", "reasoning"}),
@@ -214,11 +211,10 @@ class RenderHits:
         if scope.get("type") != "http" or scope.get("method") != "POST" or path not in (CHAT_PATH, COMPLETION_PATH):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or ())
         body = await read_body(receive)
         if body is None:  # the client left before its body ended
             return
-        route = _Route(self, scope, headers, body, receive, send)
+        route = _Route(self, scope, body, receive, send)
         if not await route.answered_here():
             await route.to_vllm()
 
@@ -238,10 +234,10 @@ class RenderHits:
 class _Route:
     """One request to a render endpoint: answered here from a shape, or by vLLM's app."""
 
-    def __init__(self, hits: RenderHits, scope: Scope, headers: dict[bytes, bytes], body: bytes, receive: Receive, send: Send):
+    def __init__(self, hits: RenderHits, scope: Scope, body: bytes, receive: Receive, send: Send):
         self._hits = hits
         self._scope = scope
-        self._headers = headers
+        self._headers: dict[bytes, bytes] = dict(scope.get("headers") or ())
         self._body = body
         self._receive = receive
         self._send = send
@@ -321,14 +317,10 @@ class _Route:
                     body.append(message.get("body", b""))
             await self._send(message)
 
-        replayed = False
+        replayed: list[Message] = [{"type": "http.request", "body": self._body, "more_body": False}]
 
         async def receive() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": self._body, "more_body": False}
-            return await self._receive()
+            return replayed.pop() if replayed else await self._receive()
 
         self._hits._answers.labels("vllm").inc()
         try:

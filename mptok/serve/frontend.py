@@ -204,8 +204,7 @@ class Frontend:
                     authkey=authkey, **options.arguments_for(Use.ROUTING),
                 )
             )
-            # Runs before the context's own close (a no-op then): with what
-            # is left of the stop's budget.
+            # Runs before the context's own close (a no-op then): with what is left of the stop's budget.
             self._stack.callback(lambda: self.owners.close(max(_OWNERS_CLOSE_FLOOR_S, self._budget_left())))
             self.service = TokenizeService(
                 settings.frontend_id, tokenizer, cache, template,

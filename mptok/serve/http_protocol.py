@@ -53,9 +53,7 @@ class _HeaderBlockTooLarge(Exception):
 def error_response(status: int, message: str, retry_after_s: int | None = None) -> bytes:
     """A whole HTTP/1.1 response in mptok's error shape that closes the connection."""
     body = error_body(status, message)
-    head = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json", f"content-length: {len(body)}", "connection: close",
-    ]
+    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json", f"content-length: {len(body)}", "connection: close"]
     if retry_after_s is not None:
         head.append(f"retry-after: {retry_after_s}")
     return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body

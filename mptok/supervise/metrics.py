@@ -68,11 +68,9 @@ def _samples(out: list[str], metric: Metric, snap: Mapping[str, Any], base: Labe
     except (KeyError, TypeError) as e:
         logger.warning("metric %s left out of %s: its value is missing (%r)", metric.name, base or "the supervisor", e)
         return
+    write = _histogram if metric.kind == "histogram" else _sample
     for labels, value in samples:
-        if metric.kind == "histogram":
-            _histogram(out, metric.name, {**base, **labels}, value)
-        else:
-            _sample(out, metric.name, {**base, **labels}, value)
+        write(out, metric.name, {**base, **labels}, value)
 
 
 def _sample(out: list[str], metric: str, labels: Mapping[str, Any], value: float) -> None:

@@ -67,8 +67,7 @@ class MptokRenderer(HfRenderer):
         identity = named(session_id(), prompt.pop(CONVERSATION_FIELD, None))
         ids = self._ids_through_mptok(prompt, params, identity)
         if ids is not None:
-            # What _build_tokens_prompt builds, without its copy of the list:
-            # this one is new, made for this prompt alone.
+            # What _build_tokens_prompt builds, without its copy of the list: this one is new, made for this prompt alone.
             return TokensPrompt(prompt_token_ids=ids, **prompt)
         tokens_prompt = super()._tokenize_prompt(prompt, params)
         if self._prompt_tokens is not None:
