@@ -48,9 +48,7 @@ class RequestLimits:
     def check_ids(self, ids: list[int]) -> None:
         """Every id must name a token: ``tokenizer.decode`` silently drops the
         others, or overflows on those past 2**32."""
-        if not ids:
-            return
-        if min(ids) < 0 or max(ids) >= self._id_limit:
+        if ids and (min(ids) < 0 or max(ids) >= self._id_limit):
             bad = next(i for i in ids if not 0 <= i < self._id_limit)
             raise RequestError(400, f"token id {bad} is outside the vocabulary (ids 0 to {self._id_limit - 1})")
         missing = self._missing_ids.intersection(ids) if self._missing_ids else ()
@@ -64,9 +62,7 @@ def resolve_max_model_len(configured: int | None, tokenizer: Any) -> int | None:
     if configured is not None:
         return configured
     own = getattr(tokenizer, "model_max_length", None)
-    if isinstance(own, int) and 0 < own < _UNKNOWN_MODEL_MAX_LENGTH:
-        return own
-    return None
+    return own if isinstance(own, int) and 0 < own < _UNKNOWN_MODEL_MAX_LENGTH else None
 
 
 def tokenizer_info_payload(tokenizer: Any, template: ChatTemplate) -> bytes:

@@ -17,6 +17,7 @@ from mptok.render.options import RenderOptions
 from mptok.supervise.options import ServeOptions
 from mptok.supervise.supervisor import StartupError
 
+
 @dataclass(frozen=True)
 class RenderSettings:
     """What one render process needs to start; picklable (it crosses the spawn pipe). The authkey is not in here."""

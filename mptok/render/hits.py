@@ -100,12 +100,9 @@ def plain_messages(messages: Any) -> bool:
         if keys is None or not message.keys() <= keys:
             return False
         for key, value in message.items():
-            if type(value) is str:
+            if type(value) is str or (key == "content" and value is None and message["role"] == "assistant"):
                 continue
-            if key == "tool_calls":
-                if not _plain_tool_calls(value):
-                    return False
-            elif not (key == "content" and value is None and message["role"] == "assistant"):
+            if key != "tool_calls" or not _plain_tool_calls(value):
                 return False
         if "content" not in message and message["role"] != "assistant":
             return False

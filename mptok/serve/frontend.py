@@ -71,13 +71,6 @@ def _header(scope: Scope, name: str) -> str | None:
     return next((value.decode("latin-1") for key, value in scope["headers"] if key == wanted), None)
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    declared = _header(scope, "content-length") or ""
-    if declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"the body has {declared} bytes; at most {limit} are read")
-    return await read_body(receive, limit)
-
-
 def build_app(
     service: TokenizeService, snapshots: SnapshotDir, publish_own: Callable[[], None], tokenizer_info_payload: bytes | None = None
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -90,9 +83,13 @@ def build_app(
         """``work``'s answer to the body, read while the request holds an ``Admission`` place;
         ``CLIENT_GONE`` when nobody is left to answer (uvicorn drops what is sent)."""
         answer: Answer | None
+        limit = service.max_body_bytes
         try:
             with service.admission.place():
-                body = await _read_body(scope, receive, service.max_body_bytes)
+                declared = _header(scope, "content-length") or ""
+                if declared.isdigit() and int(declared) > limit:
+                    raise RequestError(413, f"the body has {declared} bytes; at most {limit} are read")
+                body = await read_body(receive, limit)
                 answer = None if body is None else await work(body)
         except RequestError as e:
             answer = Answer.of_error(e)

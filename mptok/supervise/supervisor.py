@@ -414,8 +414,7 @@ class Supervisor:
             delay = self.options.given_up_retry_s
             log_event(
                 logger, logging.CRITICAL, "spares_paused", **fields,
-                reason=f"spares crash loop: more than --max-restarts {self.options.max_restarts} exits within "
-                f"{self.options.restart_window_s:g} s",
+                reason=f"spares crash loop: more than --max-restarts {self.options.max_restarts} exits within {self.options.restart_window_s:g} s",
                 action=f"no spares for {delay:g} s (--given-up-retry); a frontend that exits meanwhile restarts cold",
             )
         else:
@@ -486,16 +485,14 @@ class Supervisor:
     def _publish(self) -> None:
         if self._snapshots is None:
             return
+        snapshot = {
+            "up": {str(s.frontend_id): int(s.ready) for s in self._slots},
+            "restarts": {str(s.frontend_id): s.restarts for s in self._slots},
+            "given_up": {str(s.frontend_id): int(s.given_up) for s in self._slots},
+            "spares": sum(spare.ready for spare in self._spares),
+        }
         with contextlib.suppress(OSError):
-            self._snapshots.write(
-                SUPERVISOR_SNAPSHOT,
-                {
-                    "up": {str(s.frontend_id): int(s.ready) for s in self._slots},
-                    "restarts": {str(s.frontend_id): s.restarts for s in self._slots},
-                    "given_up": {str(s.frontend_id): int(s.given_up) for s in self._slots},
-                    "spares": sum(spare.ready for spare in self._spares),
-                },
-            )
+            self._snapshots.write(SUPERVISOR_SNAPSHOT, snapshot)
 
 
 def run_entry_point(entry_point: str, *args: Any) -> None:
