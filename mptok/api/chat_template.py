@@ -151,10 +151,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template refused the messages: {e}") from None
         except ValueError as e:
-            # transformers' own refusals, e.g. continue_final_message when the
-            # final message does not appear in the rendered text. Anything
-            # else is the template's own code failing on these messages:
-            # the caller names it (``TokenizeService``).
+            # transformers' own refusals, e.g. continue_final_message when the final message does not appear in the rendered text.
+            # Anything else is the template's own code failing on these messages: the caller names it (``TokenizeService``).
             raise ChatTemplateError(f"cannot render the messages: {e}") from None
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")

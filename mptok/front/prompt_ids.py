@@ -38,8 +38,7 @@ class PromptIds:
         self.frame: SpecialTokenFrame | None = SpecialTokenFrame.derive(tokenizer)
         if self.frame is not None:
             self._prefix, self._suffix = as_id_array(list(self.frame.prefix)), as_id_array(list(self.frame.suffix))
-        # transformers' __call__ is not thread-safe ("Already borrowed"): every
-        # call of the tokenizer object itself holds this.
+        # transformers' __call__ is not thread-safe ("Already borrowed"): every call of the tokenizer object itself holds this.
         self.tokenizer_lock = threading.Lock()
         self._counts = Counters(PROMPT_COUNTS)
 

@@ -28,10 +28,9 @@ from mptok.api.asgi import Message, Receive, Scope, Send, read_body, respond
 
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETION_PATH = "/v1/completions/render"
-# Request fields the hit path honours: each either reaches vLLM's own rendering on the request copy, or only
-# changes the answer's bytes that a shape keeps. Left out (vLLM's path): fields that make the answer depend on the
-# prompt in ways a shape does not keep (token reuse from transfer params, token offsets, multimodal, echo, suffix,
-# prompt embeddings, truncation).
+# Request fields the hit path honours: each either reaches vLLM's own rendering on the request copy, or only changes the answer's
+# bytes that a shape keeps. Left out (vLLM's path): fields that make the answer depend on the prompt in ways a shape does not keep
+# (token reuse from transfer params, token offsets, multimodal, echo, suffix, prompt embeddings, truncation).
 _COMMON_FIELDS = frozenset(
     {
         "model", "request_id", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",

@@ -25,9 +25,8 @@ SHARED_FIELDS = (
 # vLLM loads its stack in each process: slower to start than mptok serve's frontends.
 STARTUP_TIMEOUT_S = 300.0
 HANG_TIMEOUT_S = 30.0
-# One warm process takes the place of whichever process exits first: a
-# restart in seconds for one process's memory; a second exit within the
-# minute a new spare takes to build restarts cold.
+# One warm process takes the place of whichever process exits first: a restart in seconds for one process's memory; a second exit
+# within the minute a new spare takes to build restarts cold.
 SPARES = 1
 MODE = "mptok"
 # vLLM arguments mptok sets itself, or that N processes on one port cannot honour.

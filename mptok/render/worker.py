@@ -68,8 +68,7 @@ class VllmRenderHooks:
         setup_server, serve_http = entry.setup_server, entry.serve_http
 
         def shared_setup_server(args: Any, *, reuse_port: bool) -> Any:
-            # vLLM's own checks and start log, on a throwaway port: the
-            # process accepts from the supervisor's listening socket.
+            # vLLM's own checks and start log, on a throwaway port: the process accepts from the supervisor's listening socket.
             throwaway = copy.copy(args)
             throwaway.port = 0
             listen_address, sock = setup_server(throwaway, reuse_port=False)
@@ -88,8 +87,7 @@ class VllmRenderHooks:
         multiprocessing.current_process().name = f"mptok-frontend-{frontend_id}"
         from mptok.front.engine_tokens import Seat, take_seat
 
-        routing = options.arguments_for(Use.ROUTING)
-        take_seat(Seat(frontend_id, options.frontends, self._settings.ipc_dir, self._authkey, routing=routing))
+        take_seat(Seat(frontend_id, options.frontends, self._settings.ipc_dir, self._authkey, options.arguments_for(Use.ROUTING)))
         # vLLM has built its middleware stack already (add_middleware would refuse): the hit path and the gate go
         # around it; the hit path's renders see the session header as vLLM's own requests do.
         stack = RenderHits(app.middleware_stack or app.build_middleware_stack(), app)

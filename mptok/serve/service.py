@@ -214,9 +214,8 @@ class TokenizeService:
         except ChatTemplateError as e:
             raise RequestError(400, str(e)) from None
         except Exception as e:
-            # A template's own code failed on these messages (a TypeError from
-            # `content + 1`, say): the client learns why, as vLLM answers it
-            # (400); the operator hears of it, at 1, 2, 4, 8... failures.
+            # A template's own code failed on these messages (a TypeError from `content + 1`, say): the client learns why, as vLLM
+            # answers it (400); the operator hears of it, at 1, 2, 4, 8... failures.
             failures = next(self._template_failures)
             if failures & (failures - 1) == 0:
                 log_event(logger, logging.WARNING, "chat_template_failed", error=f"{type(e).__name__}: {e}", count=failures)

@@ -4,11 +4,11 @@ The supervisor owns what the frontends share: the port's one listening
 socket, the private ipc directory and the authkey (32 random bytes, a
 spawn-context Process argument: never argv, environment, logs or a file).
 Start-up, restarts (back-off, crash loops given up and tried again, late
-frontends killed), warm spares and the stop: docs/ARCHITECTURE.md's
-Lifecycles; hung frontends: ``mptok.supervise.heartbeat``. Every wait in
-here has a deadline. The frontends are started
-from the supervisor's main thread, so that the kernel's parent-death signal
-(``mptok.supervise.lifeline``) comes only when the supervisor itself dies.
+frontends killed), warm spares and the stop: docs/ARCHITECTURE.md's Lifecycles;
+hung frontends: ``mptok.supervise.heartbeat``. Every wait in here has a
+deadline. The frontends are started from the supervisor's main thread, so that
+the kernel's parent-death signal (``mptok.supervise.lifeline``) comes only when
+the supervisor itself dies.
 """
 
 from __future__ import annotations

