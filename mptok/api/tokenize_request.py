@@ -177,12 +177,10 @@ def _optional(data: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     return value
 
 
-_JSON_NAMES = {str: "string", bool: "boolean", int: "number", float: "number", list: "list", dict: "object"}
+_JSON_NAMES = {str: "string", bool: "boolean", int: "number", float: "number", list: "list", dict: "object", type(None): "null"}
 
 
 def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
     return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
