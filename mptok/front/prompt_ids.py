@@ -57,9 +57,7 @@ class PromptIds:
         # The frame goes on the array: one list is made, of the final ids.
         return self._framed_array(text, add_special_tokens, identity).tolist()
 
-    def ids_array(
-        self, text: str, add_special_tokens: bool, identity: ConversationIdentity, *, deadline: Deadline | None = None
-    ) -> np.ndarray:
+    def ids_array(self, text: str, add_special_tokens: bool, identity: ConversationIdentity, *, deadline: Deadline | None = None) -> np.ndarray:
         """``ids`` as a 1-D int32 array (the cache's own when unframed: no list is made), never None.
         ``deadline``: by when the route must have decided (routing only; the request's arrival deadline)."""
         if not self.through_mptok(text, add_special_tokens):
