@@ -186,6 +186,9 @@ def test_version():
         ("--read-timeout", "0", "more than 0"),
         ("--max-restarts", "-1", "must be 0 or more"),
         ("--max-in-flight", "0", "must be at least 1"),
+        ("--route-timeout", "abc", "invalid float value: 'abc'"),
+        ("--route-patience", "x", "invalid float value: 'x'"),
+        ("--max-in-flight", "many", "invalid int value: 'many'"),
     ],
 )
 def test_impossible_settings_are_refused_with_a_clear_error(option, value, says):

@@ -87,6 +87,10 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+# argparse's "invalid float value" for a word that is no number, not the parser's own name.
+_patience.__name__ = parse_seconds.__name__ = "float"
+
+
 @dataclass(frozen=True)
 class Option:
     """How one ``ServeOptions`` field is given on the command line and where it goes.
