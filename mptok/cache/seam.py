@@ -261,16 +261,13 @@ class SeamRules:
     segment_ends: np.ndarray
     added_contents: dict[int, str]
     forced: Boundaries
-    claims: str  # CLAIMS_PRE_TOKENS or CLAIMS_TOKENS
+    # What a forced boundary claims: that a pre-token begins there, or (a
+    # layout whose pre-tokenizer leaves a segment whole) that a token does.
+    claims_pre_tokens: bool
     prefix: str
     nfc: bool
     space_marker: bool
     layout: str
-
-    def forced_boundaries(self, text: str, low: int, high: int) -> np.ndarray:
-        """Forced boundaries ``x`` with ``low <= x < high``, ascending; each
-        decided by ``text[x - 1]`` and ``text[x]`` alone."""
-        return self.forced.between(text, low, high)
 
     def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
         """Where the last tokens of ``ids`` (the exact tokenization of ``text``)
@@ -501,7 +498,8 @@ class Boundaries:
         raise NotImplementedError
 
     def between(self, text: str, low: int, high: int) -> np.ndarray:
-        """Forced boundaries ``x`` with ``low <= x < high`` and ``x >= 1``, ascending."""
+        """Forced boundaries ``x`` with ``low <= x < high`` and ``x >= 1``, ascending; each
+        decided by ``text[x - 1]`` and ``text[x]`` alone."""
         low = max(low, 1)
         if high <= low:
             return np.zeros(0, dtype=np.int64)
