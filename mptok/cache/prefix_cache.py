@@ -191,12 +191,8 @@ class KeptPrompts:
         prompt sharing next to nothing restarts the conversation)."""
         with self._lock:
             candidates = [(holder, self._entries[holder]) for holder in self._branches.get((serial, key), ())]
-        best: tuple[Hashable, _Entry | None, int] = (None, None, 0)
-        for holder, entry in candidates:
-            shared = common_prefix_length(entry.prompt.text, text)
-            if best[1] is None or shared > best[2]:
-                best = (holder, entry, shared)
-        holder, known, shared = best
+        scored = [(common_prefix_length(entry.prompt.text, text), holder, entry) for holder, entry in candidates]
+        shared, holder, known = max(scored, key=lambda s: s[0], default=(0, None, None))  # the first of equals
         return self._holder(serial, key, holder, known, shared, text), known, shared
 
     def branch_after(self, serial: int, key: str, after: Fingerprint, tail: str) -> tuple[_Extension, str] | None:
