@@ -107,9 +107,7 @@ class Listener:
             if self._closing.is_set() or len(self._threads) >= self._limits.max_connections:
                 thread = None
             else:
-                thread = threading.Thread(
-                    target=self._serve, args=(sock,), name=f"{self._name}-peer", daemon=True
-                )
+                thread = threading.Thread(target=self._serve, args=(sock,), name=f"{self._name}-peer", daemon=True)
                 self._threads.add(thread)
                 try:
                     # Started under the lock so that close() never joins a
