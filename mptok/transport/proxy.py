@@ -231,9 +231,7 @@ class EncodeProxy:
         if isinstance(e, MessageTooLarge):
             return OwnerError(f"{self.address}: {e}")
         if isinstance(e, AuthenticationError):
-            return OwnerUnreachable(
-                f"{step} with {self.address} failed: the authkey was refused, or it is not an owner ({e})"
-            )
+            return OwnerUnreachable(f"{step} with {self.address} failed: the authkey was refused, or it is not an owner ({e})")
         if isinstance(e, (EOFError, OSError)):
             return stale(f"{step} with {self.address} failed: {e!r}")
         return OwnerUnreachable(f"{step} with {self.address} failed: {e!r}")
