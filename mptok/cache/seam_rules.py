@@ -119,16 +119,13 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         forced = UnspannedPairs(pieces, space_marker, fuse_unknown=model.get("type") == "Unigram" or bool(model.get("fuse_unk")))
     else:
         return "no pre-tokenizer split, and a normalizer that rewrites the pieces' characters"
+    added = [t for t in spec.get("added_tokens") or () if t["id"] < len(lengths) and not (split_special and t.get("special"))]
     segment_ends = np.zeros(len(lengths), dtype=bool)
-    added_contents = {}
-    for token in spec.get("added_tokens") or ():
-        if token["id"] < len(segment_ends) and not (split_special and token.get("special")):
-            segment_ends[token["id"]] = True
-            added_contents[token["id"]] = token["content"]
+    segment_ends[[t["id"] for t in added]] = True
     return SeamRules(
         lengths=lengths,
         segment_ends=segment_ends,
-        added_contents=added_contents,
+        added_contents={t["id"]: t["content"] for t in added},
         forced=forced,
         claims_pre_tokens=bool(splits),
         prefix=prefix,
