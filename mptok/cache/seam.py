@@ -614,12 +614,8 @@ class SegmentOpeners:
         matched = {i: t for i, t in added.items() if t.content and not (split_special and t.special)}
         self.max_reach = max((len(t.content) for t in matched.values()), default=0)
         openers = {
-            i: t
-            for i, t in matched.items()
-            if not t.lstrip
-            and not t.single_word
-            and not t.content[0].isspace()
-            and not (has_normalizer and t.normalized)
+            i: t for i, t in matched.items()
+            if not (t.lstrip or t.single_word or t.content[0].isspace() or (has_normalizer and t.normalized))
         }
         tokens = _Joined([t.content for t in matched.values()])
         raw_tokens = _Joined([t.content for t in matched.values() if not t.normalized])
