@@ -93,10 +93,9 @@ def backend_for(tokenizer: Any, choice: str) -> TokenizerBackend:
                     while len(_backends) > MAX_BACKENDS:
                         _backends.popitem(last=False)
                     _building.pop(slot, None)
-    backend = known
-    if isinstance(backend, SlowTokenizerError):
-        raise backend
-    return backend
+    if isinstance(known, SlowTokenizerError):
+        raise known
+    return known
 
 
 def _known_backend(slot: tuple[int, str], tokenizer: Any) -> TokenizerBackend | SlowTokenizerError | None:
@@ -152,9 +151,7 @@ class TokenizerBackend:
         # orjson: a large vocabulary's spec is megabytes of JSON, read once
         # and written once per start (the json module takes several times longer).
         spec = orjson.loads(rust.to_str())
-        spec["truncation"] = None
-        spec["padding"] = None
-        spec["post_processor"] = None
+        spec.update(truncation=None, padding=None, post_processor=None)
         # transformers sets this on the Rust tokenizer before each call; it is
         # not part of the serialized spec.
         split_special = bool(getattr(tokenizer, "split_special_tokens", rust.encode_special_tokens))
