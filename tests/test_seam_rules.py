@@ -72,8 +72,8 @@ def test_a_pattern_that_runs_words_into_the_spaces_after_them_loses_only_those_c
     rules = backend_for(tokenizer, "tokenizers").seam_rules
     assert rules is not None
     text = "words and more words"
-    assert 5 not in rules.forced_boundaries(text, 0, len(text))  # "words| and"
-    assert 6 in rules.forced_boundaries(text, 0, len(text))  # "words |and"
+    assert 5 not in rules.forced.between(text, 0, len(text))  # "words| and"
+    assert 6 in rules.forced.between(text, 0, len(text))  # "words |and"
     cache = PrefixTokenCache(CacheConfig(min_chars=0, tokenizer_backend="tokenizers"))
     rng = random.Random(1)
     text = plain_delta(rng, 100)
@@ -171,9 +171,9 @@ def test_a_prompt_that_parts_within_its_first_characters_is_exact(family):
 def test_no_forced_boundary_is_looked_for_in_an_empty_range():
     rules = backend_for(load_family("deepseek"), "tokenizers").seam_rules
     text = "words and words. " * 20
-    assert len(rules.forced_boundaries(text, 0, -5)) == 0
-    assert len(rules.forced_boundaries(text, 10, 10)) == 0
-    assert all(0 < x < 30 for x in rules.forced_boundaries(text, 0, 30))
+    assert len(rules.forced.between(text, 0, -5)) == 0
+    assert len(rules.forced.between(text, 10, 10)) == 0
+    assert all(0 < x < 30 for x in rules.forced.between(text, 0, 30))
 
 
 def test_tokens_are_located_where_tokenizers_puts_them_on_long_text():
@@ -318,5 +318,5 @@ def test_where_nothing_splits_a_segment_the_vocabulary_says_which_points_are_for
     legacy = backend_for(load_family("legacy_sp"), "tokenizers").seam_rules
     nosplit = backend_for(load_family("metaspace_always_nosplit"), "tokenizers").seam_rules
     text = "the model reads"
-    assert list(legacy.forced_boundaries(text, 0, len(text))) == [3, 9]
-    assert 3 not in nosplit.forced_boundaries(text, 0, len(text))
+    assert list(legacy.forced.between(text, 0, len(text))) == [3, 9]
+    assert 3 not in nosplit.forced.between(text, 0, len(text))

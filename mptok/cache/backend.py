@@ -93,10 +93,9 @@ def backend_for(tokenizer: Any, choice: str) -> TokenizerBackend:
                     while len(_backends) > MAX_BACKENDS:
                         _backends.popitem(last=False)
                     _building.pop(slot, None)
-    backend = known
-    if isinstance(backend, SlowTokenizerError):
-        raise backend
-    return backend
+    if isinstance(known, SlowTokenizerError):
+        raise known
+    return known
 
 
 def _known_backend(slot: tuple[int, str], tokenizer: Any) -> TokenizerBackend | SlowTokenizerError | None:
@@ -152,9 +151,7 @@ class TokenizerBackend:
         # orjson: a large vocabulary's spec is megabytes of JSON, read once
         # and written once per start (the json module takes several times longer).
         spec = orjson.loads(rust.to_str())
-        spec["truncation"] = None
-        spec["padding"] = None
-        spec["post_processor"] = None
+        spec.update(truncation=None, padding=None, post_processor=None)
         # transformers sets this on the Rust tokenizer before each call; it is
         # not part of the serialized spec.
         split_special = bool(getattr(tokenizer, "split_special_tokens", rust.encode_special_tokens))
@@ -172,14 +169,8 @@ class TokenizerBackend:
         )
         self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         self.engines = Engines(
-            lambda text: self.encode(text).ids,
-            spec_json,
-            split_special,
-            choice,
-            added_tokens=self._full.get_added_tokens_decoder().values(),
-            name=self.name,
-            checked=self,
-            engine=engine,
+            lambda text: self.encode(text).ids, spec_json, split_special, choice,
+            added_tokens=self._full.get_added_tokens_decoder().values(), name=self.name, checked=self, engine=engine,
         )
         self._prefix_unless_space = False
         self.seam_rules, rules_report = self._checked_rules(spec, split_special, rust.get_vocab_size(with_added_tokens=True))
@@ -279,17 +270,10 @@ class TokenizerBackend:
         # tokenization decides (and the splice's check refuses a difference).
         anchor = cont.token_to_chars(first_added)
         full = self.encode(text)
-        match = next(
-            (
-                j
-                for j, token_id in enumerate(full.ids)
-                if token_id == cont_ids[first_added] and full.token_to_chars(j) == anchor
-            ),
-            None,
-        )
-        if match is None:
-            return None
-        return cont_ids[:first_added] + full.ids[match:]
+        for j, token_id in enumerate(full.ids):
+            if token_id == cont_ids[first_added] and full.token_to_chars(j) == anchor:
+                return cont_ids[:first_added] + full.ids[j:]
+        return None
 
     def normalizes_apart(self, left: str, right: str) -> bool:
         """Whether normalizing ``left + right`` equals normalizing each apart
@@ -348,9 +332,7 @@ def _continuation_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _without_prepend(normalizer: dict[str, Any] | None) -> dict[str, Any] | None:
-    if normalizer is None:
-        return None
-    if normalizer.get("type") == "Prepend":
+    if normalizer is None or normalizer.get("type") == "Prepend":
         return None
     if normalizer.get("type") == "Sequence":
         inner = [_without_prepend(n) for n in normalizer["normalizers"]]

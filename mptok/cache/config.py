@@ -27,11 +27,8 @@ DEFAULT_MAX_HELD_BYTES = 4 * MiB
 
 def check_key(key: str) -> None:
     """``ValueError`` if conversation id ``key`` is longer than ``MAX_KEY_BYTES``."""
-    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
-        raise ValueError(
-            f"a conversation id may be at most {MAX_KEY_BYTES} bytes (UTF-8), "
-            f"got {len(key.encode('utf-8', 'surrogatepass'))}"
-        )
+    if len(key) * 4 > MAX_KEY_BYTES and (size := len(key.encode("utf-8", "surrogatepass"))) > MAX_KEY_BYTES:
+        raise ValueError(f"a conversation id may be at most {MAX_KEY_BYTES} bytes (UTF-8), got {size}")
 
 
 @dataclass(frozen=True)
@@ -93,10 +90,8 @@ class CacheConfig:
             if raw is None or raw.strip() == "":
                 continue
             value = _parse(field.name, raw)
-            if value is None:
-                problem = _NOT_A_SIZE if field.name.endswith("_bytes") else "is not a whole number"
-            else:
-                problem = _problem(field.name, value)
+            not_a_number = _NOT_A_SIZE if field.name.endswith("_bytes") else "is not a whole number"
+            problem = not_a_number if value is None else _problem(field.name, value)
             if problem is not None:
                 raise ValueError(f"{variable}={raw!r} {problem}")
             values[field.name] = value

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from mptok.cache.backend import SlowTokenizerError, TokenizerBackend, backend_for, backend_stats
 from mptok.cache.config import MAX_KEY_BYTES, CacheConfig, check_key
@@ -137,13 +138,9 @@ class PrefixIndex:
             bucket = self._buckets.get((depth, chain[depth]))
             if not bucket:
                 continue
-            best = max(
-                (h for h, filed in bucket.items() if text.startswith(filed)),
-                key=lambda h: len(bucket[h]),
-                default=None,
-            )
-            if best is not None:
-                return best
+            matches = [h for h, filed in bucket.items() if text.startswith(filed)]
+            if matches:
+                return max(matches, key=lambda h: len(bucket[h]))
         return None
 
     def __len__(self) -> int:
@@ -191,12 +188,8 @@ class KeptPrompts:
         prompt sharing next to nothing restarts the conversation)."""
         with self._lock:
             candidates = [(holder, self._entries[holder]) for holder in self._branches.get((serial, key), ())]
-        best: tuple[Hashable, _Entry | None, int] = (None, None, 0)
-        for holder, entry in candidates:
-            shared = common_prefix_length(entry.prompt.text, text)
-            if best[1] is None or shared > best[2]:
-                best = (holder, entry, shared)
-        holder, known, shared = best
+        scored = [(common_prefix_length(entry.prompt.text, text), holder, entry) for holder, entry in candidates]
+        shared, holder, known = max(scored, key=lambda s: s[0], default=(0, None, None))  # the first of equals
         return self._holder(serial, key, holder, known, shared, text), known, shared
 
     def branch_after(self, serial: int, key: str, after: Fingerprint, tail: str) -> tuple[_Extension, str] | None:
@@ -382,13 +375,8 @@ class PrefixTokenCache:
         while caching, each emptied the cache), ``tokens_reused`` (ids answered
         from kept prompts) against ``tokens_tokenized``; ``backend_*``:
         ``mptok.cache.backend.backend_stats``."""
-        return dict(
-            self._counters.snapshot(),
-            **backend_stats(),
-            **self._kept.stats(),
-            max_bytes=self.config.max_bytes,
-            disabled=int(self._disabled),
-        )
+        kept = {**self._kept.stats(), "max_bytes": self.config.max_bytes, "disabled": int(self._disabled)}
+        return {**self._counters.snapshot(), **backend_stats(), **kept}
 
     def clear(self) -> None:
         """Forget every kept prompt (counters stay)."""
@@ -533,8 +521,6 @@ def _check_input(text: object, key: object, *, keyed: bool = False) -> None:
 
 
 def _call_tokenizer(tokenizer: Any, text: str) -> list[int]:
-    from tokenizers import Tokenizer
-
     if isinstance(tokenizer, Tokenizer):
         return tokenizer.encode(text, add_special_tokens=False).ids
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -261,16 +261,13 @@ class SeamRules:
     segment_ends: np.ndarray
     added_contents: dict[int, str]
     forced: Boundaries
-    claims: str  # CLAIMS_PRE_TOKENS or CLAIMS_TOKENS
+    # What a forced boundary claims: that a pre-token begins there, or (a
+    # layout whose pre-tokenizer leaves a segment whole) that a token does.
+    claims_pre_tokens: bool
     prefix: str
     nfc: bool
     space_marker: bool
     layout: str
-
-    def forced_boundaries(self, text: str, low: int, high: int) -> np.ndarray:
-        """Forced boundaries ``x`` with ``low <= x < high``, ascending; each
-        decided by ``text[x - 1]`` and ``text[x]`` alone."""
-        return self.forced.between(text, low, high)
 
     def token_starts(self, ids: np.ndarray, text: str, lowest: int, upto: int) -> TokenStarts | None:
         """Where the last tokens of ``ids`` (the exact tokenization of ``text``)
@@ -501,7 +498,8 @@ class Boundaries:
         raise NotImplementedError
 
     def between(self, text: str, low: int, high: int) -> np.ndarray:
-        """Forced boundaries ``x`` with ``low <= x < high`` and ``x >= 1``, ascending."""
+        """Forced boundaries ``x`` with ``low <= x < high`` and ``x >= 1``, ascending; each
+        decided by ``text[x - 1]`` and ``text[x]`` alone."""
         low = max(low, 1)
         if high <= low:
             return np.zeros(0, dtype=np.int64)
@@ -616,12 +614,8 @@ class SegmentOpeners:
         matched = {i: t for i, t in added.items() if t.content and not (split_special and t.special)}
         self.max_reach = max((len(t.content) for t in matched.values()), default=0)
         openers = {
-            i: t
-            for i, t in matched.items()
-            if not t.lstrip
-            and not t.single_word
-            and not t.content[0].isspace()
-            and not (has_normalizer and t.normalized)
+            i: t for i, t in matched.items()
+            if not (t.lstrip or t.single_word or t.content[0].isspace() or (has_normalizer and t.normalized))
         }
         tokens = _Joined([t.content for t in matched.values()])
         raw_tokens = _Joined([t.content for t in matched.values() if not t.normalized])

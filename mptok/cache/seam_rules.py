@@ -43,10 +43,6 @@ from mptok.cache.seam import (
 __all__ = ["CharClasses", "derive_rules", "measure_pairs", "pattern_sets", "prove_rules"]
 
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-# What a claim of a forced boundary says: that a pre-token begins there, or
-# (a layout whose pre-tokenizer leaves a segment whole) that a token does.
-CLAIMS_PRE_TOKENS = "pre-tokens"
-CLAIMS_TOKENS = "tokens"
 # Tails tokenized from forced boundaries per text of the start-up check.
 TAILS_CHECKED_PER_TEXT = 2
 # Base classes: the whitespace characters that patterns name one by one, then general categories.
@@ -123,18 +119,15 @@ def derive_rules(spec: dict[str, Any], split_special: bool, vocab_size: int) -> 
         forced = UnspannedPairs(pieces, space_marker, fuse_unknown=model.get("type") == "Unigram" or bool(model.get("fuse_unk")))
     else:
         return "no pre-tokenizer split, and a normalizer that rewrites the pieces' characters"
+    added = [t for t in spec.get("added_tokens") or () if t["id"] < len(lengths) and not (split_special and t.get("special"))]
     segment_ends = np.zeros(len(lengths), dtype=bool)
-    added_contents = {}
-    for token in spec.get("added_tokens") or ():
-        if token["id"] < len(segment_ends) and not (split_special and token.get("special")):
-            segment_ends[token["id"]] = True
-            added_contents[token["id"]] = token["content"]
+    segment_ends[[t["id"] for t in added]] = True
     return SeamRules(
         lengths=lengths,
         segment_ends=segment_ends,
-        added_contents=added_contents,
+        added_contents={t["id"]: t["content"] for t in added},
         forced=forced,
-        claims=CLAIMS_PRE_TOKENS if splits else CLAIMS_TOKENS,
+        claims_pre_tokens=bool(splits),
         prefix=prefix,
         nfc="nfc" in normalizer,
         space_marker=space_marker,
@@ -181,12 +174,7 @@ def _pre_tokenizer_steps(pre: dict[str, Any] | None) -> list[dict[str, Any]] | s
 
 
 def _lengths(
-    spec: dict[str, Any],
-    model: dict[str, Any],
-    byte_level: bool,
-    vocab_size: int,
-    split_special: bool,
-    normalizer: set[str],
+    spec: dict[str, Any], model: dict[str, Any], byte_level: bool, vocab_size: int, split_special: bool, normalizer: set[str],
     pieces_counted: bool,
 ) -> np.ndarray:
     """Each id's length in text bytes (``UNKNOWN`` where the id does not
@@ -229,17 +217,14 @@ def _pieces(model: dict[str, Any]) -> dict[str, int]:
 
 
 def prove_rules(
-    rules: SeamRules,
-    encode: Callable[[str], Any],
-    tail_ids: Callable[[str, bool], Sequence[int]],
-    texts: Sequence[str],
+    rules: SeamRules, encode: Callable[[str], Any], tail_ids: Callable[[str, bool], Sequence[int]], texts: Sequence[str]
 ) -> tuple[SeamRules | None, str]:
     """``rules`` with only the claimed pairs that `tokenizers` never contradicts
     (measured on a random text over the classes, then checked on ``texts``),
     and a line for the start log; None if the lengths are contradicted.
     ``encode`` is the reference (an ``Encoding`` with offsets and word ids);
     ``tail_ids(text, at_segment_start)`` what a splice tokenizes a tail with."""
-    claims_pre_tokens = rules.claims == CLAIMS_PRE_TOKENS
+    claims_pre_tokens = rules.claims_pre_tokens
     if isinstance(rules.forced, ForcedPairs):
         try:
             pairs = measure_pairs(rules.forced.classes, rules.forced.pairs, encode, claims_pre_tokens)
@@ -270,7 +255,7 @@ def prove_rules(
             if rules.segment_ends[i]:
                 inside_added[start + 1 : end] = True
         checked: list[int] = []
-        forced = rules.forced_boundaries(text, 0, len(text))
+        forced = rules.forced.between(text, 0, len(text))
         for position in forced[~inside_added[forced]].tolist():
             index = starts.get(position)
             splits = index is not None and (
@@ -421,11 +406,7 @@ def _escape(pattern: str, i: int) -> tuple[str | None, int]:
 
 
 def measure_pairs(
-    classes: CharClasses,
-    candidates: np.ndarray,
-    encode: Callable[[str], Any],
-    claims_pre_tokens: bool,
-    seed: int = 0,
+    classes: CharClasses, candidates: np.ndarray, encode: Callable[[str], Any], claims_pre_tokens: bool, seed: int = 0
 ) -> np.ndarray:
     """The ``candidates`` pairs that split every time they are seen (at
     least ``MIN_SEEN`` times) in a random text tokenized by ``encode`` (the

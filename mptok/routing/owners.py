@@ -243,26 +243,19 @@ class TokenizationOwners:
             cache, tokenizer, frontend_id, num_frontends, self._ipc_dir, authkey, route_limits,
             routing=self.policy != NEVER, keep_copies=self.policy == KEPT,
         )
-        # A fast engine builds per-thread state on a thread's first calls.
         self.warm_thread: Callable[[], object] | None = (
             functools.partial(backend.engines.warm_this_thread, typical_text()) if backend is not None else None
         )
-        # Peers are answered on threads warmed here, before they can call.
         self._workers = PeerWorkers(
             PeerService(cache, tokenizer).answer, self.warm_thread, wait_s=timeout_s, name=f"mptok-peer-{frontend_id}"
         )
         address = socket_path(self._ipc_dir, frontend_id)
-        try:
+        with contextlib.ExitStack() as undo:  # what has started stops if a later step raises
+            undo.callback(lambda: self._workers.close(Deadline.after(self._close_timeout_s)))
             self._manager = serve_encode(address, self._workers.answer, authkey, limits, name=f"mptok-owner-{frontend_id}")
-        except BaseException:
-            self._workers.close(Deadline.after(self._close_timeout_s))
-            raise
-        try:
+            undo.callback(self._manager.shutdown)
             self._record: OwnerRecord = publish(self._ipc_dir, frontend_id, address)
-        except BaseException:
-            self._manager.shutdown()
-            self._workers.close(Deadline.after(self._close_timeout_s))
-            raise
+            undo.pop_all()
 
     @property
     def frontend_id(self) -> int:

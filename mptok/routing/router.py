@@ -209,10 +209,8 @@ class Router:
 
     ``routing`` False decides "here" for every prompt (the ``never`` policy);
     ``keep_copies`` is the ``kept`` policy (``mptok.routing.policy``).
-    ``decide`` never raises because an owner failed: a call that fails or runs
-    past its deadline (``limits``) is given up and the decision is to tokenize
-    here; an owner that timed out is skipped for ``limits.backoff_s``. It
-    raises what the cache raises for bad input.
+    ``decide`` never raises because an owner failed (a call that fails or runs past its
+    deadline decides "here", see ``TokenizationOwners``), only what the cache raises for bad input.
     """
 
     def __init__(

@@ -107,9 +107,7 @@ class Listener:
             if self._closing.is_set() or len(self._threads) >= self._limits.max_connections:
                 thread = None
             else:
-                thread = threading.Thread(
-                    target=self._serve, args=(sock,), name=f"{self._name}-peer", daemon=True
-                )
+                thread = threading.Thread(target=self._serve, args=(sock,), name=f"{self._name}-peer", daemon=True)
                 self._threads.add(thread)
                 try:
                     # Started under the lock so that close() never joins a
@@ -221,12 +219,9 @@ def _lock_or_raise(lock_path: str, path: str) -> int:
                 f"{path} is served by a live process (pid {holder}, holding {lock_path}); "
                 "stop it first or give this frontend another id"
             )
-        try:
-            current = os.lstat(lock_path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(fd).st_ino:
-            break
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(lock_path).st_ino == os.fstat(fd).st_ino:
+                break
         # The previous holder removed the file between our open and our lock.
         os.close(fd)
     os.ftruncate(fd, 0)

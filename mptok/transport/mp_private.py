@@ -155,10 +155,6 @@ class OwnerServer(Server):
         """The objects served, one per registered typeid."""
         return [entry[0] for ident, entry in self.id_to_obj.items() if ident != "0"]
 
-    def stop(self) -> None:
-        """Connections end after the request they are serving."""
-        self.stop_event.set()
-
     def handle_request(self, conn: PeerConnection) -> None:
         self.serve_peer(conn)
 
@@ -231,7 +227,7 @@ class InProcessManager(BaseManager):
                 return True
             self._state.value = State.SHUTDOWN
             assert self._owner_server is not None
-            self._owner_server.stop()
+            self._owner_server.stop_event.set()  # connections end after the request they are serving
             return self._stop_listening(timeout_s)
 
     def _start_listening(self, server: OwnerServer) -> None:

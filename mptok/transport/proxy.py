@@ -10,11 +10,12 @@ the owner's liveness there); nothing here calls back up.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from multiprocessing import AuthenticationError
 from types import TracebackType
 from typing import Any
@@ -113,15 +114,8 @@ class EncodeProxy:
             deadline = Deadline.after(self._timeout_s)
         link = self._reusable_link(incarnation)
         if link is not None:
-            link.in_use.acquire()
-            try:
-                self._send_on(link, request, deadline)
-                return SentRequest(self, link, request, deadline, incarnation, reused=True)
-            except _StaleConnection:
-                link.in_use.release()
-            except BaseException:
-                link.in_use.release()
-                raise
+            with contextlib.suppress(_StaleConnection):
+                return SentRequest(self, self._send_on(link, request, deadline), request, deadline, incarnation, reused=True)
         return SentRequest(self, self._send_fresh(request, deadline, incarnation), request, deadline, incarnation, reused=False)
 
     def connected(self, incarnation: Hashable = None) -> bool:
@@ -156,29 +150,18 @@ class EncodeProxy:
 
     def _send_fresh(self, request: PeerRequest, deadline: Deadline, incarnation: Hashable) -> _Link:
         """Send on a new connection; returns it with its ``in_use`` held."""
-        link = self._open(incarnation, deadline)
+        return self._send_on(self._open(incarnation, deadline), request, deadline)
+
+    def _send_on(self, link: _Link, request: PeerRequest, deadline: Deadline) -> _Link:
+        """Send on ``link`` (its reply is read by ``deadline`` too); returns it with its ``in_use``
+        held, or raises with it released."""
         link.in_use.acquire()
         try:
-            self._send_on(link, request, deadline)
+            self._step(link, "send", (ENCODE_TYPEID, "encode", request.to_wire(), {}), deadline=deadline)
         except BaseException:
             link.in_use.release()
             raise
         return link
-
-    def _send_on(self, link: _Link, request: PeerRequest, deadline: Deadline) -> None:
-        """Send on ``link``, whose ``in_use`` the caller holds."""
-        conn = link.conn
-        if conn is None:
-            raise _StaleConnection(f"connection to {self.address} was closed")
-        conn.deadline = deadline
-        self._step(link, conn.send, (ENCODE_TYPEID, "encode", request.to_wire(), {}))
-
-    def _receive_on(self, link: _Link) -> object:
-        """The next whole message on ``link``, whose ``in_use`` the caller holds."""
-        conn = link.conn
-        if conn is None:
-            raise _StaleConnection(f"connection to {self.address} was closed")
-        return self._step(link, conn.recv)
 
     def _reusable_link(self, incarnation: Hashable) -> _Link | None:
         link: _Link | None = getattr(self._local, "link", None)
@@ -191,10 +174,17 @@ class EncodeProxy:
             return None
         return link
 
-    def _step(self, link: _Link, step: Callable[..., Any], *args: Any) -> Any:
-        """``step(*args)`` on ``link``'s connection; a failure drops the connection unless the stream is intact."""
+    def _step(self, link: _Link, step: str, *args: Any, deadline: Deadline | None = None) -> Any:
+        """Method ``step`` (``send`` or ``recv``) of ``link``'s connection, whose ``in_use`` the caller
+        holds, called with ``args`` (by ``deadline``, if given; else by the one it has); a failure drops
+        the connection unless the stream is intact."""
+        conn = link.conn
+        if conn is None:
+            raise _StaleConnection(f"connection to {self.address} was closed")
+        if deadline is not None:
+            conn.deadline = deadline
         try:
-            return step(*args)
+            return getattr(conn, step)(*args)
         except (pickle.UnpicklingError, ValueError, TypeError) as e:
             # A whole message that is not a reply: the stream is intact.
             raise OwnerError(f"{self.address} sent no reply: {e!r}") from e
@@ -241,9 +231,7 @@ class EncodeProxy:
         if isinstance(e, MessageTooLarge):
             return OwnerError(f"{self.address}: {e}")
         if isinstance(e, AuthenticationError):
-            return OwnerUnreachable(
-                f"{step} with {self.address} failed: the authkey was refused, or it is not an owner ({e})"
-            )
+            return OwnerUnreachable(f"{step} with {self.address} failed: the authkey was refused, or it is not an owner ({e})")
         if isinstance(e, (EOFError, OSError)):
             return stale(f"{step} with {self.address} failed: {e!r}")
         return OwnerUnreachable(f"{step} with {self.address} failed: {e!r}")
@@ -266,7 +254,7 @@ class SentRequest:
         """The owner's reply, or None for a delta whose fingerprint matches nothing it keeps."""
         assert self._link is not None, "a reply is read once, inside the with block"
         try:
-            message = self._proxy._receive_on(self._link)
+            message = self._proxy._step(self._link, "recv")
         except _StaleConnection:
             if not self._reused:
                 raise
@@ -275,7 +263,7 @@ class SentRequest:
             self._release()
             self._reused = False
             self._link = self._proxy._send_fresh(self._request, self._deadline, self._incarnation)
-            message = self._proxy._receive_on(self._link)
+            message = self._proxy._step(self._link, "recv")
         self._answered = True  # whatever it says, the stream is intact
         return _reply_from(self._proxy.address, message)
 

@@ -202,11 +202,6 @@ class TimedConnection:
             raise MessageTooLarge(f"message of {size} bytes, longer than {limit}")
         return size
 
-    def wait_for_message(self) -> None:
-        """Block until the next message's first byte has arrived."""
-        if self._end == self._start:
-            self._fill(1)
-
     def shutdown(self) -> None:
         """Wake any thread blocked on this connection; it then sees EOF."""
         with contextlib.suppress(OSError):
@@ -379,7 +374,8 @@ class PeerConnection(TimedConnection):
             return super().recv()
         self.deadline = Deadline.after(self._limits.idle_timeout_s)
         try:
-            self.wait_for_message()
+            if self._end == self._start:
+                self._fill(1)  # the first byte of the next request
         except OSError as e:  # TimeoutError included: idle for too long
             raise EOFError(f"no request: {e!r}") from e
         # From its first byte on, a request (its header too) has the message
