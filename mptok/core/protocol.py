@@ -1,28 +1,19 @@
 """What crosses between frontends: a peer's request, the owner's reply, and the fingerprint by which a request names text.
 
-A frontend that routes a conversation to its owner keeps a fingerprint of
-the prompt it sent, not the text or its ids: a chain of digests over
-``BLOCK_CHARS``-character blocks (each block's digest covers the one
-before it), so that a prompt's fingerprint at block k covers exactly its
-first ``k * BLOCK_CHARS`` characters. Its next turn sends only the
-characters after those, with the fingerprint (``since`` and
-``shared_chars``). The owner keeps the chain of its kept text (16 bytes a
-block, extended by the blocks a new prompt changed, never recomputed),
-finds the kept prompt whose chain has that digest at that block, tokenizes
-the new prompt from there in one cache call and answers with all its ids;
-when none has it, it answers None and the asker sends the whole text, so a
-stale or wrong fingerprint never gets ids of other text. SHA-256
-(hardware-accelerated on most CPUs), truncated to 128 bits: a client cannot
-make two texts collide.
+An asker keeps a fingerprint of the prompt it routed, not its text: a chain
+of digests over ``BLOCK_CHARS``-character blocks, each covering the one
+before, so the digest at block k covers exactly the first
+``k * BLOCK_CHARS`` characters. The next turn sends only the characters
+after those, with the fingerprint. The owner keeps the chain of its kept
+text, finds the prompt whose chain has that digest at that block and
+answers with all the new prompt's ids; when none has it, it answers None
+and the asker sends the whole text, so a stale or wrong fingerprint never
+gets ids of other text. SHA-256 truncated to 128 bits: a client cannot make
+two texts collide.
 
-Each record is built once and decoded once: the transport sends
-``PeerRequest.to_wire()`` and ``PeerReply.to_wire()`` and the other end
-builds the record with ``from_wire``, which refuses anything malformed
-(``ValueError``). The reply's ids cross as the cache's int32 buffer (a
-``PickleBuffer``, which the transport writes without copying it) and are
-read on arrival with ``np.frombuffer`` on the received bytes, never as
-Python ints. Every layer that speaks of them imports them from here, the
-bottom layer.
+Each record is decoded once, by ``from_wire``, which refuses anything
+malformed (``ValueError``). The reply's ids cross as the cache's int32
+buffer, sent without a copy and read with ``np.frombuffer``.
 """
 
 from __future__ import annotations
