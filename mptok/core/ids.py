@@ -1,15 +1,11 @@
 """Token ids in one compact form, from the cache to the JSON bytes: int32 numpy arrays.
 
 A list copy of a 47k-id prompt's Python ints took 0.87 ms, as much as the
-rest of a cache hit. An int32 array costs 4 bytes an id, is copied with one
-``memcpy``, spliced without creating an int, written to JSON by orjson and
-sent by the transport as it is.
-
-``IdPieces`` is one version of a prompt's ids: the first ``length`` ids of a
-buffer that nothing writes below ``length`` again, so a view handed out
-stays what it was. A version that extends another by appending writes only
-its new ids into the buffer's spare room and shares the rest; any other
-splice copies into a new buffer.
+rest of a cache hit; an int32 array is copied with one ``memcpy``, spliced
+without an int, and written to JSON and sent as it is. ``IdPieces`` is one
+version of a prompt's ids: a buffer's first ``length`` ids, which nothing
+writes again; a version that extends another writes only its new ids into
+the buffer's spare room.
 """
 
 from __future__ import annotations

@@ -12,12 +12,8 @@ STOP_JOIN_S = 5.0
 
 
 class PeriodicTask:
-    """Run ``tick`` every ``interval_s`` on a daemon thread until ``stop()``.
-
-    ``start()`` and ``stop()`` each run ``tick`` once on the caller's thread
-    (so the final state is written); ``stop()`` waits at most ``join_s`` for a
-    tick in progress. A ``tick`` that raises is logged and does not stop the loop.
-    """
+    """Run ``tick`` every ``interval_s`` on a daemon thread until ``stop()``; ``start()`` and ``stop()`` run it
+    once on the caller's thread too, and ``stop()`` waits ``join_s`` at most. A ``tick`` that raises is logged."""
 
     def __init__(self, name: str, tick: Callable[[], None], interval_s: float):
         self._tick = tick

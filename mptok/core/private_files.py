@@ -20,13 +20,8 @@ from mptok.core.file_locks import try_lock
 
 
 def secure_ipc_dir(path: str) -> str:
-    """Create ``path`` (mode 0700) if missing and check that only this user can enter it.
-
-    Raises ``PermissionError`` for a symbolic link, another user's directory,
-    or one group or others have any access to; ``NotADirectoryError`` for a
-    file. The checks are made on the opened directory, so a path swapped in
-    between cannot pass. Returns the absolute path.
-    """
+    """Create ``path`` (mode 0700) if missing and check, on the opened directory, that only this user can enter it;
+    ``PermissionError`` for a link, another user's directory or any access by others, ``NotADirectoryError``."""
     return _own_directory(path, "ipc dir", 0o077, "have no access to it (chmod 700 {path})")
 
 
@@ -67,13 +62,8 @@ def _own_directory(path: str, what: str, forbidden: int, rule: str) -> str:
 
 
 def open_private_file(path: str, flags: int) -> int:
-    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link.
-
-    Raises ``PermissionError`` for a symbolic link, anything but a regular
-    file of this user, or one group or others may write (mptok would read or
-    write where it points, or trust what others wrote); ``FileNotFoundError``
-    as ``os.open`` raises it.
-    """
+    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link;
+    ``PermissionError`` for a link or a file that is not this user's alone to write."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:

@@ -1,19 +1,13 @@
 """What crosses between frontends: a peer's request, the owner's reply, and the fingerprint by which a request names text.
 
-An asker keeps a fingerprint of the prompt it routed, not its text: a chain
-of digests over ``BLOCK_CHARS``-character blocks, each covering the one
-before, so the digest at block k covers exactly the first
-``k * BLOCK_CHARS`` characters. The next turn sends only the characters
-after those, with the fingerprint. The owner keeps the chain of its kept
-text, finds the prompt whose chain has that digest at that block and
-answers with all the new prompt's ids; when none has it, it answers None
-and the asker sends the whole text, so a stale or wrong fingerprint never
-gets ids of other text. SHA-256 truncated to 128 bits: a client cannot make
-two texts collide.
-
-Each record is decoded once, by ``from_wire``, which refuses anything
-malformed (``ValueError``). The reply's ids cross as the cache's int32
-buffer, sent without a copy and read with ``np.frombuffer``.
+A fingerprint is a chain of digests over ``BLOCK_CHARS``-character blocks,
+each covering the one before, so the digest at block k covers exactly the
+first ``k * BLOCK_CHARS`` characters: the next turn sends only the text
+after them, and an owner that keeps no text with that digest answers None,
+so a stale or wrong fingerprint never gets ids of other text. SHA-256 cut to
+128 bits: a client cannot make two texts collide. Each record is decoded
+once, by ``from_wire`` (``ValueError`` for anything malformed); the reply's
+ids cross as the cache's int32 buffer, without a copy.
 """
 
 from __future__ import annotations
@@ -103,12 +97,9 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class PeerRequest:
-    """What an asker sends an owner for one prompt of conversation ``key``.
-
-    Whole (``since`` None): ``text`` is the prompt. A delta: ``text`` is the
-    prompt after its first ``shared_chars`` characters, which the
-    fingerprint ``since`` names (``Fingerprint``).
-    """
+    """What an asker sends an owner for one prompt of conversation ``key``: the
+    whole prompt, or (a delta) the text after the ``shared_chars`` characters
+    that the fingerprint ``since`` names."""
 
     text: str
     key: str | None

@@ -252,11 +252,8 @@ class CheckBudget:
 
 
 class SampledVerifier:
-    """One daemon thread re-checking sampled results against `tokenizers`,
-    started by the first check, its CPU time counted
-    (``backend_check_cpu_seconds``). At most ``capacity`` checks wait; one
-    that finds the queue full is dropped.
-    """
+    """One daemon thread re-checking sampled results against `tokenizers`, its CPU counted
+    (``backend_check_cpu_seconds``); at most ``capacity`` checks wait, and more are dropped."""
 
     def __init__(self, capacity: int = CHECK_QUEUE):
         self._queue: queue.Queue[tuple[Checked, str, Any]] = queue.Queue(capacity)

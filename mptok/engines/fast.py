@@ -1,33 +1,23 @@
 """Faster engines for full tokenization, trusted per tokenizer only after a check.
 
 fastokens and gigatoken load the same ``tokenizer.json`` as `tokenizers` and
-give the same ids in 1.5 to 3.5 ms where it takes about 100 ms (a 50k-token
-prompt), but ids only, and each refuses some layouts. This module loads
-them, checks them id for id at start, times them (``mptok.engines.timing``)
-and chooses (``Chooser``); ``mptok.engines.choice`` runs and re-checks them.
+give the same ids some 30 times faster, ids only, and each refuses some
+layouts. This module loads them, checks them id for id at start, times them
+(``mptok.engines.timing``) and chooses (``Chooser``); ``mptok.engines.choice``
+runs and re-checks them. Nothing proves that two implementations agree on
+every text, so the trust rests on three things:
 
-**Why a fast engine may be trusted (every id list equals full
-tokenization).** Nothing proves that two implementations agree on every
-text, and a result re-checked after it was returned has been returned. The
-trust rests on three things, in this order:
-
-1. Both load the same deterministic specification (the caller's
-   ``tokenizer.json`` without truncation, padding and post-processor),
-   except where they read it otherwise: they match added tokens in one pass
-   where `tokenizers` matches raw ones before normalized ones, so a
-   tokenizer whose raw and normalized added tokens overlap is not given to them.
+1. Both load the same deterministic specification, except where they read
+   it otherwise: they match raw and normalized added tokens in one pass, so
+   a tokenizer whose two kinds overlap is not given to them.
 2. At start an engine must give `tokenizers`' ids on a fixed adversarial
-   corpus built for that tokenizer (``self_check_texts``), where
-   implementations have diverged before; one difference and it is not used.
-   The verdict is kept in the engine memo (``mptok.engines.memo``) under a
-   key that holds everything it is a function of.
+   corpus built for the tokenizer (``self_check_texts``), or is not used;
+   the verdict is kept in the engine memo (``mptok.engines.memo``).
 3. While serving, results are re-checked in the background within a CPU
-   budget, and one difference switches that tokenizer back to `tokenizers`
-   for the rest of the process: that bounds how long a diverging engine is
-   used, not whether one result was wrong.
+   budget; one difference switches the tokenizer back to `tokenizers` for
+   the process (which bounds how long a diverging engine is used).
 
-A deployment for which that is not enough forces `tokenizers`
-(``CacheConfig.tokenizer_backend``).
+A deployment for which that is not enough forces `tokenizers`.
 """
 
 from __future__ import annotations

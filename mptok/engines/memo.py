@@ -1,34 +1,15 @@
 """The engine memo: a start's verdict on the fast engines, kept for the next start on this machine.
 
 Choosing a tokenizer's engine (``mptok.engines.fast.Chooser``) checks and
-times every fast engine: seconds of CPU in every process, and a race, since
-two processes of one server could choose apart. The first start writes its
-verdict here; a later start with the same key loads only the engines it
-names and skips the check and the timing.
-
-**Why skipping the check keeps exactness.** The check is a pure function of
-its inputs, and the key holds all of them: the specification's digest (with
-``split_special_tokens``), each engine's and the reference's version and
-compiled libraries (name, size, mtime), the corpus's digest, mptok's version
-and the digest of the code that decides, Python's version and the
-processor. A memo is used only when its key equals the start's, field by
-field; the background checks (``mptok.engines.choice``) run as before, and
-one difference removes the memo.
-
-**Decided again when stale.** A verdict decided at a load average of
-``BUSY_LOAD`` per CPU or more, or whose timing rounds spread widely, is
-unsettled: a start that finds the machine quieter decides it again, no
-sooner than ``RETRY_S`` after it (so that on a busy machine at most one start
-in that time pays). Any verdict older than ``MAX_AGE_S`` is decided again
-too. Deciding again times the engines that passed and does not check them
-again (the key has not changed); starts that find a stale verdict at once
-take the key's lock like starts that find none: one decides, the others
-read its verdict.
-
-**What cannot be used is ignored**, with a WARNING once per process and
-directory: a memo that is unreadable, not valid, written under another key,
-or in a directory another user owns or others may write. Files are
-replaced whole, mode 0600.
+times every fast engine: seconds of CPU, and a race that two processes of
+one server could decide apart. The first start writes its verdict here; a
+later start with an equal key loads only the engines it names. Skipping
+the check keeps exactness: the check is a pure function of its inputs, and
+the key holds all of them (``memo_key``); the background checks run as
+before, and a difference removes the memo. A verdict is decided again when
+stale (``Verdict.stale``), under the key's lock, so that one start decides
+and the others read it. What cannot be used is ignored with a WARNING once
+per process and directory. docs/CACHE.md, "The engine memo", says more.
 """
 
 from __future__ import annotations
@@ -63,7 +44,7 @@ _PREFIX = "engines-"
 # How long a start waits for another deciding the same key (a decision takes seconds).
 LOCK_WAIT_S = 60.0
 _LOCK_POLL_S = 0.05
-# Stale (module docstring): older than MAX_AGE_S; or unsettled (decided at
+# Stale: older than MAX_AGE_S (what else the machine runs changes); or unsettled (decided at
 # BUSY_LOAD per CPU or more, as many runnable threads as cores, or with rounds
 # more than UNSETTLED_SPREAD apart), RETRY_S after it was decided, at a load
 # below BUSY_LOAD or below half the verdict's.
@@ -91,8 +72,7 @@ class Verdict:
     spread: float
 
     def stale(self, now: float, load: float) -> str | None:
-        """Why a start at time ``now`` with load average per CPU ``load``
-        decides this verdict again, or None (module docstring)."""
+        """Why a start at time ``now`` with load average per CPU ``load`` decides this verdict again, or None."""
         if len(self.passed) < 2:
             return None  # no engines to choose between
         age = now - self.decided_at
@@ -132,9 +112,7 @@ class Verdict:
 
 
 def memo_key(spec_digest: str, split_special: bool, choice: str, check_texts: Iterable[str]) -> dict[str, Any]:
-    """Everything a verdict depends on, for the tokenizer specification
-    ``spec_digest`` (with ``split_special``), the backend choice and the
-    start-up corpus."""
+    """Everything a verdict depends on (docs/CACHE.md, "The engine memo")."""
     corpus = hashlib.sha256()
     for text in check_texts:
         corpus.update(text.encode("utf-8", "surrogatepass") + b"\0")

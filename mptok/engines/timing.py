@@ -1,24 +1,13 @@
 """Which fast engine costs less CPU on a tokenizer, measured so that a busy moment does not decide it.
 
-fastokens and gigatoken cost within a few tens of percent of each other, and
-one measurement of each is at the mercy of whatever else the machine runs,
-which then decides for every start that reads the engine memo. So engines
-are timed in rounds: each round every engine tokenizes the same text, in an
-order rotated from round to round, and the median of each engine's paired
-ratios to the incumbent's cost decides; a burst of load moves one ratio.
-
-CPU time is the process's (it counts fastokens' worker threads, not time
-spent waiting for a core). Each engine first tokenizes every timing text
-once, untimed: fastokens builds per-thread state on its first calls, and
-both cache the words they tokenized, as a serving engine has; timing first
-sights would choose the engine that is cheaper only at a start.
-
-**The incumbent stays unless beaten by ``MARGIN``**: flipping between two
-engines within noise of each other costs a start a load. The incumbent is
-the engine the memo named before, when its verdict is decided again; else,
-for short texts, fastokens (the first of ``ENGINES``: it takes calls from
-many threads at once and spreads a long text over threads); for long texts,
-the short texts' engine, since a second engine costs its loading.
+Engines are timed in rounds, after one untimed pass over the texts (both
+cache the words they have seen, as a serving engine has): each round every
+engine tokenizes the same text, in an order rotated from round to round,
+and the median of each engine's paired ratios to the incumbent's process
+CPU time decides, so a burst of load moves one ratio, not the choice. The
+incumbent stays unless beaten by ``MARGIN``: flipping between engines within
+noise of each other costs a start a load. docs/CACHE.md, "Which one", says
+which engine is the incumbent, and why.
 """
 
 from __future__ import annotations
