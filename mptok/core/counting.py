@@ -12,8 +12,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-# Seconds: from a cache hit to a request whose routed call waited out the
-# route timeout (mptok_tokenize_seconds).
+# Seconds, from a cache hit to a routed call that waited out its timeout (mptok_tokenize_seconds).
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

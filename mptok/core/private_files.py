@@ -105,12 +105,9 @@ _LOCK_SUFFIX = ".lock"
 
 def remove_if_unused(path: str) -> bool:
     """Remove ``path`` if it is this user's real directory (not a link),
-    holds ``SERVER_LOCK``, and none of its locks is held; True if removed.
-
-    The server's lock is taken first (no other sweep removes it meanwhile),
-    then every other ``*.lock``: a frontend may outlive its supervisor while
-    it stops. Raises ``OSError`` for a directory it cannot read.
-    """
+    holds ``SERVER_LOCK``, and none of its locks is held (the server's taken
+    first, so that no other sweep removes it meanwhile); True if removed.
+    Raises ``OSError`` for a directory it cannot read."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         return False

@@ -22,9 +22,8 @@ from mptok.core.ids import ID_DTYPE, as_id_array
 
 BLOCK_CHARS = 4096
 DIGEST_BYTES = 16
-# The characters at the end of a prompt that the next turn may rewrite (a
-# chat template's generation prompt, about 8 to 30 characters): an asker's
-# fingerprint stops at least this far before the end of what it sent.
+# An asker's fingerprint stops this far before the end of what it sent: the
+# next turn may rewrite a prompt's end (a generation prompt, 8 to 30 characters).
 SLACK_CHARS = 256
 
 _SEED = hashlib.sha256(b"mptok prompt fingerprint v1").digest()[:DIGEST_BYTES]

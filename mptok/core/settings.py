@@ -11,8 +11,7 @@ from collections.abc import Mapping
 
 MiB = 1024 * 1024
 
-# The engines ``mptok.engines.fast`` runs, and what
-# ``CacheConfig.tokenizer_backend`` accepts ("auto" picks the cheapest exact one).
+# The fast engines, and what ``CacheConfig.tokenizer_backend`` accepts ("auto": the cheapest exact one).
 ENGINES = ("fastokens", "gigatoken")
 CHOICES = ("auto", "tokenizers") + ENGINES
 
@@ -29,8 +28,7 @@ def parse_bytes(text: str) -> int:
     return int(number) * _BYTE_UNITS[unit]
 
 
-# Where a start keeps its verdict on the fast engines for the next start on
-# this machine (``mptok.engines.memo``): a directory, or "off".
+# The engine memo's directory (``mptok.engines.memo``), or "off".
 ENGINE_MEMO_VARIABLE = "MPTOK_ENGINE_MEMO"
 ENGINE_MEMO_OFF = "off"
 

@@ -49,10 +49,8 @@ class Checked(Protocol):
 class Engines:
     """The fast engines of one tokenizer, chosen at start and checked while used.
 
-    Thread-safe. ``reference`` gives the reference's ids (raising
-    ``TokenizerRefused``); ``checked.verify`` checks sampled results against
-    it in the background. ``engine`` is one the caller vouches for: no
-    start-up check (tests build a real mismatch with it), background checks as ever.
+    Thread-safe. ``checked.verify`` checks sampled results against ``reference``
+    in the background. ``engine``: one the caller vouches for, not checked at start.
     """
 
     def __init__(
@@ -92,8 +90,7 @@ class Engines:
 
     @property
     def names(self) -> dict[str, str]:
-        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``)
-        now: "tokenizers" once no fast engine is trusted; the short one for long texts until theirs is loaded."""
+        """The engines of short and long texts now ("tokenizers" once none is trusted)."""
         short, longer = self._engine, self._long_engine
         name = "tokenizers" if short is None else short.name
         return {"short": name, "long": longer.name if longer is not None and short is not None else name}

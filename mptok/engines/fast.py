@@ -217,10 +217,8 @@ DEFAULT_ENGINE_TO_REFERENCE = 1 / 30
 
 @dataclass(frozen=True)
 class Chosen:
-    """What ``Chooser`` decided: the engines of texts shorter than
-    ``LONG_TEXT_CHARS`` (None: `tokenizers`) and of longer ones (None: the
-    same), why, and what ``memo.Verdict`` keeps of it; the memo and key it is
-    kept under, if one was asked."""
+    """What ``Chooser`` decided: the engines of texts shorter than ``LONG_TEXT_CHARS``
+    (None: `tokenizers`) and of longer ones (None: the same), as ``memo.Verdict`` keeps it."""
 
     engine: IdsEngine | None
     long_engine: IdsEngine | LoadedOnFirstUse | None
@@ -278,10 +276,7 @@ class Chooser:
         """The verdict ``memo`` keeps for ``key``, or one decided here and kept there."""
         verdict = self._kept(memo, key)
         if verdict is not None and verdict.stale(time.time(), engine_memo.machine_load()) is None:
-            chosen = self._remembered(memo, key, verdict)
-            if chosen is not None:
-                return chosen
-            verdict = None
+            return self._remembered(memo, key, verdict)
         # Starts at once: one decides, the others wait for its verdict rather
         # than time the engines against each other's load and choose apart.
         with memo.deciding(key) as held:
@@ -290,28 +285,19 @@ class Chooser:
             stale = verdict.stale(time.time(), engine_memo.machine_load()) if verdict is not None else None
             if verdict is not None and (stale is None or not held):
                 # Decided meanwhile, or stale while another start decides: still exact.
-                chosen = self._remembered(memo, key, verdict)
-                if chosen is not None:
-                    return chosen
-                verdict = stale = None
-            return self._decided(memo, key, texts, verdict if stale else None, stale)
+                return self._remembered(memo, key, verdict)
+            return self._decided(memo, key, texts, verdict, stale)
 
     def _kept(self, memo: engine_memo.EngineMemo, key: dict[str, Any]) -> engine_memo.Verdict | None:
         """The verdict ``memo`` keeps for ``key``, unless it names an engine distrusted here."""
         verdict = memo.read(key)
         return None if verdict is None or self.distrusts(verdict.engines) else verdict
 
-    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any], verdict: engine_memo.Verdict) -> Chosen | None:
-        """``verdict`` with its engines loaded, or None if its engine does not load now."""
+    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any], verdict: engine_memo.Verdict) -> Chosen:
+        """``verdict`` with its engines loading."""
         engine = None
         if verdict.short != "tokenizers":
-            try:
-                engine = load_engine(verdict.short, self.spec_json, self.split_special)
-            except EngineUnavailable as e:
-                logger.warning(
-                    "engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), verdict.short, e
-                )
-                return None
+            engine = LoadingEngine(verdict.short, self.spec_json, self.split_special)
         # Loaded by the first long text or a server's warm-up: a library
         # process that never sees one does not pay for it.
         longer = None
@@ -398,6 +384,36 @@ class Chooser:
         load = max(load, engine_memo.machine_load())
         notes.append(f"load average {load:.2f} per CPU, rounds {spread:.0%} apart")
         return Chosen(engine, longer, "; ".join(notes), ratio, load, spread), passed
+
+
+class LoadingEngine:
+    """The engine a memo names, loaded on a thread of its own while the rest of its backend is
+    built; its calls wait for it, and raise if it did not load (``Engines`` then uses the reference)."""
+
+    def __init__(self, name: str, spec_json: str, split_special: bool):
+        self.name = name
+        self._engine: IdsEngine | None = None
+        self._thread = threading.Thread(target=self._load, args=(spec_json, split_special), name="mptok-engine-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, spec_json: str, split_special: bool) -> None:
+        try:
+            self._engine = load_engine(self.name, spec_json, split_special)
+        except EngineUnavailable as e:
+            logger.warning("tokenizer backend %s, which the engine memo names, did not load (%s); tokenizers tokenizes", self.name, e)
+
+    def _loaded(self) -> IdsEngine:
+        if self._engine is None:
+            self._thread.join()
+            if self._engine is None:
+                raise EngineUnavailable(f"{self.name} did not load")
+        return self._engine
+
+    def encode_ids(self, text: str) -> list[int]:
+        return self._loaded().encode_ids(text)
+
+    def encode_id_array(self, text: str) -> np.ndarray:
+        return self._loaded().encode_id_array(text)
 
 
 class LoadedOnFirstUse:

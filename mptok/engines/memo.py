@@ -56,10 +56,8 @@ RETRY_S = 15 * 60.0
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a start decided for one key: the engines of short and long texts
-    ("tokenizers" for none), those that passed the check, the chosen one's CPU
-    per character against `tokenizers`', the start's account, who decided and
-    when, and the load per CPU and the rounds' spread it was timed under."""
+    """What a start decided for one key (docs/CACHE.md, "The engine memo"): the
+    engines of short and long texts ("tokenizers" for none), and what else it kept."""
 
     short: str
     long: str
@@ -171,9 +169,7 @@ class EngineMemo:
 
     @contextlib.contextmanager
     def deciding(self, key: dict[str, Any]) -> Iterator[bool]:
-        """Hold ``key``'s lock while deciding it: yields True once held, or
-        False (said once) when it could not be taken within ``LOCK_WAIT_S``
-        or at all; the caller then decides without it."""
+        """Hold ``key``'s lock while deciding it: yields whether it was taken within ``LOCK_WAIT_S`` (if not, said once)."""
         path = os.path.join(self.directory, f"{_PREFIX}{_digest(key)}.lock")
         try:
             fd = open_private_file(path, os.O_RDWR | os.O_CREAT)
