@@ -401,6 +401,7 @@ class LoadingEngine:
             self._engine = load_engine(self.name, spec_json, split_special)
         except EngineUnavailable as e:
             logger.warning("tokenizer backend %s, which the engine memo names, did not load (%s); tokenizers tokenizes", self.name, e)
+            self.name = "tokenizers"  # what the metrics then say
 
     def _loaded(self) -> IdsEngine:
         if self._engine is None:
