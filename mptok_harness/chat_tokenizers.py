@@ -93,11 +93,22 @@ CHAT_TOKENIZERS = {
 }
 
 
-def write_chat_tokenizer(name: str, directory: Path) -> Path:
-    """Write tokenizer directory ``name`` (see the module docstring) into ``directory``; returns it."""
+def write_chat_tokenizer(name: str, directory: Path, *, small: bool = False) -> Path:
+    """Write tokenizer directory ``name`` (see the module docstring) into
+    ``directory``; returns it. ``small``: ``chatml_tools`` on the pieces of
+    ``bytelevel_prefix`` without its prefix space (qwen has none), the same
+    special tokens, a few thousand pieces where qwen has 248k (which take
+    seconds to load in every process)."""
     family, template, model_max_length = CHAT_TOKENIZERS[name]
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_tokenizer_file(family), directory / "tokenizer.json")
+    if small:
+        assert name == "chatml_tools", name
+        spec = json.loads(_tokenizer_file("bytelevel_prefix").read_text(encoding="utf-8"))
+        for part in ("pre_tokenizer", "post_processor", "decoder"):
+            spec[part]["add_prefix_space"] = False
+        (directory / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    else:
+        shutil.copyfile(_tokenizer_file(family), directory / "tokenizer.json")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, **_recipe(family).hf_special}
     if model_max_length is not None:
         config["model_max_length"] = model_max_length

@@ -1,6 +1,6 @@
 """Real frontend processes in one ipc dir, for the routing and fault tests.
 
-Each child (spawn context) runs ``TokenizationOwners`` over the real
+Each child (forked from a fork server that imported this module) runs ``TokenizationOwners`` over the real
 ``PrefixTokenCache`` and the embedded tokenizer, and obeys commands the test
 sends over a pipe. ``FrontendPool`` kills whatever it started on teardown
 (SIGCONT first, so that a stopped child can die), so a failing test leaves
@@ -21,8 +21,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import mptok
+from mptok.cache.loading import _import_transformers_quietly
 from mptok.engines import choice
+from mptok.routing.owners import ServerLimits, TokenizationOwners, lower_switch_interval
 from mptok_harness.checks import HANG_GUARD_S, expected_ids, warm_up
+
+# What every frontend child imports, imported here: the children are forked
+# from a server that imported this module (``FrontendPool``).
+_import_transformers_quietly()
+from transformers import PreTrainedTokenizerFast  # noqa: E402, F401
 
 AUTHKEY = b"mptok-test-authkey"
 
@@ -63,9 +71,6 @@ def _hold_gil(seconds: int) -> None:
 
 def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int, options: dict) -> None:
     """Body of a frontend child: serve, route, and answer the test's commands."""
-    import mptok
-    from mptok.routing.owners import ServerLimits, TokenizationOwners, lower_switch_interval
-
     lower_switch_interval()  # as mptok serve's frontends do
     tokenizer = mptok.load_tokenizer()
     cache = mptok.PrefixTokenCache()
@@ -194,7 +199,11 @@ class FrontendPool:
     def __init__(self, ipc_dir: str):
         os.makedirs(ipc_dir, mode=0o700, exist_ok=True)
         self.ipc_dir = ipc_dir
-        self._ctx = multiprocessing.get_context("spawn")
+        # Children forked from a server that imported this module, and with
+        # it mptok and transformers, once: a spawned child spent most of a
+        # second of CPU on those imports at every start.
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload([__name__])
         self._started: list[Frontend] = []
 
     def start(self, ids: list[int], num_frontends: int, **options: Any) -> list[Frontend]:
@@ -237,7 +246,6 @@ def scripted_owner_main(conn: Any, ipc_dir: str, frontend_id: int, delay_s: floa
     whichever way the prompt went; what the test sees is how many calls a
     prompt took, through the peer's counters.
     """
-    import mptok
     from mptok.core.protocol import PeerReply, PeerRequest
     from mptok.routing.liveness import publish
     from mptok.transport import serve_encode, socket_path

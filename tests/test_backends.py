@@ -40,6 +40,13 @@ def spec_json(tokenizer: Tokenizer) -> str:
     return json.dumps(spec)
 
 
+def wrong_engine():
+    """fastokens loaded from another byte-level BPE's tokenizer.json than
+    deepseek's, the tokenizer it then serves: honest, and wrong. The small
+    one (a few thousand pieces) loads in milliseconds, qwen's in seconds."""
+    return load_engine("fastokens", spec_json(load_family("bytelevel_prefix")), split_special=False)
+
+
 def test_auto_picks_a_fast_engine_for_byte_level_bpe():
     backend = backend_for(load_family("deepseek"), "auto")
     assert backend.engines.fast and backend.engines.name in ENGINES
@@ -143,8 +150,8 @@ def test_an_engine_that_cannot_load_the_layout_falls_back_to_tokenizers(family, 
 
 
 def test_start_up_check_catches_an_engine_loaded_from_another_tokenizer():
-    caller, other = load_family("deepseek"), load_family("qwen")
-    engine = load_engine("fastokens", spec_json(other), split_special=False)
+    caller = load_family("deepseek")
+    engine = wrong_engine()
     texts = self_check_texts(t.content for t in caller.get_added_tokens_decoder().values())
     difference = fast.first_difference(engine, lambda t: reference_ids(caller, t), texts)
     assert difference is not None and "different ids" in difference
@@ -153,12 +160,11 @@ def test_start_up_check_catches_an_engine_loaded_from_another_tokenizer():
 
 
 def test_background_check_switches_back_to_tokenizers_on_a_real_mismatch(caplog):
-    """An engine loaded from qwen's tokenizer.json serving deepseek's
+    """An engine loaded from another tokenizer.json serving deepseek's
     tokenizer: the first result is wrong (it was returned before the check
     ran), the check finds it, and the backend uses `tokenizers` from then on."""
-    caller, other = load_family("deepseek"), load_family("qwen")
-    wrong_engine = load_engine("fastokens", spec_json(other), split_special=False)
-    backend = TokenizerBackend(caller, engine=wrong_engine)
+    caller = load_family("deepseek")
+    backend = TokenizerBackend(caller, engine=wrong_engine())
     text = "Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 " * 20
     before = backend_stats()["backend_mismatches"]
     with caplog.at_level(logging.WARNING, logger="mptok.engines.choice"):
@@ -313,13 +319,13 @@ def test_a_prompt_that_completes_an_added_token_is_not_spliced_inside_it(family,
 
 
 def test_after_a_mismatch_the_cache_forgets_what_the_engine_tokenized():
-    """A real wrong engine (qwen's tokenizer.json serving deepseek): its first
+    """A real wrong engine (another tokenizer.json serving deepseek): its first
     result is returned and kept; once the background check finds it, neither
     the same prompt nor one extending it is answered from that result."""
-    caller, other = load_family_hf("deepseek"), load_family("qwen")
+    caller = load_family_hf("deepseek")
     cache = PrefixTokenCache(CacheConfig(tokenizer_backend="fastokens", min_chars=0))
     backend = backend_for(caller, "fastokens")
-    backend.engines._engine = load_engine("fastokens", spec_json(other), split_special=False)  # honest, and wrong
+    backend.engines._engine = wrong_engine()
     start, end = CHAT_MARKERS["deepseek"]
     first = f"{start}Grüße aus Köln, 12345 \u6211\u4eec\u4eca\u5929 {end}" * 20
     assert cache.encode(caller, first, key="k") != caller(first, add_special_tokens=False)["input_ids"]

@@ -1,10 +1,8 @@
 """Counts that many threads bump at once, kept by the component that counts.
 
-The cache, the transport, routing and the HTTP service each count their own
-events and time their own work with these two classes, and nothing else;
-``mptok.supervise.metrics`` and the engine plugins' ``mptok.front.prometheus`` only
-collect their snapshots and render them. Kept in the bottom layer, they let
-every component count without importing the exposition format.
+Every component counts its events and times its work with these two
+classes; ``mptok.supervise.metrics`` and ``mptok.front.prometheus`` only
+render their snapshots, so no component imports the exposition format.
 """
 
 from __future__ import annotations
@@ -14,14 +12,13 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-# Seconds: from a cache hit to a request whose routed call waited out the
-# route timeout (mptok_tokenize_seconds).
+# Seconds, from a cache hit to a routed call that waited out its timeout (mptok_tokenize_seconds).
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Counters:
-    """Named event counts (or sums, such as CPU seconds) that many threads may bump at once;
-    ``snapshot()`` has every name in ``names`` (0 until counted) and every other name counted so far."""
+    """Named counts (or sums, such as CPU seconds); ``snapshot()`` has every
+    name in ``names`` (0 until counted) and every other name counted so far."""
 
     def __init__(self, names: tuple[str, ...] = ()):
         self._lock = threading.Lock()

@@ -1,10 +1,8 @@
 """One way to say "by when": every blocking call on the routed path ends by a ``Deadline``.
 
-A routed prompt crosses several blocking steps (connect, handshake, send,
-receive, waits for a lock or a thread) and each must end by the time its
-route has left, not by a timeout of its own, or a slow step would leave the
-next one its whole timeout again. So the route takes one ``Deadline`` when it
-starts and hands it down; each step asks it how long it may still wait.
+A route takes one ``Deadline`` when it starts and hands it down through its
+blocking steps (connect, handshake, send, receive, waits for a lock or a
+thread): a timeout per step would give the next step its whole timeout again.
 """
 
 from __future__ import annotations

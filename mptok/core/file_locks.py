@@ -1,10 +1,9 @@
 """``flock`` taken without ever blocking past a bound.
 
-A lock file says a process is alive and using something (a server's ipc
-directory, a socket, the engine memo): the kernel releases an ``flock``
-however its holder ends, SIGKILL included. But ``flock`` itself waits
-forever for a holder that is stopped or stuck, so every lock here is taken
-without blocking, and a wait for one polls until a ``Deadline``.
+The kernel releases an ``flock`` however its holder ends, SIGKILL included,
+so a held lock file says its process is alive and using something. But
+``flock`` waits forever for a stopped or stuck holder: every lock here is
+taken without blocking, and a wait for one polls until a ``Deadline``.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ def try_lock(fd: int, *, shared: bool = False) -> bool:
 
 
 def lock_by(fd: int, deadline: Deadline, *, shared: bool = False, poll_s: float = _POLL_S) -> bool:
-    """Take ``fd``'s ``flock`` (exclusive, or ``shared``), waiting for its holder until ``deadline``
-    at most; False if it was still held then."""
+    """``try_lock``, polling until ``deadline`` at most; False if it was still held then."""
     while not try_lock(fd, shared=shared):
         if deadline.passed:
             return False

@@ -1,20 +1,11 @@
 """Token ids in one compact form, from the cache to the JSON bytes: int32 numpy arrays.
 
-A cached conversation holds one id per token of its last prompt. Held as
-Python ints in a list, each costs its 8-byte slot and, for a copy, a
-reference-count touch of an int object somewhere in memory: a list copy of a
-47k-id prompt took 0.87 ms after other work, as much as the rest of a cache
-hit. An int32 array costs 4 bytes an id, is copied with one ``memcpy``,
-spliced without creating an int, and written to JSON by orjson
-(``OPT_SERIALIZE_NUMPY``) without a list; the transport sends it as it is.
-
-``IdPieces`` is one version of a prompt's ids: the first ``length`` ids of
-a buffer (``_IdBuffer``) that nothing ever writes below ``length`` again, so
-a view of them handed out stays what it was. A version that extends
-another by appending, with the ids its seam re-tokenized equal to the ones
-already there, writes only its new ids into the buffer's spare room and
-shares the rest; any other splice copies into a new buffer. ``nbytes`` is
-what a version pins: the whole buffer (a view pins its base).
+A list copy of a 47k-id prompt's Python ints took 0.87 ms, as much as the
+rest of a cache hit; an int32 array is copied with one ``memcpy``, spliced
+without an int, and written to JSON and sent as it is. ``IdPieces`` is one
+version of a prompt's ids: a buffer's first ``length`` ids, which nothing
+writes again; a version that extends another writes only its new ids into
+the buffer's spare room.
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The array type code of ids as they cross between frontends: int32 ("i" is
-# 4 bytes wherever CPython runs); the transport packs them so.
+# The array type code of int32 ids ("i" is 4 bytes wherever CPython runs).
 INT32 = "i"
 ID_DTYPE = np.dtype(np.int32)
 
@@ -60,8 +50,7 @@ def as_id_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 class _IdBuffer:
-    """An int32 buffer and how far it was handed out (``published``): ids
-    below it never change; an append claims the room after it under ``lock``."""
+    """An int32 buffer; ids below ``published`` never change, and an append claims the room after it under ``lock``."""
 
     __slots__ = ("array", "lock", "published")
 
@@ -83,8 +72,7 @@ class _IdBuffer:
         return buffer
 
     def append_at(self, start: int, ids: np.ndarray) -> bool:
-        """Write ``ids`` at ``start`` if ``start`` is where the published ids
-        end and they fit; whether they were written (and are published)."""
+        """Write and publish ``ids`` at ``start`` if the published ids end there and they fit; whether they were."""
         end = start + len(ids)
         with self.lock:
             if start != self.published or end > len(self.array):
@@ -96,11 +84,7 @@ class _IdBuffer:
 
 @dataclass(frozen=True)
 class IdPieces:
-    """One version of a prompt's token ids: ``buffer``'s first ``length`` ids.
-
-    Immutable: nothing writes below ``length`` in ``buffer`` again. Versions
-    of one conversation share a buffer while each extends the last.
-    """
+    """One version of a prompt's token ids, ``buffer``'s first ``length``: immutable."""
 
     buffer: _IdBuffer | None
     length: int
@@ -131,12 +115,9 @@ class IdPieces:
         return 0 if self.buffer is None else self.buffer.array.nbytes + _ARRAY_HEADER_BYTES
 
     def spliced(self, keep: int, tail: Sequence[int] | np.ndarray) -> IdPieces:
-        """The first ``keep`` ids followed by ``tail``.
-
-        Shares this version's buffer when the result extends it: ``tail``
-        agrees with the ids this version holds after ``keep`` and its new ids
-        fit in the buffer's room right after what was published; else copies.
-        """
+        """The first ``keep`` ids followed by ``tail``: this version's buffer
+        shared when ``tail`` agrees with the ids it holds after ``keep`` and
+        its new ids fit in the room after what was published; else a copy."""
         if not 0 <= keep <= self.length:
             raise ValueError(f"keep={keep} is outside 0..{self.length}")
         tail = as_id_array(tail)
@@ -174,11 +155,7 @@ def key_bytes(key: Hashable) -> int:
 
 
 def common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``.
-
-    Compares in C, halving the range: O(n) characters copied and compared in
-    total, never a Python-level loop over the text.
-    """
+    """Length of the longest common prefix of ``a`` and ``b``, compared in C (O(n) in all)."""
     if len(a) <= len(b) and b.startswith(a):
         return len(a)
     if len(b) < len(a) and a.startswith(b):
@@ -195,9 +172,8 @@ _MAX_COMPARED_CHARS = 16384
 def _first_text_difference(a: str, b: str, low: int, high: int) -> int:
     """The first index in ``[low, high)`` where ``a`` and ``b`` differ, given
     ``a[:low] == b[:low]`` and a difference before ``high``: windows doubling
-    from ``low`` (up to a bound) until one differs, then halving inside it.
-    Each step slices only ``a`` and matches it in place in ``b``
-    (``startswith`` at an offset), so one copy a step, not two."""
+    from ``low`` until one differs, then halving inside it; each step slices
+    only ``a`` and matches it in place in ``b``."""
     window = 64
     while high - low > window and b.startswith(a[low : low + window], low):
         low += window

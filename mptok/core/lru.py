@@ -1,8 +1,7 @@
-"""A thread-safe map from keys to values that drops its least recently used entries beyond a byte budget.
+"""A thread-safe map that drops its least recently used entries beyond a byte budget.
 
-What a frontend keeps per conversation besides the cache (the JSON of its
-last answer, its messages as its chat template saw them) is kept in one of
-these, so that it is bounded however many conversations come.
+What a frontend keeps per conversation besides the cache is kept in one, so
+that it is bounded however many conversations come.
 """
 
 from __future__ import annotations

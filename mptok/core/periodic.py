@@ -1,8 +1,4 @@
-"""A task run every so often on a thread of its own (a frontend writing its metrics snapshot, the vLLM plugin exporting its counters).
-
-Kept apart from what the task does, so that stopping it is done once, with
-a bound, and the final state is always written.
-"""
+"""A task run every so often on a thread of its own, stopped once, with a bound, after a last run."""
 
 from __future__ import annotations
 
@@ -12,18 +8,12 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-# How long stop() waits for a tick in progress.
 STOP_JOIN_S = 5.0
 
 
 class PeriodicTask:
-    """Run ``tick`` every ``interval_s`` on a daemon thread until ``stop()``.
-
-    ``start()`` runs ``tick`` once on the caller's thread first. ``stop()``
-    wakes the thread, runs ``tick`` one last time on the caller's thread (so
-    the final state is written), and waits at most ``join_s`` for the
-    thread. A ``tick`` that raises is logged and does not stop the loop.
-    """
+    """Run ``tick`` every ``interval_s`` on a daemon thread until ``stop()``; ``start()`` and ``stop()`` run it
+    once on the caller's thread too, and ``stop()`` waits ``join_s`` at most. A ``tick`` that raises is logged."""
 
     def __init__(self, name: str, tick: Callable[[], None], interval_s: float):
         self._tick = tick

@@ -1,15 +1,9 @@
 """The private ipc directory and the files in it: this user's, and never reached through a link.
 
-Every frontend of one server shares a directory: the owners' sockets and
-their lock files (``mptok.transport``), the owners' records
-(``mptok.routing.liveness``), the metrics snapshots (``mptok.serve``).
-With the authkey, the directory's permissions are what keep other users
-away from all of it, so every layer that opens something there opens it
-through here. Core, the bottom layer, so that each of them can.
-
-A directory is in use while its server's lock (``SERVER_LOCK``) or any
-process's ``*.lock`` in it is held; ``remove_if_unused`` is the one rule by
-which every sweep (``mptok serve``'s, the vLLM plugin's) removes the
+The frontends of one server share a directory of sockets, lock files,
+records and metrics snapshots; with the authkey, its permissions keep other
+users away from all of it, so every layer opens what is there through here.
+``remove_if_unused`` is the one rule by which every sweep removes the
 directories of servers that are gone.
 """
 
@@ -26,35 +20,20 @@ from mptok.core.file_locks import try_lock
 
 
 def secure_ipc_dir(path: str) -> str:
-    """Create ``path`` (mode 0700) if missing and check that only this user can enter it.
-
-    Raises ``PermissionError`` if ``path`` is a symbolic link (its target is
-    whatever the link says today, not a directory this user made), if
-    another user owns it, or if group or others have any access to it;
-    ``NotADirectoryError`` if it is not a directory. The checks are made on
-    the opened directory itself, so a path swapped between the check and
-    the open cannot pass. Returns the absolute path.
-    """
+    """Create ``path`` (mode 0700) if missing and check, on the opened directory, that only this user can enter it;
+    ``PermissionError`` for a link, another user's directory or any access by others, ``NotADirectoryError``."""
     return _own_directory(path, "ipc dir", 0o077, "have no access to it (chmod 700 {path})")
 
 
 def private_cache_dir(path: str) -> str:
-    """Create ``path`` and its parents (mode 0700) if missing and check that only this user can write in it.
-
-    For what this user keeps between runs (``mptok.engines.memo``):
-    others may read it, as they may read the rest of a home directory, but
-    nothing in it may come from them. Raises as ``secure_ipc_dir`` does,
-    with ``PermissionError`` for a directory group or others may write.
-    Returns the absolute path.
-    """
+    """``secure_ipc_dir`` for what this user keeps between runs (``mptok.engines.memo``):
+    others may read it, as the rest of a home directory, but not write in it."""
     return _own_directory(path, "directory", 0o022, "not write in it (chmod go-w {path})")
 
 
 def _own_directory(path: str, what: str, forbidden: int, rule: str) -> str:
-    """``path`` made absolute, created (mode 0700) if missing; raises
-    ``PermissionError`` for a link, another user's directory, or one whose
-    mode has a ``forbidden`` bit (the message says group and others must
-    ``rule``, formatted with the path)."""
+    """``path`` made absolute, created (mode 0700) if missing; ``PermissionError``
+    for a link, another user's directory, or a mode with a ``forbidden`` bit."""
     path = os.path.abspath(path)
     with contextlib.suppress(FileExistsError):
         os.makedirs(path, mode=0o700)
@@ -83,15 +62,8 @@ def _own_directory(path: str, what: str, forbidden: int, rule: str) -> str:
 
 
 def open_private_file(path: str, flags: int) -> int:
-    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link.
-
-    Raises ``PermissionError`` if ``path`` is a symbolic link, anything but
-    a regular file of this user, or a file that group or others may write:
-    in the private ipc dir only a bug or another program of this user puts
-    one there, and following it would make mptok read or write wherever it
-    points, or trust what others could have written. ``FileNotFoundError``
-    as ``os.open`` raises it.
-    """
+    """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link;
+    ``PermissionError`` for a link or a file that is not this user's alone to write."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
@@ -110,11 +82,8 @@ def open_private_file(path: str, flags: int) -> int:
 
 def replace_private_file(path: str, data: bytes) -> None:
     """Write ``data`` as the file at ``path`` (mode 0600), atomically: a
-    reader sees the file before or after, whole, never part of it.
-
-    The data goes to a new file beside it, named for this process and a
-    random token, that then replaces ``path``; writers that race each leave
-    a whole file, the last one to rename wins. Raises ``OSError``.
+    reader sees it whole, before or after; of racing writers the last
+    rename wins. Raises ``OSError``.
     """
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -128,22 +97,17 @@ def replace_private_file(path: str, data: bytes) -> None:
         raise
 
 
-# Held by the process that made a server's directory (``mptok serve``'s
-# supervisor) or shared by every process that uses it (the vLLM plugin's API
-# servers); a directory without one was not made by mptok and is never swept.
+# Held by the process that made a server's directory, or shared by all that
+# use it; a directory without one was not made by mptok and is never swept.
 SERVER_LOCK = "supervisor.lock"
 _LOCK_SUFFIX = ".lock"
 
 
 def remove_if_unused(path: str) -> bool:
     """Remove ``path`` if it is this user's real directory (not a link),
-    holds ``SERVER_LOCK``, and none of its locks is held; True if removed.
-
-    The server's lock is taken first, then every other ``*.lock``: all free,
-    or the directory is in use (a frontend may outlive its supervisor while
-    it stops). Holding the server's lock, no other sweep removes it
-    meanwhile. Raises ``OSError`` for a directory it cannot read.
-    """
+    holds ``SERVER_LOCK``, and none of its locks is held (the server's taken
+    first, so that no other sweep removes it meanwhile); True if removed.
+    Raises ``OSError`` for a directory it cannot read."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         return False
@@ -170,10 +134,8 @@ def remove_if_unused(path: str) -> bool:
 
 def sweep_unused(parent: str, prefix: str, keep: str | None = None) -> list[str]:
     """Remove this user's directories in ``parent`` whose names start with
-    ``prefix`` and that nothing uses (``remove_if_unused``), except ``keep``.
-
-    Returns what was removed; never raises for one directory it cannot judge
-    or remove (it is left), nor for a ``parent`` it cannot list."""
+    ``prefix`` and that nothing uses (``remove_if_unused``), except ``keep``;
+    returns what was removed, and never raises (what it cannot judge is left)."""
     removed: list[str] = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(prefix)]

@@ -1,28 +1,13 @@
 """What crosses between frontends: a peer's request, the owner's reply, and the fingerprint by which a request names text.
 
-A frontend that routes a conversation to its owner keeps a fingerprint of
-the prompt it sent, not the text or its ids: a chain of digests over
-``BLOCK_CHARS``-character blocks (each block's digest covers the one
-before it), so that a prompt's fingerprint at block k covers exactly its
-first ``k * BLOCK_CHARS`` characters. Its next turn sends only the
-characters after those, with the fingerprint (``since`` and
-``shared_chars``). The owner keeps the chain of its kept text (16 bytes a
-block, extended by the blocks a new prompt changed, never recomputed),
-finds the kept prompt whose chain has that digest at that block, tokenizes
-the new prompt from there in one cache call and answers with all its ids;
-when none has it, it answers None and the asker sends the whole text, so a
-stale or wrong fingerprint never gets ids of other text. SHA-256
-(hardware-accelerated on most CPUs), truncated to 128 bits: a client cannot
-make two texts collide.
-
-Each record is built once and decoded once: the transport sends
-``PeerRequest.to_wire()`` and ``PeerReply.to_wire()`` and the other end
-builds the record with ``from_wire``, which refuses anything malformed
-(``ValueError``). The reply's ids cross as the cache's int32 buffer (a
-``PickleBuffer``, which the transport writes without copying it) and are
-read on arrival with ``np.frombuffer`` on the received bytes, never as
-Python ints. Every layer that speaks of them imports them from here, the
-bottom layer.
+A fingerprint is a chain of digests over ``BLOCK_CHARS``-character blocks,
+each covering the one before, so the digest at block k covers exactly the
+first ``k * BLOCK_CHARS`` characters: the next turn sends only the text
+after them, and an owner that keeps no text with that digest answers None,
+so a stale or wrong fingerprint never gets ids of other text. SHA-256 cut to
+128 bits: a client cannot make two texts collide. Each record is decoded
+once, by ``from_wire`` (``ValueError`` for anything malformed); the reply's
+ids cross as the cache's int32 buffer, without a copy.
 """
 
 from __future__ import annotations
@@ -37,9 +22,8 @@ from mptok.core.ids import ID_DTYPE, as_id_array
 
 BLOCK_CHARS = 4096
 DIGEST_BYTES = 16
-# The characters at the end of a prompt that the next turn may rewrite (a
-# chat template's generation prompt, about 8 to 30 characters): an asker's
-# fingerprint stops at least this far before the end of what it sent.
+# An asker's fingerprint stops this far before the end of what it sent: the
+# next turn may rewrite a prompt's end (a generation prompt, 8 to 30 characters).
 SLACK_CHARS = 256
 
 _SEED = hashlib.sha256(b"mptok prompt fingerprint v1").digest()[:DIGEST_BYTES]
@@ -112,12 +96,9 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class PeerRequest:
-    """What an asker sends an owner for one prompt of conversation ``key``.
-
-    Whole (``since`` None): ``text`` is the prompt. A delta: ``text`` is the
-    prompt after its first ``shared_chars`` characters, which the
-    fingerprint ``since`` names (``Fingerprint``).
-    """
+    """What an asker sends an owner for one prompt of conversation ``key``: the
+    whole prompt, or (a delta) the text after the ``shared_chars`` characters
+    that the fingerprint ``since`` names."""
 
     text: str
     key: str | None

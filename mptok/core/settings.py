@@ -1,8 +1,7 @@
 """Values an operator writes, read the same way by every layer: sizes in bytes, tokenizer backends.
 
-Standard library only: the supervisor reads its options and refuses bad
-ones before it starts anything, and loads nothing of the tokenizer stack
-to do so (``mptok.cache.config`` holds the cache's limits built on these).
+Standard library only: the supervisor checks its options with these before
+it starts anything, without loading the tokenizer stack.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ from collections.abc import Mapping
 
 MiB = 1024 * 1024
 
-# The engines ``mptok.engines.fast`` runs, and what
-# ``CacheConfig.tokenizer_backend`` accepts ("auto" picks the cheapest exact one).
+# The fast engines, and what ``CacheConfig.tokenizer_backend`` accepts ("auto": the cheapest exact one).
 ENGINES = ("fastokens", "gigatoken")
 CHOICES = ("auto", "tokenizers") + ENGINES
 
@@ -21,10 +19,7 @@ _BYTE_UNITS = {"": 1, "K": 1024, "M": MiB, "G": 1024 * MiB, "T": 1024 * 1024 * M
 
 
 def parse_bytes(text: str) -> int:
-    """A size in bytes: ``536870912``, ``512M``, ``512MiB``, ``1G`` (units of 1024).
-
-    Raises ``ValueError`` for anything else.
-    """
+    """A size in bytes: ``536870912``, ``512M``, ``512MiB``, ``1G`` (units of 1024); ``ValueError`` for anything else."""
     raw = text.strip().replace("_", "")
     number = raw.rstrip("BbiIKkMmGgTt")
     unit = raw[len(number) :].upper().removesuffix("B").removesuffix("I")
@@ -33,8 +28,7 @@ def parse_bytes(text: str) -> int:
     return int(number) * _BYTE_UNITS[unit]
 
 
-# Where a start keeps its verdict on the fast engines for the next start on
-# this machine (``mptok.engines.memo``): a directory, or "off".
+# The engine memo's directory (``mptok.engines.memo``), or "off".
 ENGINE_MEMO_VARIABLE = "MPTOK_ENGINE_MEMO"
 ENGINE_MEMO_OFF = "off"
 
@@ -42,12 +36,9 @@ ENGINE_MEMO_OFF = "off"
 def engine_memo_dir(environ: Mapping[str, str] | None = None) -> str | None:
     """The engine memo's directory: ``MPTOK_ENGINE_MEMO`` if set, else
     ``$XDG_CACHE_HOME/mptok``, else ``~/.cache/mptok``; None when the
-    variable says "off" or there is no home to put it in.
-
-    Raises ``ValueError`` with one line for the operator when the variable
-    is a relative path: each process would read it from its own working
-    directory (the XDG rule for a relative ``XDG_CACHE_HOME`` is to ignore
-    it, which is what is done with that one).
+    variable says "off" or there is no home to put it in. ``ValueError`` for
+    a relative path, which each process would read from its own working
+    directory (a relative ``XDG_CACHE_HOME`` is ignored, as XDG says).
     """
     environ = os.environ if environ is None else environ
     raw = environ.get(ENGINE_MEMO_VARIABLE, "")

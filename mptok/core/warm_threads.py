@@ -1,10 +1,8 @@
 """Run a warm-up once on every thread of a pool, before the pool serves.
 
-A fast tokenizer engine builds per-thread state and caches on a thread's
-first calls (fastokens spends tens of milliseconds of CPU on a new thread's
-first prompt). A pool whose threads start on demand hands that cost to its
-first requests, one per thread, as latency spikes after every start or
-restart. Warming each thread first moves it to start-up.
+A fast engine builds per-thread state on a thread's first calls (fastokens:
+tens of milliseconds of CPU), which a pool's first requests would pay as
+latency spikes after every start; warming each thread moves it to start-up.
 """
 
 from __future__ import annotations
@@ -23,11 +21,8 @@ def warm_every_thread(
     pool: concurrent.futures.ThreadPoolExecutor, threads: int, warm: Callable[[], object], deadline: Deadline
 ) -> bool:
     """Run ``warm()`` once on each of ``pool``'s ``threads`` threads (its
-    ``max_workers``), starting them all; wait until ``deadline`` at most.
-
-    Returns whether every thread was warmed. A warm-up that raises or runs
-    past the deadline is logged, never raised: the pool still serves, and
-    only its first calls pay.
+    ``max_workers``), waiting until ``deadline`` at most; whether every thread
+    was warmed. A warm-up that raises or times out is logged, never raised.
     """
     # The executor starts a thread per task while none is idle: a task that
     # holds its thread until all have one reaches every thread.

@@ -1,13 +1,10 @@
 """Which engine tokenizes a text in full, and the tripwire that keeps it trusted.
 
-``Engines`` is all the cache sees of the fast engines: ids, id arrays, the
-engines' names, and the check of a result. Its engines are the start-up
-decision of ``mptok.engines.fast``. While they serve, the first
-``FIRST_CHECKS`` results, and then as many as ``CheckBudget`` allows, are
-re-tokenized by the reference (handed in as a callable) on one background
-thread (``SampledVerifier``), whose CPU time is counted
-(``backend_check_cpu_seconds``); on a difference the fast engines are not
-used for that tokenizer again in this process.
+``Engines`` runs the start-up decision of ``mptok.engines.fast``. The first
+``FIRST_CHECKS`` results, then as many as ``CheckBudget`` allows, are
+re-tokenized by the reference on one background thread
+(``SampledVerifier``, its CPU counted); on a difference the fast engines
+are not used for that tokenizer again in this process.
 """
 
 from __future__ import annotations
@@ -29,22 +26,18 @@ from mptok.engines.timing import IdsEngine
 
 logger = logging.getLogger(__name__)
 
-# After the first results, the background re-checks of a fast engine's
-# results may cost this share of the CPU the engine itself spends.
+# The re-checks' share of the CPU the engine spends, after the first results.
 CHECK_SHARE = 0.05
-# Results of a fast engine re-checked before sampling starts.
 FIRST_CHECKS = 8
 # Re-checks waiting for the background thread; more are dropped (counted).
 CHECK_QUEUE = 4
-# The process's one background checker thread (it outlives every cache and
-# TokenizationOwners, as the backends it checks do).
+# The process's one checker thread (it outlives every cache, as the backends it checks do).
 VERIFIER_THREAD = "mptok-backend-verifier"
 
 
 class TokenizerRefused(Exception):
     """The Rust tokenizer raised on this text (lone surrogates, say): the
-    cache then calls the caller's tokenizer itself, so the caller sees
-    exactly what the tokenizer does with the text, its ids or its error."""
+    cache then calls the caller's tokenizer itself, ids or error."""
 
 
 class Checked(Protocol):
@@ -56,11 +49,8 @@ class Checked(Protocol):
 class Engines:
     """The fast engines of one tokenizer, chosen at start and checked while used.
 
-    Thread-safe. ``reference`` gives the reference tokenizer's ids (raising
-    ``TokenizerRefused``); ``checked.verify`` checks sampled results against
-    it in the background (the backend, which checks its splices too).
-    ``engine`` hands over one the caller vouches for: no start-up check
-    (tests use it to build a real mismatch), the background checks as ever.
+    Thread-safe. ``checked.verify`` checks sampled results against ``reference``
+    in the background. ``engine``: one the caller vouches for, not checked at start.
     """
 
     def __init__(
@@ -100,8 +90,7 @@ class Engines:
 
     @property
     def names(self) -> dict[str, str]:
-        """The engine of texts shorter than ``LONG_TEXT_CHARS`` (``"short"``) and of longer ones (``"long"``)
-        now: "tokenizers" once no fast engine is trusted; the short one for long texts until theirs is loaded."""
+        """The engines of short and long texts now ("tokenizers" once none is trusted)."""
         short, longer = self._engine, self._long_engine
         name = "tokenizers" if short is None else short.name
         return {"short": name, "long": longer.name if longer is not None and short is not None else name}
@@ -137,19 +126,16 @@ class Engines:
 
     def warm(self) -> None:
         """Ready these engines for a server's first requests: one short text
-        tokenized, and the long texts' engine the engine memo named loaded
-        now, not by the first long text (seconds of CPU for a large
-        vocabulary, which would slow the requests beside it)."""
+        tokenized, and the long texts' engine loaded now (seconds of CPU for
+        a large vocabulary, which would slow the requests beside it)."""
         self._reference("warm up")
         longer = self._long_engine
         if isinstance(longer, LoadedOnFirstUse):
             longer.load_now()
 
     def warm_this_thread(self, text: str) -> None:
-        """Run each loaded fast engine on ``text`` on the calling thread: a
-        fast engine builds per-thread state on a thread's first calls
-        (fastokens: tens of milliseconds of CPU), which a server's threads
-        pay here, before they serve. Not a result: nothing is checked."""
+        """Run each loaded fast engine on ``text`` on the calling thread, so
+        that its per-thread state is built before it serves (nothing is checked)."""
         longer = self._long_engine
         if isinstance(longer, LoadedOnFirstUse):
             longer = longer.loaded
@@ -185,10 +171,9 @@ class Engines:
         return ids
 
     def check_splice(self, text: str, ids: Any, tokenized: int, *, seam_rules: bool) -> None:
-        """Queue a background check of a splice's ``ids`` for the whole of
-        ``text`` if sampled: the seam rules (if ``seam_rules``) and the
-        engine made them. Sampled on the same budget: the splice earns by
-        the ``tokenized`` characters, the check costs all of ``text``."""
+        """Queue a background check of a splice's ``ids`` for all of ``text``
+        if sampled (the seam rules and the engine made them): the splice earns
+        by the ``tokenized`` characters, the check costs all of ``text``."""
         if (self._engine is not None or seam_rules) and self._sampled(tokenized, len(text)):
             submit_check(self._checked, text, ids)
 
@@ -203,9 +188,8 @@ class Engines:
 
     def verify(self, text: str, ids: Any, *, seam_rules: bool, switch_off: Callable[[], None]) -> None:
         """Compare ``ids`` with the reference's; on a difference, with a
-        WARNING, stop using the fast engines and call ``switch_off`` (the
-        caller stops using its seam rules): neither is trusted for this
-        tokenizer again in this process, nor the engine memo's verdict."""
+        WARNING, stop using the fast engines, forget the memo's verdict and
+        call ``switch_off`` (the caller drops its seam rules), for good."""
         short, longer = self._engine, self._long_engine
         engine = self._engine_for(text)
         if engine is None and not seam_rules:
@@ -243,11 +227,9 @@ _distrusted: set[tuple[str, str]] = set()
 
 class CheckBudget:
     """Which results to re-check so that the checks cost a bounded share of
-    the engine's CPU, without a clock on the hot path. Thread-safe. Both the
-    engine and the reference are linear in the text, so costs are counted in
-    characters: each result earns ``share`` (``CHECK_SHARE`` times the
-    engine's CPU per character against the reference's) of its length as
-    credit, and a result is checked when the credit covers re-tokenizing it."""
+    the engine's CPU, without a clock on the hot path; thread-safe. Costs are
+    counted in characters (both engines are linear in the text): each result
+    earns ``share`` of its length, and is checked when the credit covers it."""
 
     def __init__(self, share: float):
         self._share = share
@@ -255,9 +237,8 @@ class CheckBudget:
         self._lock = threading.Lock()
 
     def allows(self, chars: int, check_chars: int | None = None) -> bool:
-        """Earn credit for a result whose engine tokenized ``chars``
-        characters; whether it is to be checked by re-tokenizing
-        ``check_chars`` (default ``chars``), whose cost is then spent."""
+        """Earn credit for ``chars`` tokenized; whether re-tokenizing
+        ``check_chars`` (default ``chars``) is then paid for, and spent."""
         cost = chars if check_chars is None else check_chars
         with self._lock:
             self._credit += self._share * chars
@@ -268,15 +249,8 @@ class CheckBudget:
 
 
 class SampledVerifier:
-    """One background thread re-checking sampled results against `tokenizers`.
-
-    Each check's CPU time is counted (``backend_check_cpu_seconds``): the
-    thread's own (`tokenizers` re-tokenizes one text on the calling thread),
-    so the checks' share of a process's CPU can be read off.
-    Bounded: at most ``CHECK_QUEUE`` checks wait; one that finds the queue
-    full is dropped. The thread starts with the first check and is a daemon:
-    a process that exits does not wait for a check of a returned result.
-    """
+    """One daemon thread re-checking sampled results against `tokenizers`, its CPU counted
+    (``backend_check_cpu_seconds``); at most ``capacity`` checks wait, and more are dropped."""
 
     def __init__(self, capacity: int = CHECK_QUEUE):
         self._queue: queue.Queue[tuple[Checked, str, Any]] = queue.Queue(capacity)
@@ -298,15 +272,12 @@ class SampledVerifier:
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the queued checks; True if done."""
         deadline = Deadline.after(timeout)
-        while not deadline.passed:
-            if self._queue.unfinished_tasks == 0:
-                return True
+        while self._queue.unfinished_tasks and not deadline.passed:
             time.sleep(0.005)
         return self._queue.unfinished_tasks == 0
 
     def after_fork(self) -> None:
-        """In a forked child: the parent's thread did not come along, and
-        neither may its queue's lock; start afresh."""
+        """In a forked child, without the parent's thread (and maybe with its queue's lock held): start afresh."""
         self._queue = queue.Queue(self._queue.maxsize)
         self._thread = None
         self._lock = threading.Lock()
@@ -334,6 +305,5 @@ COUNTERS = Counters(("backend_checks", "backend_checks_dropped", "backend_mismat
 
 
 def submit_check(check: Checked, text: str, ids: Any) -> None:
-    """Queue ``check.verify(text, ids)`` on the background thread, counted
-    (``backend_checks``, or ``backend_checks_dropped`` if the queue is full)."""
+    """Queue ``check.verify(text, ids)``, counted (``backend_checks`` or ``backend_checks_dropped``)."""
     COUNTERS.add("backend_checks" if VERIFIER.submit(check, text, ids) else "backend_checks_dropped")

@@ -1,40 +1,23 @@
 """Faster engines for full tokenization, trusted per tokenizer only after a check.
 
-`tokenizers` takes about 100 ms for a 50k-token prompt here; fastokens and
-gigatoken load the same ``tokenizer.json`` and give the same ids in 1.5 to
-3.5 ms. They give ids only (no offsets, no pre-token boundaries) and each
-refuses some layouts (fastokens: Metaspace, BertNormalizer, tekken;
-gigatoken: WordPiece, Unigram). This module loads them, checks them id for
-id at start, times them (``mptok.engines.timing``) and chooses (``Chooser``)
-which one is trusted for a tokenizer; ``mptok.engines.choice`` runs it and
-keeps checking it.
+fastokens and gigatoken load the same ``tokenizer.json`` as `tokenizers` and
+give the same ids some 30 times faster, ids only, and each refuses some
+layouts. This module loads them, checks them id for id at start, times them
+(``mptok.engines.timing``) and chooses (``Chooser``); ``mptok.engines.choice``
+runs and re-checks them. Nothing proves that two implementations agree on
+every text, so the trust rests on three things:
 
-**Why a fast engine may be trusted (rule 1: every id list equals full
-tokenization).** Nothing proves that two implementations of a tokenizer agree
-on every text, and a result re-checked after it was returned has been
-returned. The trust rests on three things, in this order:
+1. Both load the same deterministic specification, except where they read
+   it otherwise: they match raw and normalized added tokens in one pass, so
+   a tokenizer whose two kinds overlap is not given to them.
+2. At start an engine must give `tokenizers`' ids on a fixed adversarial
+   corpus built for the tokenizer (``self_check_texts``), or is not used;
+   the verdict is kept in the engine memo (``mptok.engines.memo``).
+3. While serving, results are re-checked in the background within a CPU
+   budget; one difference switches the tokenizer back to `tokenizers` for
+   the process (which bounds how long a diverging engine is used).
 
-1. Both engines load the same deterministic specification (the
-   ``tokenizer.json`` the caller's tokenizer was built from, with its
-   truncation, padding and post-processor removed, as the cache's own copy),
-   except where they are known to read it otherwise: both match added tokens
-   in one pass where `tokenizers` matches raw ones before normalized ones,
-   so a tokenizer whose raw and normalized added tokens overlap is never
-   given to them.
-2. At start an engine must give `tokenizers`' ids, id for id, on a fixed
-   adversarial corpus built for that tokenizer (``self_check_texts``), the
-   places where implementations have diverged before; one difference and
-   the engine is not used for that tokenizer. The first start on the
-   machine keeps the verdict in the engine memo (``mptok.engines.memo``),
-   under a key that holds everything it is a function of.
-3. While serving, results are re-checked by `tokenizers` in the background
-   within a CPU budget (``mptok.engines.choice``), and one difference
-   switches that tokenizer back to `tokenizers` for the rest of the process:
-   that bounds how long a diverging engine is used, not whether one result
-   was wrong.
-
-A deployment for which "the start-up check plus a tripwire" is not enough
-forces `tokenizers` (``CacheConfig.tokenizer_backend``).
+A deployment for which that is not enough forces `tokenizers`.
 """
 
 from __future__ import annotations
@@ -71,11 +54,7 @@ class _Fastokens:
     name = "fastokens"
 
     def __init__(self, spec_json: str, split_special: bool):
-        fastokens = _import("fastokens")
-        try:
-            self._tokenizer = fastokens.Tokenizer.from_json_str(spec_json)
-        except Exception as e:
-            raise EngineUnavailable(f"fastokens cannot load this tokenizer: {e}") from e
+        self._tokenizer = _loaded(self.name, lambda package: package.Tokenizer.from_json_str(spec_json))
         self._split_special = split_special
 
     def encode_ids(self, text: str) -> list[int]:
@@ -96,11 +75,7 @@ class _Gigatoken:
     def __init__(self, spec_json: str, split_special: bool):
         if split_special:
             raise EngineUnavailable("gigatoken always splits out special tokens (split_special_tokens is set)")
-        gigatoken = _import("gigatoken")
-        try:
-            self._tokenizer = gigatoken.Tokenizer.from_json(spec_json)
-        except Exception as e:
-            raise EngineUnavailable(f"gigatoken cannot load this tokenizer: {e}") from e
+        self._tokenizer = _loaded(self.name, lambda package: package.Tokenizer.from_json(spec_json))
         # A gigatoken Tokenizer refuses a call while another thread's runs
         # ("Already borrowed"): a server's threads share one, so they take turns.
         self._one_call = threading.Lock()
@@ -120,10 +95,11 @@ _import_failures: dict[str, str] = {}
 _import_lock = threading.Lock()
 
 
-def _import(name: str) -> Any:
-    """Import an engine's package; a failure is logged once per process."""
+def _loaded(name: str, load: Callable[[Any], Any]) -> Any:
+    """``load(package)`` of engine ``name``'s package; ``EngineUnavailable``
+    if it does not import (logged once per process) or load."""
     try:
-        return importlib.import_module(name)
+        package = importlib.import_module(name)
     except Exception as e:
         with _import_lock:
             first = name not in _import_failures
@@ -131,6 +107,10 @@ def _import(name: str) -> Any:
         if first:
             logger.info("tokenizer backend %s unavailable: %r", name, e)
         raise EngineUnavailable(f"{name} is not importable: {e!r}") from e
+    try:
+        return load(package)
+    except Exception as e:
+        raise EngineUnavailable(f"{name} cannot load this tokenizer: {e}") from e
 
 
 def load_engine(name: str, spec_json: str, split_special: bool) -> IdsEngine:
@@ -159,10 +139,9 @@ _PIECES = (
 
 
 def self_check_texts(added_contents: Iterable[str]) -> list[str]:
-    """The fixed adversarial corpus an engine must reproduce id for id: every
-    piece alone, then mixes of pieces, with the tokenizer's own added tokens
-    (a fixed sample when it has many) alone, doubled, glued to words and
-    inside whitespace runs, and one long text of everything."""
+    """The fixed adversarial corpus an engine must reproduce id for id: the
+    pieces and the tokenizer's added tokens (a fixed sample of many) alone,
+    in context and mixed, and one long text of everything."""
     rng = random.Random(0)
     added = sorted(set(c for c in added_contents if c))
     if len(added) > 48:
@@ -183,8 +162,7 @@ def self_check_texts(added_contents: Iterable[str]) -> list[str]:
 
 
 def first_difference(engine: IdsEngine, reference: Callable[[str], list[int] | None], texts: Sequence[str]) -> str | None:
-    """A description of the first text on which ``engine`` differs from
-    ``reference`` (which returns None for texts it refuses), or None."""
+    """How ``engine`` first differs from ``reference`` (None: a text it refuses) on ``texts``, or None."""
     for text in texts:
         expected = reference(text)
         if expected is None:
@@ -199,8 +177,7 @@ def first_difference(engine: IdsEngine, reference: Callable[[str], list[int] | N
     return None
 
 
-# Standard-library modules whose sources are the timing texts (every Python
-# has them; about 0.5M characters, and 1.9M with the second set).
+# The timing texts' sources (about 0.5M characters, 1.9M with the second set).
 _TIMING_MODULES = ("argparse", "difflib", "inspect", "pathlib", "textwrap", "typing")
 _MORE_TIMING_MODULES = (
     "pydoc", "_pydecimal", "tarfile", "subprocess", "unittest.mock", "email._header_value_parser",
@@ -209,9 +186,8 @@ _MORE_TIMING_MODULES = (
 
 
 def timing_texts(fallback: str, chars: int = 200_000, count: int = 3) -> list[str]:
-    """``count`` different texts of ``chars`` characters (about 50k tokens,
-    where fastokens' threads start to cost CPU) to time engines on: the
-    standard library's own sources; ``fallback`` where they cannot be read."""
+    """``count`` texts of ``chars`` characters (about 50k tokens, where
+    fastokens' threads start to cost CPU) of the standard library's sources, else of ``fallback``."""
     names = _TIMING_MODULES if chars * count <= 480_000 else _TIMING_MODULES + _MORE_TIMING_MODULES
     try:
         source = "".join(open(importlib.import_module(m).__file__, encoding="utf-8").read() for m in names)
@@ -233,22 +209,16 @@ def cpu_cost(encode: Callable[[str], object], texts: Sequence[str]) -> float:
 
 # -- the choice -------------------------------------------------------------------
 
-# Texts at least this long use the engine that was cheapest on texts this
-# long (about 100k tokens), when two engines pass the start-up check.
+# Texts this long (about 100k tokens) or longer use the engine cheapest on them.
 LONG_TEXT_CHARS = 400_000
-# An engine's CPU per character against the reference's, for an engine that
-# was not timed (fast engines measured 1/30 to 1/100).
+# The CPU per character of an engine not timed against the reference's (measured: 1/30 to 1/100).
 DEFAULT_ENGINE_TO_REFERENCE = 1 / 30
 
 
 @dataclass(frozen=True)
 class Chosen:
-    """What ``Chooser`` decided: the engine of texts shorter than
-    ``LONG_TEXT_CHARS`` (None: `tokenizers`) and of longer ones (None: the
-    same), why, the engine's CPU per character against `tokenizers`', the
-    load average per CPU and the spread of the rounds of its timing, if it
-    timed, and the engine memo and key its verdict is kept under, if one was
-    asked."""
+    """What ``Chooser`` decided: the engines of texts shorter than ``LONG_TEXT_CHARS``
+    (None: `tokenizers`) and of longer ones (None: the same), as ``memo.Verdict`` keeps it."""
 
     engine: IdsEngine | None
     long_engine: IdsEngine | LoadedOnFirstUse | None
@@ -268,11 +238,9 @@ class Chosen:
 @dataclass(frozen=True)
 class Chooser:
     """The choice of a tokenizer's engines for ``choice`` ("auto": the
-    cheapest in CPU time that passes the start-up check, `tokenizers`
-    included; an engine's name: that engine if it passes, else none, with a
-    WARNING naming the tokenizer ``name``). ``reference`` gives `tokenizers`'
-    ids (None for a text it refuses); ``distrusts(names)``: whether any of
-    those engines gave a wrong result for this specification here."""
+    cheapest that passes the start-up check, `tokenizers` included; an
+    engine's name: it if it passes, else `tokenizers` with a WARNING).
+    ``distrusts(names)``: whether any gave a wrong result here."""
 
     reference: Callable[[str], list[int] | None]
     spec_json: str
@@ -284,9 +252,8 @@ class Chooser:
     distrusts: Callable[[Iterable[str]], bool]
 
     def choose(self) -> Chosen:
-        """Decided once per process and specification (unless one of its
-        engines was distrusted since): from the engine memo when it keeps
-        one for the same key that is not stale, else here, and kept there."""
+        """Decided once per process and specification (unless an engine was
+        distrusted since): the memo's verdict unless stale, else decided here and kept there."""
         slot = (self.spec_digest, self.split_special, self.choice)
         with _verdicts_lock:
             chosen = _verdicts.get(slot)
@@ -306,49 +273,33 @@ class Chooser:
         return chosen
 
     def _from_memo(self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str]) -> Chosen:
-        """The verdict ``memo`` keeps for ``key``, or one decided here (none
-        kept, or a stale one) and kept there."""
+        """The verdict ``memo`` keeps for ``key``, or one decided here and kept there."""
         verdict = self._kept(memo, key)
         if verdict is not None and verdict.stale(time.time(), engine_memo.machine_load()) is None:
-            chosen = self._remembered(memo, key, verdict)
-            if chosen is not None:
-                return chosen
-            verdict = None
-        # Processes that start at once: one decides, the others wait for its
-        # verdict rather than each timing the engines against the others'
-        # load and choosing apart.
+            return self._remembered(memo, key, verdict)
+        # Starts at once: one decides, the others wait for its verdict rather
+        # than time the engines against each other's load and choose apart.
         with memo.deciding(key) as held:
             if held:
                 verdict = self._kept(memo, key)
             stale = verdict.stale(time.time(), engine_memo.machine_load()) if verdict is not None else None
             if verdict is not None and (stale is None or not held):
-                # Not stale (another start decided it while this one waited),
-                # or stale but another start holds the lock: still exact.
-                chosen = self._remembered(memo, key, verdict)
-                if chosen is not None:
-                    return chosen
-                verdict = stale = None
-            return self._decided(memo, key, texts, verdict if stale else None, stale)
+                # Decided meanwhile, or stale while another start decides: still exact.
+                return self._remembered(memo, key, verdict)
+            return self._decided(memo, key, texts, verdict, stale)
 
     def _kept(self, memo: engine_memo.EngineMemo, key: dict[str, Any]) -> engine_memo.Verdict | None:
         """The verdict ``memo`` keeps for ``key``, unless it names an engine distrusted here."""
         verdict = memo.read(key)
         return None if verdict is None or self.distrusts(verdict.engines) else verdict
 
-    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any], verdict: engine_memo.Verdict) -> Chosen | None:
-        """``verdict`` with its engines loaded, or None if its engine does not load now."""
+    def _remembered(self, memo: engine_memo.EngineMemo, key: dict[str, Any], verdict: engine_memo.Verdict) -> Chosen:
+        """``verdict`` with its engines loading."""
         engine = None
         if verdict.short != "tokenizers":
-            try:
-                engine = load_engine(verdict.short, self.spec_json, self.split_special)
-            except EngineUnavailable as e:
-                logger.warning(
-                    "engine memo %s names %s, which does not load now (%s); deciding again", memo.path(key), verdict.short, e
-                )
-                return None
-        # The long texts' engine when a long text comes, or when a server
-        # warms the backend: a library process that never sees one does not
-        # pay for loading it (seconds for a large vocabulary).
+            engine = LoadingEngine(verdict.short, self.spec_json, self.split_special)
+        # Loaded by the first long text or a server's warm-up: a library
+        # process that never sees one does not pay for it.
         longer = None
         if engine is not None and verdict.long != verdict.short:
             longer = LoadedOnFirstUse(verdict.long, self.spec_json, self.split_special, meanwhile=engine)
@@ -359,9 +310,8 @@ class Chooser:
     def _decided(
         self, memo: engine_memo.EngineMemo, key: dict[str, Any], texts: list[str], stale: engine_memo.Verdict | None, why: str | None
     ) -> Chosen:
-        """``_decide``'s verdict (again, for a ``stale`` one, ``why``), kept in
-        ``memo`` unless an engine was found wrong here (the check and the
-        timing then did not see every engine)."""
+        """``_decide``'s verdict (on a ``stale`` one, ``why``), kept in ``memo``
+        unless an engine was found wrong here (then not every engine was seen)."""
         chosen, passed = self._decide(texts, stale)
         if self.distrusts(ENGINES):
             return dataclasses.replace(chosen, report=f"decided at this start, not kept: an engine was found wrong here: {chosen.report}")
@@ -375,11 +325,9 @@ class Chooser:
         return dataclasses.replace(chosen, report=f"decided{again} at this start, {kept}: {chosen.report}")
 
     def _decide(self, texts: list[str], stale: engine_memo.Verdict | None = None) -> tuple[Chosen, tuple[str, ...]]:
-        """The engines checked on ``texts`` and timed, and the engines that
-        passed the check. Deciding a ``stale`` verdict again times the
-        engines that passed under the same key and does not check them again
-        (the check is a pure function of the key), and its engines are the
-        incumbents (``mptok.engines.timing``)."""
+        """The engines checked on ``texts`` and timed, and those that passed.
+        A ``stale`` verdict's engines that passed are timed, not checked
+        again (the key is the same), and its choice is the incumbent."""
         choice = self.choice
         names = ENGINES if choice == "auto" else (choice,)
         reference = functools.cache(self.reference)  # each engine is checked on the same texts
@@ -415,8 +363,7 @@ class Chooser:
         load = engine_memo.machine_load()
         timing = timing_texts(texts[-1])
         short = compare(candidates, timing, ROUNDS, stale.short if stale and stale.short in by_name else passed[0])
-        # `tokenizers` is linear in the text and ~30x slower: timed on a
-        # tenth, times ten, once it has seen it as the engines had theirs.
+        # `tokenizers` (linear, ~30x slower): a tenth, seen once, timed, times ten.
         tenths = [t[: len(t) // 10] for t in timing]
         cpu_cost(self.reference, tenths)
         reference_cpu = 10 * cpu_cost(self.reference, tenths)
@@ -427,8 +374,7 @@ class Chooser:
         ratio = cpu / reference_cpu if reference_cpu > 0 else DEFAULT_ENGINE_TO_REFERENCE
         longer, spread = None, short.spread
         if len(candidates) > 1:
-            # Which engine is cheaper changes with the length (fastokens
-            # spreads a long text over threads): long texts are timed apart.
+            # Long texts are timed apart: fastokens spreads them over threads.
             long_timing = timing_texts(texts[-1], chars=LONG_TEXT_CHARS * 2, count=2)
             if len(long_timing[0]) >= LONG_TEXT_CHARS:
                 incumbent = stale.long if stale and stale.long in by_name else short.chosen
@@ -440,11 +386,41 @@ class Chooser:
         return Chosen(engine, longer, "; ".join(notes), ratio, load, spread), passed
 
 
+class LoadingEngine:
+    """The engine a memo names, loaded on a thread of its own while the rest of its backend is
+    built; its calls wait for it, and raise if it did not load (``Engines`` then uses the reference)."""
+
+    def __init__(self, name: str, spec_json: str, split_special: bool):
+        self.name = name
+        self._engine: IdsEngine | None = None
+        self._thread = threading.Thread(target=self._load, args=(spec_json, split_special), name="mptok-engine-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, spec_json: str, split_special: bool) -> None:
+        try:
+            self._engine = load_engine(self.name, spec_json, split_special)
+        except EngineUnavailable as e:
+            logger.warning("tokenizer backend %s, which the engine memo names, did not load (%s); tokenizers tokenizes", self.name, e)
+            self.name = "tokenizers"  # what the metrics then say
+
+    def _loaded(self) -> IdsEngine:
+        if self._engine is None:
+            self._thread.join()
+            if self._engine is None:
+                raise EngineUnavailable(f"{self.name} did not load")
+        return self._engine
+
+    def encode_ids(self, text: str) -> list[int]:
+        return self._loaded().encode_ids(text)
+
+    def encode_id_array(self, text: str) -> np.ndarray:
+        return self._loaded().encode_id_array(text)
+
+
 class LoadedOnFirstUse:
-    """The engine the engine memo names for long texts, loaded on a thread
-    of its own by the first long text, or at start by a server
-    (``Engines.warm``); until then long texts go to the short texts' engine
-    (``meanwhile``), which passed the same check."""
+    """The memo's engine for long texts, loaded on a thread by the first
+    long text or by ``Engines.warm``; until then long texts go to
+    ``meanwhile``, the short texts' engine, which passed the same check."""
 
     def __init__(self, chosen: str, spec_json: str, split_special: bool, *, meanwhile: IdsEngine):
         self.chosen = chosen
@@ -485,8 +461,7 @@ class LoadedOnFirstUse:
             logger.info("tokenizer backend %s loaded for texts of %s characters or more", self.chosen, f"{LONG_TEXT_CHARS:,}")
 
 
-# (spec digest, split_special, choice) -> the verdict: the start-up check and
-# timing take seconds, and their verdict depends only on the specification.
+# (spec digest, split_special, choice) -> the verdict, decided once per process.
 _verdicts: dict[tuple[str, bool, str], Chosen] = {}
 _verdicts_lock = threading.Lock()
 
@@ -500,11 +475,9 @@ def _overlapping_added_tokens(tokens: Any) -> tuple[str, str] | None:
     raw = [t.content for t in tokens if not t.normalized and t.content]
     if not normalized or not raw:
         return None
-    # A tokenizer may have a thousand raw tokens: trying every pair is
-    # millions of string operations at every start. Sets of what a raw token
-    # can be in a normalized one (itself, or a proper start of it) find the
-    # normalized tokens that overlap one; only their pairs are then tried,
-    # in order, for the same answer.
+    # Not every pair (a thousand raw tokens make millions): sets of what a
+    # raw token can be in a normalized one find the normalized tokens whose
+    # pairs are then tried, in order, for the same answer.
     whole = set(raw)
     starts = {b[:n] for b in raw for n in range(1, len(b))}
     for a in normalized:

@@ -1,43 +1,15 @@
 """The engine memo: a start's verdict on the fast engines, kept for the next start on this machine.
 
-Choosing the engine of a tokenizer (``mptok.engines.fast.Chooser``) checks and
-times every fast engine: seconds of CPU in every process that starts, and a
-race, since fastokens and gigatoken are close, so two processes of one
-server could choose apart. The first start that decides writes its verdict
-here; a later start with the same inputs reads it, loads only the engines
-it names and skips the check and the timing.
-
-**Why skipping the start-up check keeps exactness.** The check is a pure
-function of what it is given: the specification the engines load (its
-digest, with ``split_special_tokens``), the engines' and the reference's
-code (each package's version and the name, size and modification time of
-its compiled library, so a rebuilt engine does not pass for the old one),
-the corpus (its digest), and the code that decides (mptok's version and
-the digest of the module that chooses). The key holds all of them, with
-Python's version and the machine's processor, and a memo is used only when
-its key is equal to the start's, field by field. So reading the verdict
-gives the trust the check would give; the background checks
-(``mptok.engines.choice``) run as before, and one difference removes the
-memo, so the next start decides afresh.
-
-**Decided again when stale.** A verdict records the load it was decided
-under (the load average per CPU) and how far its timing rounds spread
-(``mptok.engines.timing``). One decided on a busy machine, or whose rounds
-spread widely, is unsettled: a start that finds the machine quieter
-decides it again, but no sooner than ``RETRY_S`` after it was decided, so
-that on a machine that stays busy at most one start in that time pays for a
-decision. Any verdict older than ``MAX_AGE_S`` is decided again too: what
-else the machine runs changes, and with it the engines' costs. Deciding
-again times the engines that passed the check and does not check them
-again: the check is a pure function of the key, which has not changed.
-Starts that find a stale verdict at once take the key's lock like starts
-that find none: one decides, the others read its verdict.
-
-**What cannot be used is ignored**, with a WARNING once per process and
-directory (``mptok.core.settings.engine_memo_dir``): a memo that is
-unreadable, not valid, written under another key, or in a directory another
-user owns or others may write. Files are replaced whole, mode 0600;
-processes that start at once take a lock per key while they decide.
+Choosing a tokenizer's engine (``mptok.engines.fast.Chooser``) checks and
+times every fast engine: seconds of CPU, and a race that two processes of
+one server could decide apart. The first start writes its verdict here; a
+later start with an equal key loads only the engines it names. Skipping
+the check keeps exactness: the check is a pure function of its inputs, and
+the key holds all of them (``memo_key``); the background checks run as
+before, and a difference removes the memo. A verdict is decided again when
+stale (``Verdict.stale``), under the key's lock, so that one start decides
+and the others read it. What cannot be used is ignored with a WARNING once
+per process and directory. docs/CACHE.md, "The engine memo", says more.
 """
 
 from __future__ import annotations
@@ -69,31 +41,23 @@ logger = logging.getLogger(__name__)
 # Raised when what a memo holds, or how its key is made, changes meaning.
 FORMAT = 2
 _PREFIX = "engines-"
-# A start that finds another deciding the same key waits this long for its
-# verdict (a decision takes seconds; far longer means that process is stuck).
+# How long a start waits for another deciding the same key (a decision takes seconds).
 LOCK_WAIT_S = 60.0
 _LOCK_POLL_S = 0.05
-# A verdict older than this is decided again (module docstring).
+# Stale: older than MAX_AGE_S (what else the machine runs changes); or unsettled (decided at
+# BUSY_LOAD per CPU or more, as many runnable threads as cores, or with rounds
+# more than UNSETTLED_SPREAD apart), RETRY_S after it was decided, at a load
+# below BUSY_LOAD or below half the verdict's.
 MAX_AGE_S = 7 * 24 * 3600.0
-# A verdict decided at a load average of this much per CPU or more (as many
-# runnable threads as cores: the engines' threads waited for one), or whose
-# timing rounds spread more than UNSETTLED_SPREAD, is unsettled...
 BUSY_LOAD = 1.0
 UNSETTLED_SPREAD = 0.10
-# ...and decided again by a start at which the load is below BUSY_LOAD, or
-# below half the verdict's, this long after it was decided at the soonest.
 RETRY_S = 15 * 60.0
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a start decided for one key: the engine of texts shorter than
-    the long-text threshold and of longer ones ("tokenizers" for none), the
-    engines that passed the start-up check, the chosen engine's CPU per
-    character against `tokenizers`', the start's own account, the process
-    and time (seconds since the epoch) that decided, the load average per
-    CPU it was decided under (the higher of before and after the timing)
-    and the spread of its timing rounds."""
+    """What a start decided for one key (docs/CACHE.md, "The engine memo"): the
+    engines of short and long texts ("tokenizers" for none), and what else it kept."""
 
     short: str
     long: str
@@ -105,20 +69,15 @@ class Verdict:
     load: float
     spread: float
 
-    @property
-    def unsettled(self) -> bool:
-        """Decided on a busy machine, or from rounds that disagreed."""
-        return self.load >= BUSY_LOAD or self.spread > UNSETTLED_SPREAD
-
     def stale(self, now: float, load: float) -> str | None:
-        """Why a start at time ``now`` with load average per CPU ``load``
-        decides this verdict again, or None (module docstring)."""
+        """Why a start at time ``now`` with load average per CPU ``load`` decides this verdict again, or None."""
         if len(self.passed) < 2:
             return None  # no engines to choose between
         age = now - self.decided_at
         if not 0 <= age <= MAX_AGE_S:
             return f"it was decided {age / 86400:.1f} days ago"
-        if self.unsettled and age >= RETRY_S and (load < BUSY_LOAD or load < self.load / 2):
+        unsettled = self.load >= BUSY_LOAD or self.spread > UNSETTLED_SPREAD
+        if unsettled and age >= RETRY_S and (load < BUSY_LOAD or load < self.load / 2):
             return (
                 f"it was decided at a load average of {self.load:.2f} per CPU with rounds {self.spread:.0%} apart, "
                 f"and the load is {load:.2f} now"
@@ -151,9 +110,7 @@ class Verdict:
 
 
 def memo_key(spec_digest: str, split_special: bool, choice: str, check_texts: Iterable[str]) -> dict[str, Any]:
-    """Everything a verdict depends on, for the tokenizer specification
-    ``spec_digest`` (with ``split_special``), the backend choice and the
-    start-up corpus."""
+    """Everything a verdict depends on (docs/CACHE.md, "The engine memo")."""
     corpus = hashlib.sha256()
     for text in check_texts:
         corpus.update(text.encode("utf-8", "surrogatepass") + b"\0")
@@ -184,19 +141,14 @@ class EngineMemo:
         cannot be used: said once, as a WARNING)."""
         path = self.path(key)
         try:
-            fd = open_private_file(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            _warn_once(self.directory, f"engine memo {path} is not used: {e}")
-            return None
-        try:
-            with open(fd, "rb") as f:
+            with open(open_private_file(path, os.O_RDONLY), "rb") as f:
                 data = orjson.loads(f.read())
             if not isinstance(data, dict) or data.get("key") != key:
                 # The digest names the file; the key inside is compared whole.
                 raise ValueError("it was written for another key")
             return Verdict.from_json(data.get("verdict"))
+        except FileNotFoundError:
+            return None
         except (OSError, ValueError) as e:  # orjson.JSONDecodeError is a ValueError
             _warn_once(self.directory, f"engine memo {path} is not used: {e}")
             return None
@@ -217,9 +169,7 @@ class EngineMemo:
 
     @contextlib.contextmanager
     def deciding(self, key: dict[str, Any]) -> Iterator[bool]:
-        """Hold ``key``'s lock while deciding it: yields True once held, or
-        False (said once) when it could not be taken within ``LOCK_WAIT_S``
-        or at all; the caller then decides without it."""
+        """Hold ``key``'s lock while deciding it: yields whether it was taken within ``LOCK_WAIT_S`` (if not, said once)."""
         path = os.path.join(self.directory, f"{_PREFIX}{_digest(key)}.lock")
         try:
             fd = open_private_file(path, os.O_RDWR | os.O_CREAT)
