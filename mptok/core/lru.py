@@ -15,11 +15,10 @@ V = TypeVar("V")
 
 
 class ByteBoundedLru(Generic[V]):
-    """Values with their sizes (``put``'s ``nbytes``); at most ``max_bytes`` in all, and ``max_entries`` entries if given."""
+    """Values with their sizes (``put``'s ``nbytes``); at most ``max_bytes`` in all."""
 
-    def __init__(self, max_bytes: int, max_entries: int | None = None):
+    def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.max_entries = max_entries
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._bytes = 0
@@ -35,24 +34,16 @@ class ByteBoundedLru(Generic[V]):
     def put(self, key: Hashable, value: V, nbytes: int) -> None:
         """Keep ``value`` for ``key`` (replacing what was kept), unless it alone exceeds the budget."""
         with self._lock:
-            self._discard(key)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
             if nbytes > self.max_bytes:
                 return
             self._entries[key] = (value, nbytes)
             self._bytes += nbytes
-            while self._bytes > self.max_bytes or (self.max_entries is not None and len(self._entries) > self.max_entries):
+            while self._bytes > self.max_bytes:
                 _, (_, dropped) = self._entries.popitem(last=False)
                 self._bytes -= dropped
-
-    def discard(self, key: Hashable) -> None:
-        """Forget what is kept for ``key``, if anything."""
-        with self._lock:
-            self._discard(key)
-
-    def _discard(self, key: Hashable) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._bytes -= old[1]
 
     def stats(self) -> tuple[int, int]:
         """(entries, bytes) kept now."""

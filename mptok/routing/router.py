@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,6 @@ from mptok.cache.protocols import TokenCache
 from mptok.core.counting import Counters, Histogram
 from mptok.core.deadline import Deadline
 from mptok.core.ids import key_bytes
-from mptok.core.lru import ByteBoundedLru
 from mptok.core.protocol import Fingerprint, PeerRequest, checkpoint_blocks, extend_chain
 from mptok.routing.liveness import ERROR, FALLBACK_REASONS, PATIENCE, TIMEOUT, OwnerWatch
 from mptok.routing.policy import PATIENCE_FLOOR_S
@@ -123,7 +124,11 @@ class HeldFingerprints:
     (``CacheConfig.max_held_bytes``). Thread-safe."""
 
     def __init__(self, max_entries: int = 16384, max_bytes: int = DEFAULT_MAX_HELD_BYTES):
-        self._held: ByteBoundedLru[Fingerprint] = ByteBoundedLru(max_bytes, max_entries)
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._held: OrderedDict[Hashable, tuple[Fingerprint, int]] = OrderedDict()
+        self._bytes = 0
 
     def request(self, owner: Hashable, key: str, text: str) -> tuple[PeerRequest, bytes]:
         """What to send ``owner`` for ``text``: a delta when a fingerprint is
@@ -150,21 +155,33 @@ class HeldFingerprints:
         return chain
 
     def get(self, owner: Hashable, key: str) -> Fingerprint | None:
-        return self._held.get((owner, key))
+        with self._lock:
+            held = self._held.get((owner, key))
+            if held is None:
+                return None
+            self._held.move_to_end((owner, key))
+            return held[0]
 
     def put(self, owner: Hashable, key: str, held: Fingerprint | None) -> None:
         """Hold ``held`` (None: forget) for ``key``'s conversation at ``owner``."""
-        if held is None:
-            self._held.discard((owner, key))
-            return
         # The owner's identity is one object that all its entries share: each counts only its own tuple and key.
-        nbytes = sys.getsizeof((owner, key)) + key_bytes(key) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
-        self._held.put((owner, key), held, nbytes)
+        nbytes = 0 if held is None else sys.getsizeof((owner, key)) + key_bytes(key) + sys.getsizeof(held.digest) + HELD_OVERHEAD_BYTES
+        with self._lock:
+            old = self._held.pop((owner, key), None)
+            if old is not None:
+                self._bytes -= old[1]
+            if held is None or nbytes > self._max_bytes:
+                return
+            self._held[(owner, key)] = (held, nbytes)
+            self._bytes += nbytes
+            while len(self._held) > self._max_entries or self._bytes > self._max_bytes:
+                _, (_, evicted_bytes) = self._held.popitem(last=False)
+                self._bytes -= evicted_bytes
 
     def stats(self) -> dict[str, int]:
         """``held_entries`` and ``held_bytes`` (never more than ``held_max_bytes``)."""
-        entries, nbytes = self._held.stats()
-        return {"held_entries": entries, "held_bytes": nbytes, "held_max_bytes": self._held.max_bytes}
+        with self._lock:
+            return {"held_entries": len(self._held), "held_bytes": self._bytes, "held_max_bytes": self._max_bytes}
 
 
 @dataclass(frozen=True)
