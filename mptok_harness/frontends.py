@@ -25,7 +25,7 @@ import mptok
 from mptok.cache.loading import _import_transformers_quietly
 from mptok.engines import choice
 from mptok.routing.owners import ServerLimits, TokenizationOwners, lower_switch_interval
-from mptok_harness.checks import HANG_GUARD_S, expected_ids, warm_up
+from mptok_harness.checks import HANG_GUARD_S, expected_ids, wait_until, warm_up
 
 # What every frontend child imports, imported here: the children are forked
 # from a server that imported this module (``FrontendPool``).
@@ -63,10 +63,15 @@ def _reply_when_done(reply: Callable[[Any], None], futures: list[concurrent.futu
     reply(("done", [f.result() for f in futures]))
 
 
-def _hold_gil(seconds: int) -> None:
-    # ctypes.PyDLL keeps the GIL during the call: like a long native call
-    # that never releases it.
-    ctypes.PyDLL(None).sleep(seconds)
+# ctypes.PyDLL keeps the GIL during the call: like a long native call that
+# never releases it.
+_native_sleep = ctypes.PyDLL(None).sleep
+
+
+def _in_native_sleep(pid: int) -> bool:
+    """Whether ``pid``'s main thread is blocked in a sleep (seen by the kernel)."""
+    with open(f"/proc/{pid}/wchan") as f:
+        return f.read().endswith("nanosleep")
 
 
 def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int, options: dict) -> None:
@@ -116,7 +121,7 @@ def frontend_main(conn: Any, ipc_dir: str, frontend_id: int, num_frontends: int,
             reply({"routing": owners.stats(), "cache": cache.stats()})
         elif command == "hold_gil":
             reply("holding")
-            _hold_gil(args[0])
+            _native_sleep(args[0])
         elif command == "close":
             owners.close()
             reply(
@@ -178,6 +183,15 @@ class Frontend:
 
     def stats(self) -> dict:
         return self.call("stats")
+
+    def hold_gil(self, seconds: int) -> None:
+        """Have the child hold its GIL for ``seconds``, as a native call that
+        never releases it would: its threads answer nothing meanwhile.
+        Returns once the hold has begun. The command's reply comes just
+        before the hold, and a peer's call taken in between would be
+        answered; so the hold is seen from outside, in the kernel."""
+        assert self.call("hold_gil", seconds) == "holding"
+        wait_until(lambda: _in_native_sleep(self.process.pid), f"frontend {self.frontend_id} to hold its GIL")
 
     def signal(self, signum: int) -> None:
         os.kill(self.process.pid, signum)
