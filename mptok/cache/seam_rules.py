@@ -301,15 +301,18 @@ class CharClasses:
     ASCII and the rest and by each of ``sets`` (code point ranges)."""
 
     def __init__(self, sets: Iterable[Sequence[tuple[int, int]]]):
-        key = _base_table().astype(np.int64) * 2
+        key = _base_table().astype(np.int64) * 2  # bits 1-4: the base class; bit 0: ASCII; 5 on: the sets
         key[:0x80] += 1
         for bit, ranges in enumerate(sets):
             for low, high in ranges:
                 key[low : high + 1] |= 1 << (bit + 5)
-        _, table = np.unique(key, return_inverse=True)
-        self.count = int(table.max()) + 1
-        self.table = table.astype(np.uint16)
-        self.unassigned = np.unique(self.table[_base_table() == _UNASSIGNED])
+        # A class per distinct key, numbered in key order; found over the runs
+        # of equal keys, a few thousand, not over every code point.
+        ends = np.append(np.flatnonzero(key[1:] != key[:-1]) + 1, len(key))
+        keys, run_classes = np.unique(key[ends - 1], return_inverse=True)
+        self.count = len(keys)
+        self.table = np.repeat(run_classes.astype(np.uint16), np.diff(ends, prepend=0))
+        self.unassigned = np.flatnonzero((keys & 0x1F) >> 1 == _UNASSIGNED)
 
     def of(self, text: str) -> np.ndarray:
         return self.table[code_points(text)]
