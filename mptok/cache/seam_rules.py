@@ -301,7 +301,8 @@ class CharClasses:
     ASCII and the rest and by each of ``sets`` (code point ranges)."""
 
     def __init__(self, sets: Iterable[Sequence[tuple[int, int]]]):
-        key = _base_table().astype(np.int64) * 2  # bits 1-4: the base class; bit 0: ASCII; 5 on: the sets
+        base = _base_table()
+        key = base.astype(np.int64) * 2
         key[:0x80] += 1
         for bit, ranges in enumerate(sets):
             for low, high in ranges:
@@ -312,7 +313,7 @@ class CharClasses:
         keys, run_classes = np.unique(key[ends - 1], return_inverse=True)
         self.count = len(keys)
         self.table = np.repeat(run_classes.astype(np.uint16), np.diff(ends, prepend=0))
-        self.unassigned = np.flatnonzero((keys & 0x1F) >> 1 == _UNASSIGNED)
+        self.unassigned = np.unique(run_classes[base[ends - 1] == _UNASSIGNED])
 
     def of(self, text: str) -> np.ndarray:
         return self.table[code_points(text)]
