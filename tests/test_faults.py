@@ -188,7 +188,8 @@ def test_an_owner_stopped_since_its_last_check_is_given_up_mid_call(pair, tokeni
 
 def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, tokenizer):
     # Every prompt to the owner, as in `pair`.
-    owner, asker = pool.start([0, 1], 2, timeout_s=60.0, backoff_s=1.0, routing="always")
+    timeout_s = 60
+    owner, asker = pool.start([0, 1], 2, timeout_s=timeout_s, backoff_s=1.0, routing="always")
     key = key_owned_by(0, 2, "patience")
     turns = conversation(11, 2, first_chars=6000)  # long enough for a fingerprint: the next turn is a delta
     assert asker.encode(key, turns[0]) == expected(tokenizer, turns[0])
@@ -196,7 +197,7 @@ def test_an_owner_slower_than_local_work_is_given_up_before_the_timeout(pool, to
     # The owner holds the conversation but answers nothing for as long as
     # the route timeout; the asker's patience (1 s plus twice what the
     # prompt costs here) runs out first.
-    owner.hold_gil(60)
+    owner.hold_gil(timeout_s)
     assert asker.encode(key, turns[1]) == expected(tokenizer, turns[1])
     assert changes(before, routing(asker)) == {"fallback_patience": 1, "route_failures": 1}
 
