@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from mptok.core.counting import Counters
 from mptok.core.deadline import Deadline
-from mptok.engines.fast import LONG_TEXT_CHARS, Chooser, Chosen, LoadedOnFirstUse
+from mptok.engines.fast import LONG_TEXT_CHARS, Chooser, Chosen, LoadedOnFirstUse, LoadingEngine
 from mptok.engines.timing import IdsEngine
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,12 @@ class Engines:
 
     def warm(self) -> None:
         """Ready these engines for a server's first requests: one short text
-        tokenized, and the long texts' engine loaded now (seconds of CPU for
-        a large vocabulary, which would slow the requests beside it)."""
+        tokenized, the short texts' engine's load waited for, and the long
+        texts' engine loaded now (seconds of CPU for a large vocabulary, which
+        would slow the requests beside it)."""
         self._reference("warm up")
+        if isinstance(self._engine, LoadingEngine):
+            self._engine.wait()
         longer = self._long_engine
         if isinstance(longer, LoadedOnFirstUse):
             longer.load_now()

@@ -386,6 +386,11 @@ class Chooser:
         return Chosen(engine, longer, "; ".join(notes), ratio, load, spread), passed
 
 
+# Engine loads run on threads that are not daemons: interpreter exit waits for
+# a load (it is finite) instead of ending its thread inside Rust, which
+# aborts the process ("FATAL: exception not rethrown").
+
+
 class LoadingEngine:
     """The engine a memo names, loaded on a thread of its own while the rest of its backend is
     built; its calls wait for it, and raise if it did not load (``Engines`` then uses the reference)."""
@@ -393,8 +398,12 @@ class LoadingEngine:
     def __init__(self, name: str, spec_json: str, split_special: bool):
         self.name = name
         self._engine: IdsEngine | None = None
-        self._thread = threading.Thread(target=self._load, args=(spec_json, split_special), name="mptok-engine-load", daemon=True)
+        self._thread = threading.Thread(target=self._load, args=(spec_json, split_special), name="mptok-engine-load")
         self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the load has ended, loaded or not."""
+        self._thread.join()
 
     def _load(self, spec_json: str, split_special: bool) -> None:
         try:
@@ -437,7 +446,7 @@ class LoadedOnFirstUse:
         """The engine for a long text now; starts loading the chosen one."""
         spec = self._claim_load() if self.loaded is None else None
         if spec is not None:
-            threading.Thread(target=self._load, args=spec, name="mptok-long-engine", daemon=True).start()
+            threading.Thread(target=self._load, args=spec, name="mptok-long-engine").start()
         return self.loaded or self._meanwhile
 
     def load_now(self) -> None:
