@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -318,17 +317,21 @@ class CharClasses:
     def of(self, text: str) -> np.ndarray:
         return self.table[code_points(text)]
 
-    def samples(self, rng: random.Random) -> list[list[str]]:
-        """Up to ``SAMPLES_PER_CLASS`` characters of each class, none a surrogate."""
+    def samples(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``SAMPLES_PER_CLASS`` code points of each class, none a surrogate:
+        a row per class, and how many of each row's are real."""
         order = np.argsort(self.table, kind="stable")
         ends = np.searchsorted(self.table[order], np.arange(self.count + 1))
-        samples = []
+        rows = np.zeros((self.count, SAMPLES_PER_CLASS), dtype=np.uint32)
+        counts = np.zeros(self.count, dtype=np.int64)
         for c in range(self.count):
             members = order[ends[c] : ends[c + 1]]
             members = members[(members < 0xD800) | (members > 0xDFFF)]
-            picked = members if len(members) <= SAMPLES_PER_CLASS else members[rng.sample(range(len(members)), SAMPLES_PER_CLASS)]
-            samples.append([chr(int(p)) for p in picked])
-        return samples
+            if len(members) > SAMPLES_PER_CLASS:
+                members = rng.choice(members, SAMPLES_PER_CLASS, replace=False)
+            rows[c, : len(members)] = members
+            counts[c] = len(members)
+        return rows, counts
 
 
 def pattern_sets(pattern: str) -> list[list[tuple[int, int]]]:
@@ -409,6 +412,22 @@ def _escape(pattern: str, i: int) -> tuple[str | None, int]:
     return char, i + 2
 
 
+def _probe_text(classes: CharClasses, rng: np.random.Generator) -> str:
+    """``PROBE_CHARS`` characters or more: runs of one to five characters of one class each."""
+    rows, counts = classes.samples(rng)
+    usable = np.flatnonzero(counts)
+    # Whitespace runs are drawn more often: patterns look ahead over them
+    # (``\s+(?!\S)``, ``\s*[\r\n]+``), so what follows a run of them decides its pairs.
+    weights = np.where(np.isin(usable, classes.of("\r\n \t\u00a0\u3000")), WHITESPACE_WEIGHT, 1.0)
+    # As many runs as characters: enough, a run being one character or more.
+    run_classes = rng.choice(usable, PROBE_CHARS, p=weights / weights.sum())
+    run_lengths = rng.choice(np.array([1, 1, 1, 2, 3, 5]), PROBE_CHARS)
+    runs = int(np.searchsorted(np.cumsum(run_lengths), PROBE_CHARS)) + 1
+    char_classes = np.repeat(run_classes[:runs], run_lengths[:runs])
+    picks = (rng.random(len(char_classes)) * counts[char_classes]).astype(np.int64)
+    return rows[char_classes, picks].tobytes().decode("utf-32-le")
+
+
 def measure_pairs(
     classes: CharClasses, candidates: np.ndarray, encode: Callable[[str], Any], claims_pre_tokens: bool, seed: int = 0
 ) -> np.ndarray:
@@ -416,21 +435,7 @@ def measure_pairs(
     least ``MIN_SEEN`` times) in a random text tokenized by ``encode`` (the
     reference, with offsets and word ids): a pre-token begins there (a token,
     without ``claims_pre_tokens``)."""
-    rng = random.Random(seed)
-    samples = classes.samples(rng)
-    usable = [c for c in range(classes.count) if samples[c]]
-    # Whitespace runs are drawn more often: patterns look ahead over them
-    # (``\s+(?!\S)``, ``\s*[\r\n]+``), so what follows a run of them decides its pairs.
-    spaces = set(classes.of("\r\n \t\u00a0\u3000").tolist())
-    weights = [WHITESPACE_WEIGHT if c in spaces else 1 for c in usable]
-    parts: list[str] = []
-    length = 0
-    while length < PROBE_CHARS:
-        c = rng.choices(usable, weights)[0]
-        run = "".join(rng.choice(samples[c]) for _ in range(rng.choice((1, 1, 1, 2, 3, 5))))
-        parts.append(run)
-        length += len(run)
-    text = "".join(parts)
+    text = _probe_text(classes, np.random.default_rng(seed))
     encoding = encode(text)
     splits = np.zeros(len(text) + 1, dtype=bool)
     offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
