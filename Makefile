@@ -90,12 +90,12 @@ smoke: $(BIN)/.installed-bench
 	$(BIN)/python -m pytest -q tests/smoke $(ARGS)
 
 # Every test but the long soak runs (marked slow; the soak's three-round form
-# runs here), about 7 minutes on 2 quiet cores, most of it frontends
-# starting; nginx installed for the multi-host test; tests/smoke is left out
-# (pyproject.toml's addopts).
+# runs here), most of it frontends starting; nginx installed for the
+# multi-host test; tests/smoke is left out (pyproject.toml's addopts). Two
+# workers, a test file each at a time (a file's servers are shared by its tests).
 test: $(BIN)/.installed-test
 	scripts/ensure_nginx.sh
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile $(ARGS)
 
 # The soak runs: random kills and stops under load, a crash-looping frontend.
 soak: $(BIN)/.installed-test

@@ -1,4 +1,7 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +25,13 @@ def engine_memo_of_the_session(tmp_path_factory):
     there: each session decides once, then reads what it decided.
     """
     previous = os.environ.get("MPTOK_ENGINE_MEMO")
-    os.environ["MPTOK_ENGINE_MEMO"] = str(tmp_path_factory.mktemp("engine-memo"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One memo for the run's workers (each a session of its own), in the directory they share.
+        shared = tmp_path_factory.getbasetemp().parent / "engine-memo"
+        shared.mkdir(exist_ok=True)
+        os.environ["MPTOK_ENGINE_MEMO"] = str(shared)
+    else:
+        os.environ["MPTOK_ENGINE_MEMO"] = str(tmp_path_factory.mktemp("engine-memo"))
     yield
     if previous is None:
         os.environ.pop("MPTOK_ENGINE_MEMO", None)
@@ -57,3 +66,13 @@ def trust_restored():
     for found, before in kept:
         found.clear()
         found.update(before)
+
+
+@pytest.fixture
+def short_tmp_dir():
+    """A directory of its own right under the system's temporary one, removed
+    after: ``tmp_path`` lies deeper (more so under xdist), and a Unix socket
+    path in a directory made inside it can outgrow the 107-byte limit."""
+    path = tempfile.mkdtemp(prefix="mptok-test-")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)

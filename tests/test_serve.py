@@ -601,11 +601,10 @@ def test_a_late_restart_is_killed_and_a_given_up_frontend_is_tried_again(tmp_pat
         assert server.process.poll() is None
 
 
-def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_next_start(tmp_path):
+def test_frontends_stop_when_the_supervisor_dies_and_its_dir_is_swept_at_the_next_start(tmp_path, short_tmp_dir):
     from mptok.supervise.run_dir import LOCK_NAME
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp = short_tmp_dir  # TMPDIR of the servers: their socket paths must fit
     env = {"TMPDIR": str(tmp)}
     first = Server(tmp_path / "first.log", "--frontends", "2", env=env)
     holder = None
