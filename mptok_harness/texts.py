@@ -21,7 +21,7 @@ import sysconfig
 from pathlib import Path
 
 # mptok's runtime dependencies: installed wherever mptok is.
-DISTRIBUTIONS = ("transformers", "tokenizers", "huggingface-hub", "fastapi", "uvicorn", "jinja2", "psutil", "orjson")
+DISTRIBUTIONS = ("transformers", "tokenizers", "huggingface-hub", "uvicorn", "jinja2", "psutil", "orjson")
 
 
 def stdlib_sources() -> str:
