@@ -190,7 +190,7 @@ class EncodeProxy:
             raise OwnerError(f"{self.address} sent no reply: {e!r}") from e
         except Exception as e:
             link.close()
-            raise self._failure(e, "call", stale=_StaleConnection) from e
+            raise self._failure(e, "call", conn.deadline, stale=_StaleConnection) from e
 
     def _open(self, incarnation: Hashable, deadline: Deadline) -> _Link:
         if self._closed:
@@ -219,14 +219,18 @@ class EncodeProxy:
                 raise OwnerUnreachable(f"{self.address} refused the connection: {result!r:.200}")
         except Exception as e:
             sock.close()
-            raise self._failure(e, "connection", stale=OwnerUnreachable) from e
+            raise self._failure(e, "connection", deadline, stale=OwnerUnreachable) from e
         return conn
 
-    def _failure(self, e: Exception, step: str, *, stale: type[OwnerUnreachable]) -> TransportError:
+    def _failure(self, e: Exception, step: str, deadline: Deadline, *, stale: type[OwnerUnreachable]) -> TransportError:
         """What a failed ``step`` means to the caller; ``stale`` is for a lost connection."""
         if isinstance(e, TransportError):
             return e
-        if isinstance(e, TimeoutError):
+        # Past the deadline, whatever broke the step is the deadline's doing:
+        # a thread that waited for the GIL after its last check of the time
+        # writes to an owner that has since ended the handshake by its own
+        # clock (a broken pipe), and that is this call's timeout.
+        if isinstance(e, TimeoutError) or deadline.passed:
             return OwnerTimeout(f"{step} with {self.address}: no answer by the deadline")
         if isinstance(e, MessageTooLarge):
             return OwnerError(f"{self.address}: {e}")
