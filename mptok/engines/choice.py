@@ -85,9 +85,8 @@ class Engines:
 
     @property
     def name(self) -> str:
-        """"tokenizers", or the fast engine's name while it is trusted."""
-        engine = self._engine
-        return "tokenizers" if engine is None else engine.name
+        """"tokenizers", or the short texts' fast engine's name while it is trusted."""
+        return self.names["short"]
 
     @property
     def names(self) -> dict[str, str]:
