@@ -84,8 +84,9 @@ def _json_object(body: bytes) -> dict[str, Any]:
         except UnicodeDecodeError as bad:
             raise RequestError(400, f"the body is not valid JSON: it is not UTF-8 (byte {bad.start})") from None
         if "surrogate" in str(e):
-            surrogate = "the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; text must be valid Unicode"
-            raise RequestError(400, f"{surrogate} ({e})") from None
+            raise RequestError(
+                400, f"the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string; text must be valid Unicode ({e})"
+            ) from None
         raise RequestError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, not {_json_type(data)}")
@@ -119,10 +120,15 @@ def _check_content(i: int, message: dict[str, Any]) -> None:
         _check_tool_calls(i, message["tool_calls"])
     if content is None or isinstance(content, str):
         return
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
         return
-    wanted = 'a string or a list of {"type": "text", "text": ...} parts'
-    raise RequestError(400, f'messages[{i}]["content"] must be {wanted}, not {_json_type(content)} (only text is tokenized)')
+    raise RequestError(
+        400,
+        f'messages[{i}]["content"] must be a string or a list of {{"type": "text", "text": ...}} parts, '
+        f"not {_json_type(content)} (only text is tokenized)",
+    )
 
 
 def _check_tool_calls(i: int, calls: Any) -> None:
@@ -144,8 +150,11 @@ def _vllm_fields(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
         return fields
     continue_final = _optional(data, "continue_final_message", bool, False)
     if continue_final and _optional(data, "add_generation_prompt", bool, True):
-        both = "Cannot set both `continue_final_message` and `add_generation_prompt` to True"
-        raise RequestError(400, f'{both} (add_generation_prompt defaults to true: send "add_generation_prompt": false)')
+        raise RequestError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+            '(add_generation_prompt defaults to true: send "add_generation_prompt": false)',
+        )
     if data.get("chat_template") is not None:
         raise RequestError(400, UNTRUSTED_TEMPLATE_REFUSAL)
     fields["continue_final_message"] = continue_final

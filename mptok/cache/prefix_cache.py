@@ -135,9 +135,7 @@ class PrefixIndex:
         blocks = len(text) // INDEX_BLOCK_CHARS
         chain = list(_fingerprints(text, blocks))
         for depth in range(blocks, -1, -1):
-            bucket = self._buckets.get((depth, chain[depth]))
-            if not bucket:
-                continue
+            bucket = self._buckets.get((depth, chain[depth]), {})
             matches = [h for h, filed in bucket.items() if text.startswith(filed)]
             if matches:
                 return max(matches, key=lambda h: len(bucket[h]))

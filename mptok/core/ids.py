@@ -124,15 +124,12 @@ class IdPieces:
         length = keep + len(tail)
         if self.buffer is None or keep == 0:
             return IdPieces.of(tail)
-        if len(tail) == 0:
-            return IdPieces(self.buffer, keep)
         mine = self.buffer.array[keep : self.length]
         overlap = min(len(mine), len(tail))
-        if np.array_equal(mine[:overlap], tail[:overlap]):
-            if length <= self.length:
-                return IdPieces(self.buffer, length)
-            if self.buffer.append_at(self.length, tail[overlap:]):
-                return IdPieces(self.buffer, length)
+        if np.array_equal(mine[:overlap], tail[:overlap]) and (
+            length <= self.length or self.buffer.append_at(self.length, tail[overlap:])
+        ):
+            return IdPieces(self.buffer, length)
         return IdPieces(_IdBuffer.holding(self.buffer.array[:keep], tail), length)
 
 

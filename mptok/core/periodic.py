@@ -13,7 +13,8 @@ STOP_JOIN_S = 5.0
 
 class PeriodicTask:
     """Run ``tick`` every ``interval_s`` on a daemon thread until ``stop()``; ``start()`` and ``stop()`` run it
-    once on the caller's thread too, and ``stop()`` waits ``join_s`` at most. A ``tick`` that raises is logged."""
+    once on the caller's thread too (so the final state is written), and ``stop()`` waits ``join_s`` at most.
+    A ``tick`` that raises is logged and does not stop the loop."""
 
     def __init__(self, name: str, tick: Callable[[], None], interval_s: float):
         self._tick = tick

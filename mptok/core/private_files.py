@@ -63,7 +63,8 @@ def _own_directory(path: str, what: str, forbidden: int, rule: str) -> str:
 
 def open_private_file(path: str, flags: int) -> int:
     """Open (or create, mode 0600) a regular file of this user at ``path``, never through a link;
-    ``PermissionError`` for a link or a file that is not this user's alone to write."""
+    ``PermissionError`` for a link or a file that is not this user's alone to write: following it
+    would make mptok read or write wherever it points, or trust what others could have written."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:

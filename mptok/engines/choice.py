@@ -36,8 +36,8 @@ VERIFIER_THREAD = "mptok-backend-verifier"
 
 
 class TokenizerRefused(Exception):
-    """The Rust tokenizer raised on this text (lone surrogates, say): the
-    cache then calls the caller's tokenizer itself, ids or error."""
+    """The Rust tokenizer raised on this text (lone surrogates, say): the cache then calls the
+    caller's tokenizer itself, so the caller sees exactly what it does with the text, ids or error."""
 
 
 class Checked(Protocol):
@@ -50,7 +50,8 @@ class Engines:
     """The fast engines of one tokenizer, chosen at start and checked while used.
 
     Thread-safe. ``checked.verify`` checks sampled results against ``reference``
-    in the background. ``engine``: one the caller vouches for, not checked at start.
+    in the background. ``engine``: one the caller vouches for, not checked at start
+    (tests use it to build a real mismatch) but checked in the background as ever.
     """
 
     def __init__(
@@ -84,9 +85,8 @@ class Engines:
 
     @property
     def name(self) -> str:
-        """"tokenizers", or the fast engine's name while it is trusted."""
-        engine = self._engine
-        return "tokenizers" if engine is None else engine.name
+        """"tokenizers", or the short texts' fast engine's name while it is trusted."""
+        return self.names["short"]
 
     @property
     def names(self) -> dict[str, str]:
@@ -252,8 +252,9 @@ class CheckBudget:
 
 
 class SampledVerifier:
-    """One daemon thread re-checking sampled results against `tokenizers`, its CPU counted
-    (``backend_check_cpu_seconds``); at most ``capacity`` checks wait, and more are dropped."""
+    """One daemon thread (an exiting process does not wait for a check of a result it returned)
+    re-checking sampled results against `tokenizers`, its CPU counted (``backend_check_cpu_seconds``);
+    at most ``capacity`` checks wait, and more are dropped."""
 
     def __init__(self, capacity: int = CHECK_QUEUE):
         self._queue: queue.Queue[tuple[Checked, str, Any]] = queue.Queue(capacity)

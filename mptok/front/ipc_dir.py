@@ -87,16 +87,14 @@ def _join(path: str) -> int:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
         try:
             fd = _locked_shared(dir_fd)
-            try:
-                # Still the directory's lock, in the directory at ``path``: a
-                # sweep that removed it meanwhile leaves us an orphan file.
+            # Still the directory's lock, in the directory at ``path``: a
+            # sweep that removed it meanwhile leaves us an orphan file.
+            with contextlib.suppress(FileNotFoundError):
                 if (
                     os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
                     and os.lstat(path).st_ino == os.fstat(dir_fd).st_ino
                 ):
                     return fd
-            except FileNotFoundError:
-                pass
             os.close(fd)
         finally:
             os.close(dir_fd)
@@ -139,10 +137,8 @@ def _shared_key(path: str) -> bytes:
     """The authkey in ``path``, written there first if missing."""
     dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
     try:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             return _read_key(dir_fd)
-        except FileNotFoundError:
-            pass
         pending = f".{KEY_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
         fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
         try:

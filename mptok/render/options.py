@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mptok.supervise.options import ServeOptions, add_arguments, parse_seconds, whole_number
+from mptok.supervise.options import ServeOptions, add_arguments, bounded, parse_seconds
 
 # ServeOptions fields that mean the same for render processes as for mptok serve's frontends.
 SHARED_FIELDS = (
@@ -64,7 +64,7 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
         "and restarted (default: %(default)s)",
     )
     parser.add_argument(
-        "--spares", type=whole_number(0, 64, "0 to 64"), metavar="K", default=SPARES,
+        "--spares", type=bounded(int, lambda v: 0 <= v <= 64, "0 to 64"), metavar="K", default=SPARES,
         help="render processes kept built and waiting (not listening) beside the N, each costing one render "
         "process's memory; a process that exits or hangs is replaced by one within seconds, where a new "
         "process takes as long as a start; 0 restarts cold (default: %(default)s)",

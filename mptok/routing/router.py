@@ -70,7 +70,8 @@ def owner_of(key: str, num_frontends: int) -> int:
 class RouteDeadline:
     """``timeout`` for every call of a route, and ``patience`` (if earlier) for a
     delta call: every blocking step obeys one of them, so a slow step never
-    leaves the next its whole timeout again."""
+    leaves the next its whole timeout again. Past the patience, waiting for an
+    owner asked only for what changed costs more than tokenizing the whole prompt here."""
 
     timeout: Deadline
     patience: Deadline

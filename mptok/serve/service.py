@@ -70,7 +70,8 @@ class TokenizeService:
     """Turns a ``/tokenize`` body into a JSON answer, in a bounded thread pool.
 
     Returned ids always equal ``tokenizer(text, add_special_tokens=...)["input_ids"]``
-    for the rendered text. ``warm`` (``TokenizationOwners.warm_thread``) runs once on
+    for the rendered text. ``close()`` lets running work finish for at most ``timeout_s``
+    and refuses new work. ``warm`` (``TokenizationOwners.warm_thread``) runs once on
     every pool thread at start, so that no request pays a fast engine's first call there.
     """
 
@@ -131,8 +132,9 @@ class TokenizeService:
 
         Work still waiting for a pool thread at ``deadline`` (the request's, from
         its arrival) is not started (503 with Retry-After); started work's route
-        takes what is left of it, and has always finished when this returns, so
-        a caller's ``Admission`` place is held while it runs. ``RequestError`` (503) once closed.
+        takes what is left of it, and has always finished when this returns (a
+        thread cannot be stopped), so a caller's ``Admission`` place is held while
+        it runs. ``RequestError`` (503) once closed.
         """
         future = self._submit(self._answer, body, header_conversation_id, deadline)
         work = asyncio.wrap_future(future)
@@ -140,8 +142,13 @@ class TokenizeService:
         if not work.done() and future.cancel():  # still queued: never started
             if client_gone.done():
                 return None
-            busy = f"this frontend is busy: the request waited --queue-timeout={self.queue_timeout_s:g} s for a tokenizing thread; retry"
-            return Answer.of_error(RequestError(503, busy, retry_after_s=RETRY_AFTER_S))
+            return Answer.of_error(
+                RequestError(
+                    503,
+                    f"this frontend is busy: the request waited --queue-timeout={self.queue_timeout_s:g} s for a tokenizing thread; retry",
+                    retry_after_s=RETRY_AFTER_S,
+                )
+            )
         await asyncio.wait({work})
         return work.result()
 
@@ -214,8 +221,9 @@ class TokenizeService:
         except ChatTemplateError as e:
             raise RequestError(400, str(e)) from None
         except Exception as e:
-            # A template's own code failed on these messages (a TypeError from `content + 1`, say): the client learns why, as vLLM
-            # answers it (400); the operator hears of it, at 1, 2, 4, 8... failures.
+            # A template's own code failed on these messages (a TypeError from
+            # `content + 1`, say): the client learns why, as vLLM answers it
+            # (400); the operator hears of it, at 1, 2, 4, 8... failures.
             failures = next(self._template_failures)
             if failures & (failures - 1) == 0:
                 log_event(logger, logging.WARNING, "chat_template_failed", error=f"{type(e).__name__}: {e}", count=failures)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import math
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -41,22 +40,26 @@ class Use(enum.Enum):
     CACHE = "cache"
 
 
-def whole_number(low: int, high: int | None, allowed: str) -> Callable[[str], int]:
-    """A parser of a whole number from ``low`` to ``high`` (None: no bound); ``allowed`` says which, for the error."""
+def bounded(kind: type, allows: Callable[[Any], bool], allowed: str) -> Callable[[str], Any]:
+    """A parser of a number of ``kind`` (int or float) that ``allows``; ``allowed`` says which, for the error."""
 
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not allows(value):  # no bound given here lets nan or inf through
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
         return value
 
-    parse.__name__ = "int"  # argparse's "invalid int value" for a word that is no number
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" for a word that is no number, not this name
     return parse
 
 
-_positive_int = whole_number(1, None, "at least 1")
-_non_negative_int = whole_number(0, None, "0 or more")
-_port = whole_number(0, 65535, "0 to 65535")
+_positive_int = bounded(int, lambda v: v >= 1, "at least 1")
+_non_negative_int = bounded(int, lambda v: v >= 0, "0 or more")
+_port = bounded(int, lambda v: 0 <= v <= 65535, "0 to 65535")
+_patience = bounded(float, lambda v: 0 <= v <= 1000, "0 (off) to 1000")
+# Longer waits are surely a typo, and infinite ones overflow the timers they reach.
+_MAX_SECONDS = 86_400.0
+parse_seconds = bounded(float, lambda v: 0 < v <= _MAX_SECONDS, f"more than 0 and at most {_MAX_SECONDS:,.0f} seconds")
 
 
 def _bytes(text: str) -> int:
@@ -67,28 +70,6 @@ def _bytes(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
     return value
-
-
-def _patience(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and 0 <= value <= 1000):
-        raise argparse.ArgumentTypeError(f"must be 0 (off) to 1000, got {text}")
-    return value
-
-
-# Longer waits are surely a typo, and infinite ones overflow the timers they reach.
-_MAX_SECONDS = 86_400.0
-
-
-def parse_seconds(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and 0 < value <= _MAX_SECONDS):
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {_MAX_SECONDS:,.0f} seconds, got {text}")
-    return value
-
-
-# argparse's "invalid float value" for a word that is no number, not the parser's own name.
-_patience.__name__ = parse_seconds.__name__ = "float"
 
 
 @dataclass(frozen=True)

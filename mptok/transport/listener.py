@@ -142,13 +142,13 @@ class Listener:
 class _SocketFile:
     """The owner's listening Unix socket, claimed for as long as it is open.
 
-    A lock file beside the socket, held with ``flock`` (released by the kernel
-    however its holder exits), says whether a live owner holds the path: if
-    one does, opening raises ``OwnerAlreadyServing`` instead of unlinking a live
-    owner's socket; else a socket file left at the path is stale and replaced.
-    ``close()`` removes the lock file while still holding it, so whoever opened
-    it before sees, once it holds the lock, that the path no longer names its
-    file, and starts over. The lock file is never followed through a link.
+    A lock file beside the socket, held with ``flock`` (released by the kernel however its holder
+    exits), says whether a live owner holds the path: if one does, opening raises ``OwnerAlreadyServing``
+    instead of unlinking a live owner's socket; else a socket file left at the path is stale and replaced.
+    ``close()`` removes the lock file while still holding it, so whoever opened it before sees, once it
+    holds the lock, that the path no longer names its file, and starts over. The lock file is never
+    followed through a link. A child forked without exec inherits the lock: it is released only when
+    both have exited.
     """
 
     def __init__(self, path: str):

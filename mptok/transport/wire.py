@@ -134,14 +134,16 @@ class TimedConnection:
     It frames messages as ``Connection`` does and has the part of its surface
     that the stdlib's handshake and ``Server.serve_client`` use. ``recv``
     refuses messages longer than ``max_message_bytes`` (``MessageTooLarge``),
-    length headers no sender writes (``OSError``) and pickles that reference
+    length headers no sender writes (``OSError``: a negative length would be read
+    as a message of bytes taken from the next one) and pickles that reference
     globals (``pickle.UnpicklingError``), shutting the connection down after a
     refused frame; no buffer beyond ``_FIRST_READ_BYTES`` is allocated on the
     word of a header alone.
 
-    ``deadline`` (``Deadline.never()``: no limit) bounds every read and write
-    through the kernel's SO_RCVTIMEO/SO_SNDTIMEO, set once per deadline (not
-    ``settimeout()``, which polls before every call). Every socket call
+    ``deadline`` (``Deadline.never()``: no limit) bounds every read and write, so
+    that a peer that trickles a message cannot hold it past the deadline: each
+    message checks the time left, and the kernel's SO_RCVTIMEO/SO_SNDTIMEO are set
+    once per deadline (not ``settimeout()``, which polls before every call). Every socket call
     releases the GIL, which a busy process may take long to give back
     (docs/ROUTING.md, "The GIL"), so a message costs as few calls as possible:
     one ``sendmsg`` out, a large buffer in it sent from where it is, and
