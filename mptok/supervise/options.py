@@ -45,7 +45,7 @@ def bounded(kind: type, allows: Callable[[Any], bool], allowed: str) -> Callable
 
     def parse(text: str) -> Any:
         value = kind(text)
-        if not allows(value):  # no bound given here lets nan or inf through
+        if not allows(value):  # every bound below refuses nan and inf: a comparison with nan is false
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
         return value
 
